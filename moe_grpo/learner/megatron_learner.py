@@ -1,0 +1,337 @@
+"""The Megatron-Core learner: per-token log-probs, a policy-gradient step, checkpoints.
+
+One `MegatronLearner` lives in every learner process. All processes of a
+layout call the same methods in the same order (they are collectives); each
+data-parallel rank passes its own sequences.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import shutil
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from moe_grpo.algo.losses import clipped_policy_gradient_loss
+from moe_grpo.learner.batch import LearnerSequence, Microbatch, make_microbatches
+from moe_grpo.learner.parallel import ParallelLayout, init_distributed, ranks, seed_everything
+from moe_grpo.models.megatron import MegatronOptions, build_gpt_model, transformer_config
+from moe_grpo.models.spec import MoEModelSpec
+from moe_grpo.routing.replay import RoutingReplayer, check_replay_supported, megatron_token_order
+
+
+class NonFiniteError(FloatingPointError):
+    """A loss or gradient was NaN/inf; the optimizer step was not taken."""
+
+
+@dataclass(frozen=True)
+class LearnerConfig:
+    """Optimisation and batching settings of the learner."""
+
+    lr: float = 1e-5
+    """Adam learning rate."""
+    weight_decay: float = 0.0
+    """Decoupled weight decay."""
+    adam_beta1: float = 0.9
+    """Adam beta1."""
+    adam_beta2: float = 0.999
+    """Adam beta2."""
+    clip_grad: float = 1.0
+    """Global gradient-norm clip (0 disables)."""
+    micro_batch_size: int = 4
+    """Sequences per microbatch (padded mode)."""
+    packed: bool = False
+    """Pack several sequences per row behind a block-diagonal mask instead of padding."""
+    packed_seq_len: int | None = None
+    """Positions per packed row; None = the longest sequence in the batch."""
+    clip_eps: float = 0.2
+    """PPO/GRPO ratio clip."""
+    seed: int = 1234
+    """Seed for weight init and any sampling inside the learner."""
+
+    def __post_init__(self) -> None:
+        if self.lr <= 0 or not math.isfinite(self.lr):
+            raise ValueError(f"lr={self.lr}, expected a positive finite number")
+        if self.micro_batch_size < 1:
+            raise ValueError(f"micro_batch_size={self.micro_batch_size}, expected >= 1")
+        if not 0 < self.clip_eps < 1:
+            raise ValueError(f"clip_eps={self.clip_eps}, expected 0 < clip_eps < 1")
+
+
+class MegatronLearner:
+    """A Megatron GPTModel for one MoE spec, its optimizer, and routing replay."""
+
+    def __init__(
+        self,
+        spec: MoEModelSpec,
+        layout: ParallelLayout = ParallelLayout(),
+        config: LearnerConfig = LearnerConfig(),
+        options: MegatronOptions = MegatronOptions(),
+    ) -> None:
+        # Megatron's INFO records list every parameter of every bucket; keep its log to warnings.
+        logging.getLogger("megatron").setLevel(logging.WARNING)
+        init_distributed(layout)
+        seed_everything(config.seed)
+        from megatron.core import parallel_state as ps
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        self.spec, self.layout, self.config, self.options = spec, layout, config, options
+        self.mconfig = transformer_config(spec, options, layout.megatron_kwargs(spec.num_layers, spec.num_experts))
+        if options.routing_replay:
+            check_replay_supported(self.mconfig)
+        self.rank = ranks()
+        self.is_first_stage = ps.is_pipeline_first_stage()
+        self.is_last_stage = ps.is_pipeline_last_stage()
+        module = build_gpt_model(
+            spec, self.mconfig, pre_process=self.is_first_stage, post_process=self.is_last_stage, pp_rank=self.rank["pp"]
+        )
+        self.model = DistributedDataParallel(
+            self.mconfig,
+            DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False),
+            module,
+        )
+        self.mconfig.finalize_model_grads_func = finalize_model_grads
+        self.mconfig.no_sync_func = self.model.no_sync
+        self.optimizer = get_megatron_optimizer(
+            OptimizerConfig(
+                optimizer="adam",
+                lr=config.lr,
+                weight_decay=config.weight_decay,
+                adam_beta1=config.adam_beta1,
+                adam_beta2=config.adam_beta2,
+                clip_grad=config.clip_grad,
+                bf16=options.params_dtype == torch.bfloat16,
+                params_dtype=options.params_dtype,
+                use_distributed_optimizer=False,
+            ),
+            [self.model],
+        )
+        self.replayer = RoutingReplayer(module, spec.moe_layer_pattern, recompute=options.recompute) if options.routing_replay else None
+        self.step_count = 0
+
+    # ------------------------------------------------------------------ helpers
+    @property
+    def module(self) -> Any:
+        """The bare GPTModel (this stage's layers)."""
+        return self.model.module
+
+    def _microbatches(self, seqs: Sequence[LearnerSequence], replay: bool) -> list[Microbatch]:
+        tp = self.layout.tensor_parallel
+        n = len(seqs)
+        mbs = self.config.micro_batch_size
+        return make_microbatches(
+            seqs,
+            list(range(n)),
+            micro_batch_size=min(mbs, n),
+            pad_multiple=tp,
+            packed=self.config.packed,
+            with_routing=replay,
+            moe_layers=self.spec.num_moe_layers,
+            top_k=self.spec.top_k,
+            seq_len=self.config.packed_seq_len,
+        )
+
+    def _run(self, microbatches: list[Microbatch], *, replay: bool, forward_only: bool, loss_fn: Any,
+             record_free: bool = False, record_used: bool = False) -> list[dict[str, Any]]:
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        if replay and self.replayer is None:
+            raise ValueError("replay requested but the learner was built with routing_replay=False")
+        rep = self.replayer
+        if rep is not None:
+            rep.clear()
+            rep.record_free, rep.record_used = record_free, record_used
+        sp_size = self.layout.tensor_parallel if self.layout.sequence_parallel else 1
+
+        def forward_step(data_iterator: Any, model: Any) -> Any:
+            mb: Microbatch = next(data_iterator)
+            if rep is not None:
+                if replay:
+                    rep.set_targets(megatron_token_order(mb.routing, sp_rank=self.rank["tp"], sp_size=sp_size))
+                else:
+                    rep.free_running()
+            rows, width = mb.input_ids.shape
+            position_ids = torch.arange(width).unsqueeze(0).expand(rows, -1)
+            out = model(mb.input_ids, position_ids, attention_mask=mb.attention_mask, labels=mb.labels)
+            return out, partial(loss_fn, mb)
+
+        rows, width = microbatches[0].input_ids.shape
+        store = get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=iter(microbatches),
+            model=[self.model],
+            num_microbatches=len(microbatches),
+            seq_length=width,
+            micro_batch_size=rows,
+            forward_only=forward_only,
+        )
+        if rep is not None and replay:
+            rep.require_applied()
+        return store if self.is_last_stage else []
+
+    def _broadcast_from_last_stage(self, obj: Any) -> Any:
+        from megatron.core import parallel_state as ps
+
+        if self.layout.pipeline_parallel == 1:
+            return obj
+        box = [obj]
+        torch.distributed.broadcast_object_list(box, src=ps.get_pipeline_model_parallel_last_rank(),
+                                                group=ps.get_pipeline_model_parallel_group())
+        return box[0]
+
+    @staticmethod
+    def _unpack(store: list[dict[str, Any]], microbatches: list[Microbatch], key: str, n: int) -> list[np.ndarray]:
+        out: list[np.ndarray] = [np.zeros(0, np.float32)] * n
+        for mb, rec in zip(microbatches, store):
+            values = rec[key]
+            for idx, row, start, end in mb.spans:
+                out[idx] = values[row, start:end].numpy().astype(np.float32)
+        return out
+
+    # ------------------------------------------------------------------ API
+    @torch.no_grad()
+    def logprobs(self, seqs: Sequence[LearnerSequence], *, replay: bool = False) -> list[np.ndarray]:
+        """Log-prob of every next token: one array of `len(tokens)-1` per sequence (this DP rank's)."""
+        self.model.eval()
+        mbs = self._microbatches(seqs, replay)
+
+        def loss_fn(mb: Microbatch, output: torch.Tensor) -> Any:
+            return output.sum() * 0.0, {"logprobs": (-output.float()).detach().cpu()}
+
+        store = self._run(mbs, replay=replay, forward_only=True, loss_fn=loss_fn)
+        result = self._unpack(store, mbs, "logprobs", len(seqs)) if self.is_last_stage else None
+        return self._broadcast_from_last_stage(result)
+
+    @torch.no_grad()
+    def routing(self, seqs: Sequence[LearnerSequence], *, replay: bool = False) -> dict[str, Any]:
+        """The expert ids every router of this stage used (and would have used free-running).
+
+        Returns `{"used": {moe_index: [b, s, k] per microbatch...}, "free": ...}` in batch order
+        for this rank's sequence-parallel slice; tests and the agreement metrics read it.
+        """
+        from moe_grpo.routing.replay import batch_order_from_megatron
+
+        self.model.eval()
+        mbs = self._microbatches(seqs, replay)
+
+        def loss_fn(mb: Microbatch, output: torch.Tensor) -> Any:
+            return output.sum() * 0.0, {}
+
+        self._run(mbs, replay=replay, forward_only=True, loss_fn=loss_fn, record_free=True, record_used=True)
+        assert self.replayer is not None
+        rows = mbs[0].input_ids.shape[0]
+        return {
+            "used": {s.moe_index: [batch_order_from_megatron(t, rows) for t in s.used] for s in self.replayer.slots},
+            "free": {s.moe_index: [batch_order_from_megatron(t, rows) for t in s.free] for s in self.replayer.slots},
+            "microbatches": mbs,
+        }
+
+    def train_step(self, seqs: Sequence[LearnerSequence], *, replay: bool = True, global_num_tokens: int | None = None) -> dict[str, float]:
+        """One optimizer step on this DP rank's sequences with the clipped policy-gradient loss.
+
+        `global_num_tokens`: response tokens across all DP ranks (the loss
+        normaliser); computed with an all-reduce when None.
+        """
+        from megatron.core import parallel_state as ps
+
+        self.model.train()
+        mbs = self._microbatches(seqs, replay)
+        dp_group = ps.get_data_parallel_group()
+        dp_size = ps.get_data_parallel_world_size()
+        if global_num_tokens is None:
+            local = torch.tensor([sum(float(mb.loss_mask.sum()) for mb in mbs)], dtype=torch.float64)
+            torch.distributed.all_reduce(local, group=dp_group)
+            global_num_tokens = int(local.item())
+        if global_num_tokens <= 0:
+            raise ValueError("train_step got no response tokens to train on (every loss mask is empty)")
+        have_old = all(s.old_logprobs is not None for s in seqs)
+        scale = len(mbs) * dp_size / global_num_tokens
+        clip_eps = self.config.clip_eps
+
+        def loss_fn(mb: Microbatch, output: torch.Tensor) -> Any:
+            logp = -output.float()
+            old = mb.old_logprobs if have_old else logp.detach()
+            pg_sum, stats = clipped_policy_gradient_loss(logp, old, mb.advantages, mb.loss_mask, clip_eps=clip_eps)
+            mismatch = torch.zeros(())
+            if have_old:  # k3 estimator of KL(rollout || learner) on response tokens
+                log_r = (logp.detach() - mb.old_logprobs) * mb.loss_mask
+                mismatch = ((torch.exp(log_r) - 1 - log_r) * mb.loss_mask).sum()
+            return pg_sum * scale, {"pg_sum": pg_sum.detach(), "clipped": stats["clipped_tokens"], "k3_sum": mismatch}
+
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        store = self._run(mbs, replay=replay, forward_only=False, loss_fn=loss_fn)
+        local = torch.zeros(3, dtype=torch.float64)
+        if self.is_last_stage and self.rank["tp"] == 0:
+            for rec in store:
+                local += torch.tensor([float(rec["pg_sum"]), float(rec["clipped"]), float(rec["k3_sum"])], dtype=torch.float64)
+        torch.distributed.all_reduce(local)
+        pg_sum, clipped, k3 = local.tolist()
+        grads_finite = torch.tensor([1.0 if self._grads_finite() else 0.0])
+        torch.distributed.all_reduce(grads_finite, op=torch.distributed.ReduceOp.MIN)
+        if not math.isfinite(pg_sum) or grads_finite.item() < 1.0:
+            self.model.zero_grad_buffer()
+            self.optimizer.zero_grad()
+            raise NonFiniteError(
+                f"step {self.step_count + 1}: loss={pg_sum / global_num_tokens}, gradients finite on all ranks: "
+                f"{bool(grads_finite.item())}; optimizer step skipped, weights unchanged"
+            )
+        ok, grad_norm, _ = self.optimizer.step()
+        if not ok:
+            raise NonFiniteError(f"step {self.step_count + 1}: Megatron's optimizer refused the update")
+        grad_norm = float(grad_norm)
+        self.step_count += 1
+        metrics = {
+            "loss": pg_sum / global_num_tokens,
+            "grad_norm": grad_norm,
+            "tokens": float(global_num_tokens),
+            "clip_fraction": clipped / global_num_tokens,
+        }
+        if have_old:
+            metrics["mismatch/kl"] = k3 / global_num_tokens
+        if self.replayer is not None:
+            metrics["replay/applied"] = self.replayer.applied_fraction()
+        return metrics
+
+    def _grads_finite(self) -> bool:
+        for buffer in list(self.model.buffers) + list(self.model.expert_parallel_buffers):
+            if not bool(torch.isfinite(buffer.grad_data).all()):
+                return False
+        return True
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_checkpoint(self, directory: str) -> None:
+        """Megatron distributed checkpoint of the weights, written to a temp dir and renamed into place."""
+        from megatron.core import dist_checkpointing
+
+        rank = torch.distributed.get_rank()
+        tmp = directory.rstrip("/") + ".tmp"
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            os.makedirs(tmp)
+        torch.distributed.barrier()
+        dist_checkpointing.save(self.module.sharded_state_dict(), tmp)
+        torch.distributed.barrier()
+        if rank == 0:
+            old = directory.rstrip("/") + ".old"
+            if os.path.exists(directory):
+                os.replace(directory, old)
+            os.replace(tmp, directory)
+            shutil.rmtree(old, ignore_errors=True)
+        torch.distributed.barrier()
+
+    def load_checkpoint(self, directory: str) -> None:
+        """Load weights saved at any TP/EP/PP layout into this layout."""
+        from megatron.core import dist_checkpointing
+
+        if not os.path.isdir(directory):
+            raise FileNotFoundError(f"no Megatron checkpoint at {directory!r}")
+        state = dist_checkpointing.load(self.module.sharded_state_dict(), directory)
+        self.module.load_state_dict(state)

@@ -1,0 +1,133 @@
+"""How the learner is split across processes: TP (with SP), EP, PP and the DP that remains.
+
+This is the one place that decides parallelism (torchtitan keeps it in
+`parallelize.py`); model code receives only the sizes chosen here.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    """Process layout of one learner."""
+
+    tensor_parallel: int = 1
+    """TP size. MoE with TP > 1 always runs with sequence parallel."""
+    expert_parallel: int = 1
+    """EP size; carved out of the data-parallel ranks, as in Megatron."""
+    pipeline_parallel: int = 1
+    """PP size; layers are split evenly across stages."""
+
+    def __post_init__(self) -> None:
+        for name in ("tensor_parallel", "expert_parallel", "pipeline_parallel"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name}={v!r}, expected a positive integer")
+
+    @property
+    def sequence_parallel(self) -> bool:
+        return self.tensor_parallel > 1
+
+    def data_parallel(self, world_size: int) -> int:
+        model_parallel = self.tensor_parallel * self.pipeline_parallel
+        if world_size % model_parallel:
+            raise ValueError(
+                f"world size {world_size} is not divisible by tensor_parallel*pipeline_parallel={model_parallel}"
+            )
+        dp = world_size // model_parallel
+        if dp % self.expert_parallel:
+            raise ValueError(
+                f"expert_parallel={self.expert_parallel} must divide the data-parallel size {dp} "
+                f"(world {world_size} / TP {self.tensor_parallel} / PP {self.pipeline_parallel})"
+            )
+        return dp
+
+    def world_size(self) -> int:
+        """Smallest world that holds this layout (DP = EP)."""
+        return self.tensor_parallel * self.pipeline_parallel * self.expert_parallel
+
+    def megatron_kwargs(self, num_layers: int, num_experts: int) -> dict[str, Any]:
+        """TransformerConfig fields for this layout (validated against the model)."""
+        import torch
+
+        if num_experts % self.expert_parallel:
+            raise ValueError(f"expert_parallel={self.expert_parallel} must divide num_experts={num_experts}")
+        if num_layers % self.pipeline_parallel:
+            raise ValueError(f"pipeline_parallel={self.pipeline_parallel} must divide num_layers={num_layers}")
+        return dict(
+            tensor_model_parallel_size=self.tensor_parallel,
+            expert_model_parallel_size=self.expert_parallel,
+            pipeline_model_parallel_size=self.pipeline_parallel,
+            sequence_parallel=self.sequence_parallel,
+            pipeline_dtype=torch.float32 if self.pipeline_parallel > 1 else None,
+        )
+
+
+def init_distributed(layout: ParallelLayout, *, timeout_s: float = 300.0) -> None:
+    """Start torch.distributed (gloo on CPU, NCCL on GPU) and Megatron's model-parallel groups.
+
+    Reads RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT from the environment
+    (torchrun, Ray actors and our test launcher all set them). Applies the
+    megatron-core CPU patches first when CUDA is absent.
+    """
+    import torch
+
+    from moe_grpo.learner import megatron_cpu
+
+    megatron_cpu.apply()
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29500")
+        os.environ.setdefault("RANK", "0")
+        os.environ.setdefault("WORLD_SIZE", "1")
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", os.environ["RANK"])) % torch.cuda.device_count())
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+    world = dist.get_world_size()
+    layout.data_parallel(world)  # validates
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=layout.tensor_parallel,
+        pipeline_model_parallel_size=layout.pipeline_parallel,
+        expert_model_parallel_size=layout.expert_parallel,
+    )
+
+
+def seed_everything(seed: int) -> None:
+    """Same seed on every rank; Megatron's tracker gives TP/EP ranks their own streams."""
+    import random
+
+    import numpy as np
+    import torch
+    from megatron.core import tensor_parallel
+
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def ranks() -> dict[str, int]:
+    """This process's coordinates in every Megatron group."""
+    from megatron.core import parallel_state as ps
+
+    return dict(
+        tp=ps.get_tensor_model_parallel_rank(),
+        tp_size=ps.get_tensor_model_parallel_world_size(),
+        pp=ps.get_pipeline_model_parallel_rank(),
+        pp_size=ps.get_pipeline_model_parallel_world_size(),
+        ep=ps.get_expert_model_parallel_rank(),
+        ep_size=ps.get_expert_model_parallel_world_size(),
+        dp=ps.get_data_parallel_rank(),
+        dp_size=ps.get_data_parallel_world_size(),
+    )

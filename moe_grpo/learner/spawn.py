@@ -1,0 +1,90 @@
+"""Run one function in N local processes that form a torch.distributed group.
+
+Used by the multi-process tests and benchmarks on a single CPU host (on a
+cluster, torchrun or Ray sets the same environment variables). Results come
+back per rank; a failure in any rank raises here with that rank's traceback,
+and a hung group is killed after `timeout_s`.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import pickle
+import socket
+import tempfile
+import traceback
+from typing import Any, Callable
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _entry(fn: Callable[..., Any], rank: int, world: int, port: int, out_dir: str, args: tuple, env: dict) -> None:
+    os.environ.update(env)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    # Each rank gets one intra-op thread: ranks share the host's cores.
+    import torch
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    path = os.path.join(out_dir, f"rank{rank}.pkl")
+    try:
+        result: Any = ("ok", fn(*args))
+    except BaseException:  # noqa: BLE001 - reported to the parent with its traceback
+        result = ("error", traceback.format_exc())
+    with open(path, "wb") as f:
+        pickle.dump(result, f)
+    try:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception:
+        pass
+
+
+class DistributedRunError(RuntimeError):
+    """A rank raised or the group timed out."""
+
+
+def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 600.0,
+                    env: dict[str, str] | None = None) -> list[Any]:
+    """`fn(*args)` on ranks 0..world_size-1; returns their results in rank order."""
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    with tempfile.TemporaryDirectory(prefix="moe_grpo_spawn_") as out_dir:
+        procs = [ctx.Process(target=_entry, args=(fn, r, world_size, port, out_dir, args, env or {}), daemon=False)
+                 for r in range(world_size)]
+        for p in procs:
+            p.start()
+        import time
+
+        deadline = time.monotonic() + timeout_s
+        for p in procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+        hung = [r for r, p in enumerate(procs) if p.is_alive()]
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+        results, errors = [], []
+        for r in range(world_size):
+            path = os.path.join(out_dir, f"rank{r}.pkl")
+            if not os.path.exists(path):
+                errors.append(f"rank {r}: " + ("timed out" if r in hung else f"died (exit code {procs[r].exitcode})"))
+                results.append(None)
+                continue
+            with open(path, "rb") as f:
+                status, value = pickle.load(f)
+            if status == "error":
+                errors.append(f"rank {r} raised:\n{value}")
+                results.append(None)
+            else:
+                results.append(value)
+        if errors:
+            raise DistributedRunError(f"{fn.__name__} on {world_size} processes failed:\n" + "\n".join(errors))
+        return results

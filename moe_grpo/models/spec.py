@@ -1,0 +1,168 @@
+"""One description of a DeepSeek-family or Qwen3-MoE model.
+
+`MoEModelSpec` is the single place where a model's shape lives. The Megatron
+side (`models/megatron.py`) and, later, the Hugging Face config export read it;
+neither holds shape defaults of its own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any, Literal, Mapping
+
+Architecture = Literal[
+    "DeepseekForCausalLM",  # DeepSeek-MoE: multi-head attention, softmax routing
+    "DeepseekV2ForCausalLM",  # MLA, softmax routing (V2, V2-Lite)
+    "DeepseekV3ForCausalLM",  # MLA, sigmoid routing with expert bias, group-limited top-k
+    "Qwen3MoeForCausalLM",  # grouped-query attention with QK norm, no shared experts
+]
+ARCHITECTURES: tuple[str, ...] = Architecture.__args__  # type: ignore[attr-defined]
+
+
+@dataclass(frozen=True)
+class MoEModelSpec:
+    """Shape and routing of a MoE decoder-only language model."""
+
+    name: str
+    """Human-readable name, used in logs and file names."""
+    architecture: Architecture
+    """Hugging Face architecture this model exports to (and vLLM serves it as)."""
+    vocab_size: int
+    """Number of token ids."""
+    hidden_size: int
+    """Width of the residual stream."""
+    num_layers: int
+    """Decoder layers, dense and MoE together."""
+    num_attention_heads: int
+    """Query heads."""
+    ffn_hidden_size: int
+    """Intermediate size of the dense MLP in the leading dense layers."""
+    num_experts: int
+    """Routed experts per MoE layer."""
+    moe_ffn_hidden_size: int
+    """Intermediate size of one routed expert."""
+    top_k: int
+    """Routed experts chosen per token."""
+    first_k_dense: int = 0
+    """Leading layers with a dense MLP instead of MoE (DeepSeek's first_k_dense_replace)."""
+    num_shared_experts: int = 0
+    """Always-on experts; their combined intermediate size is num_shared_experts * moe_ffn_hidden_size."""
+    num_query_groups: int | None = None
+    """Key/value heads for grouped-query attention; None means multi-head (= num_attention_heads)."""
+    head_dim: int | None = None
+    """Per-head width; None means hidden_size // num_attention_heads."""
+    qk_layernorm: bool = False
+    """RMSNorm on queries and keys per head (Qwen3)."""
+    # Multi-head latent attention (DeepSeek-V2/V3). kv_lora_rank set => MLA.
+    q_lora_rank: int | None = None
+    """Rank of the query down-projection; None projects queries directly (V2-Lite)."""
+    kv_lora_rank: int | None = None
+    """Rank of the compressed key/value latent; None disables MLA."""
+    qk_nope_head_dim: int = 128
+    """MLA: per-head query/key width without rotary embedding."""
+    qk_rope_head_dim: int = 64
+    """MLA: per-head query/key width with rotary embedding."""
+    v_head_dim: int = 128
+    """MLA: per-head value width."""
+    # Routing
+    score_function: Literal["softmax", "sigmoid"] = "softmax"
+    """Router score function: softmax (DeepSeek-MoE/V2, Qwen3) or sigmoid (DeepSeek-V3)."""
+    expert_bias: bool = False
+    """Per-expert bias added to scores for top-k selection only (DeepSeek-V3's e_score_correction_bias)."""
+    num_expert_groups: int | None = None
+    """Expert groups for group-limited top-k (DeepSeek-V3 n_group); None disables grouping."""
+    group_top_k: int | None = None
+    """Groups kept per token before the expert top-k (DeepSeek-V3 topk_group)."""
+    normalize_top_k: bool = False
+    """Renormalise the chosen experts' probabilities to sum to 1 (norm_topk_prob)."""
+    routed_scaling_factor: float = 1.0
+    """Multiplier on the routed experts' combined output (DeepSeek-V3: 2.5)."""
+    # Misc
+    rope_theta: float = 10000.0
+    """Rotary embedding base."""
+    max_position_embeddings: int = 4096
+    """Longest sequence the model is configured for."""
+    norm_eps: float = 1e-6
+    """RMSNorm epsilon."""
+    tie_word_embeddings: bool = False
+    """Share the input embedding with the output layer."""
+    extra_hf_config: Mapping[str, Any] = field(default_factory=dict)
+    """Extra keys copied verbatim into an exported Hugging Face config.json."""
+
+    def __post_init__(self) -> None:
+        def need(cond: bool, msg: str) -> None:
+            if not cond:
+                raise ValueError(f"model {self.name!r}: {msg}")
+
+        need(self.architecture in ARCHITECTURES, f"architecture={self.architecture!r}, expected one of {ARCHITECTURES}")
+        for f in ("vocab_size", "hidden_size", "num_layers", "num_attention_heads", "ffn_hidden_size",
+                  "num_experts", "moe_ffn_hidden_size", "top_k"):
+            need(getattr(self, f) > 0, f"{f}={getattr(self, f)}, expected a positive integer")
+        need(self.top_k <= self.num_experts, f"top_k={self.top_k}, expected <= num_experts={self.num_experts}")
+        need(0 <= self.first_k_dense < self.num_layers,
+             f"first_k_dense={self.first_k_dense}, expected 0 <= first_k_dense < num_layers={self.num_layers}")
+        need(self.score_function in ("softmax", "sigmoid"),
+             f"score_function={self.score_function!r}, expected 'softmax' or 'sigmoid'")
+        groups = self.query_groups
+        need(self.num_attention_heads % groups == 0,
+             f"num_query_groups={groups}, expected a divisor of num_attention_heads={self.num_attention_heads}")
+        if self.head_dim is None:
+            need(self.hidden_size % self.num_attention_heads == 0,
+                 f"hidden_size={self.hidden_size} is not divisible by num_attention_heads={self.num_attention_heads}; set head_dim")
+        if (self.num_expert_groups is None) != (self.group_top_k is None):
+            raise ValueError(f"model {self.name!r}: num_expert_groups={self.num_expert_groups} and "
+                             f"group_top_k={self.group_top_k}, expected both set or both None")
+        if self.num_expert_groups is not None:
+            need(self.num_experts % self.num_expert_groups == 0,
+                 f"num_expert_groups={self.num_expert_groups}, expected a divisor of num_experts={self.num_experts}")
+            need(0 < self.group_top_k <= self.num_expert_groups,  # type: ignore[operator]
+                 f"group_top_k={self.group_top_k}, expected 1..num_expert_groups={self.num_expert_groups}")
+        need(self.score_function != "sigmoid" or self.normalize_top_k or self.top_k == 1,
+             "score_function='sigmoid' renormalises the chosen experts in Megatron; set normalize_top_k=True")
+        need(not (self.expert_bias and self.score_function != "sigmoid"),
+             "expert_bias=True needs score_function='sigmoid' (DeepSeek-V3 routing)")
+        need(self.architecture != "DeepseekV3ForCausalLM" or self.uses_mla,
+             "DeepseekV3ForCausalLM needs multi-head latent attention (set kv_lora_rank)")
+
+    # ---- derived shape ------------------------------------------------------------
+    @property
+    def uses_mla(self) -> bool:
+        return self.kv_lora_rank is not None
+
+    @property
+    def query_groups(self) -> int:
+        return self.num_query_groups or self.num_attention_heads
+
+    @property
+    def kv_channels(self) -> int:
+        return self.head_dim or self.hidden_size // self.num_attention_heads
+
+    @property
+    def num_moe_layers(self) -> int:
+        return self.num_layers - self.first_k_dense
+
+    @property
+    def moe_layer_pattern(self) -> list[int]:
+        """Per layer: 1 for MoE, 0 for dense (Megatron's moe_layer_freq list)."""
+        return [0] * self.first_k_dense + [1] * self.num_moe_layers
+
+    @property
+    def shared_expert_hidden_size(self) -> int | None:
+        return self.num_shared_experts * self.moe_ffn_hidden_size if self.num_shared_experts else None
+
+    def replace(self, **changes: Any) -> "MoEModelSpec":
+        from dataclasses import replace
+
+        return replace(self, **changes)
+
+
+def spec_from_mapping(values: Mapping[str, Any]) -> MoEModelSpec:
+    """Build a spec from a plain mapping (a Hydra `model:` node); unknown keys are an error."""
+    known = {f.name for f in fields(MoEModelSpec)}
+    unknown = sorted(set(values) - known - {"hf_path"})
+    if unknown:
+        raise ValueError(f"unknown model field(s) {unknown}; expected a subset of {sorted(known)}")
+    kwargs = {k: v for k, v in values.items() if k in known}
+    if "extra_hf_config" in kwargs:
+        kwargs["extra_hf_config"] = dict(kwargs["extra_hf_config"] or {})
+    return MoEModelSpec(**kwargs)

@@ -1,0 +1,65 @@
+"""Functions that run inside spawned learner processes (must be importable by name)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from moe_grpo.learner.batch import LearnerSequence
+from moe_grpo.routing.trace import RoutingTrace
+
+
+def tiny_spec(**changes):
+    from moe_grpo.config import load_model_spec
+
+    spec = load_model_spec("deepseek_moe")
+    # 4 layers so that PP=2 splits into stages of 2 (stage 0: dense + MoE).
+    return spec.replace(num_layers=4, **changes)
+
+
+def make_sequences(spec, n: int = 4, seed: int = 0, with_routing: bool = True) -> list[LearnerSequence]:
+    rng = np.random.default_rng(seed)
+    seqs = []
+    for i in range(n):
+        length = int(rng.integers(6, 14))
+        tokens = rng.integers(0, spec.vocab_size, size=length)
+        trace = None
+        if with_routing:
+            ids = np.stack([np.stack([rng.permutation(spec.num_experts)[: spec.top_k] for _ in range(spec.num_moe_layers)])
+                            for _ in range(length - 1)])
+            trace = RoutingTrace.from_array(ids, spec.num_experts)
+        seqs.append(LearnerSequence(tokens, prompt_len=3, routing=trace, advantage=float(rng.normal())))
+    return seqs
+
+
+def shard(seqs, dp_rank: int, dp_size: int):
+    per = -(-len(seqs) // dp_size)
+    idx = list(range(dp_rank * per, min(len(seqs), (dp_rank + 1) * per)))
+    return idx, [seqs[i] for i in idx]
+
+
+def layout_logprobs(tp: int, ep: int, pp: int, ckpt_dir: str | None, save_to: str | None, spec_changes: dict,
+                    learner_changes: dict, seq_seed: int = 0):
+    """Build a learner at (tp, ep, pp), optionally load/save weights; return logprobs by sequence index."""
+    import torch.distributed as dist
+
+    from moe_grpo.learner.megatron_learner import LearnerConfig, MegatronLearner
+    from moe_grpo.learner.parallel import ParallelLayout
+
+    spec = tiny_spec(**spec_changes)
+    learner = MegatronLearner(spec, ParallelLayout(tp, ep, pp), LearnerConfig(micro_batch_size=2, **learner_changes))
+    if ckpt_dir:
+        learner.load_checkpoint(ckpt_dir)
+    if save_to:
+        learner.save_checkpoint(save_to)
+    seqs = make_sequences(spec, seed=seq_seed)
+    idx, mine = shard(seqs, learner.rank["dp"], learner.rank["dp_size"])
+    free = learner.logprobs(mine, replay=False)
+    replayed = learner.logprobs(mine, replay=True)
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (idx, free, replayed))
+    out = {"free": {}, "replay": {}}
+    for part in gathered:
+        for i, f, r in zip(*part):
+            out["free"][i] = f
+            out["replay"][i] = r
+    return out
