@@ -398,6 +398,7 @@ GENUINE_BUGS: tuple[Patch, ...] = (
 )
 
 _applied: dict[str, Callable[[], None]] = {}
+_left_out: set[str] = set()
 
 
 def megatron_version() -> str:
@@ -423,9 +424,14 @@ def apply(*, only: tuple[str, ...] | None = None, skip: tuple[str, ...] = (), fo
     for n in (only or ()) + tuple(skip):
         if n not in names:
             raise ValueError(f"unknown megatron-core patch {n!r}; expected one of {sorted(names)}")
-    chosen = list(GENUINE_BUGS)
+    # What an explicit call leaves out stays out for later plain apply() calls
+    # (init_distributed calls apply()), until revert().
+    _left_out.update(skip)
+    if only is not None:
+        _left_out.update(names - set(only))
+    chosen = [p for p in GENUINE_BUGS if p.name not in _left_out]
     if on_cpu:
-        chosen += [p for p in CPU_PATCHES if (only is None or p.name in only) and p.name not in skip]
+        chosen += [p for p in CPU_PATCHES if p.name not in _left_out]
     done = []
     for patch in chosen:
         if patch.name in _applied:
@@ -439,6 +445,7 @@ def revert() -> None:
     """Undo every applied patch (tests use this to probe one patch at a time)."""
     for name in list(reversed(list(_applied))):
         _applied.pop(name)()
+    _left_out.clear()
 
 
 def applied() -> list[str]:

@@ -233,24 +233,38 @@ class MegatronLearner:
             "microbatches": mbs,
         }
 
-    def train_step(self, seqs: Sequence[LearnerSequence], *, replay: bool = True, global_num_tokens: int | None = None) -> dict[str, float]:
-        """One optimizer step on this DP rank's sequences with the clipped policy-gradient loss.
+    def train_step(self, seqs: Sequence[LearnerSequence], *, replay: bool = True,
+                   global_num_tokens: int | None = None) -> dict[str, float]:
+        """Zero gradients, `forward_backward` on this DP rank's sequences, `optimizer_step`."""
+        self.zero_grad()
+        metrics = self.forward_backward(seqs, replay=replay, global_num_tokens=global_num_tokens)
+        metrics.update(self.optimizer_step())
+        return metrics
 
-        `global_num_tokens`: response tokens across all DP ranks (the loss
-        normaliser); computed with an all-reduce when None.
+    def zero_grad(self) -> None:
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+
+    def forward_backward(self, seqs: Sequence[LearnerSequence], *, replay: bool = True,
+                         global_num_tokens: int | None = None) -> dict[str, float]:
+        """Accumulate gradients of the clipped policy-gradient loss; no optimizer step.
+
+        The loss is a token-level mean over `global_num_tokens`, the response
+        tokens of the whole step across DP ranks (all-reduced when None), so
+        gradients do not depend on how sequences are split into microbatches,
+        ranks or calls.
         """
         from megatron.core import parallel_state as ps
 
         self.model.train()
         mbs = self._microbatches(seqs, replay)
-        dp_group = ps.get_data_parallel_group()
         dp_size = ps.get_data_parallel_world_size()
         if global_num_tokens is None:
             local = torch.tensor([sum(float(mb.loss_mask.sum()) for mb in mbs)], dtype=torch.float64)
-            torch.distributed.all_reduce(local, group=dp_group)
+            torch.distributed.all_reduce(local, group=ps.get_data_parallel_group())
             global_num_tokens = int(local.item())
         if global_num_tokens <= 0:
-            raise ValueError("train_step got no response tokens to train on (every loss mask is empty)")
+            raise ValueError("forward_backward got no response tokens to train on (every loss mask is empty)")
         have_old = all(s.old_logprobs is not None for s in seqs)
         scale = len(mbs) * dp_size / global_num_tokens
         clip_eps = self.config.clip_eps
@@ -265,40 +279,44 @@ class MegatronLearner:
                 mismatch = ((torch.exp(log_r) - 1 - log_r) * mb.loss_mask).sum()
             return pg_sum * scale, {"pg_sum": pg_sum.detach(), "clipped": stats["clipped_tokens"], "k3_sum": mismatch}
 
-        self.model.zero_grad_buffer()
-        self.optimizer.zero_grad()
         store = self._run(mbs, replay=replay, forward_only=False, loss_fn=loss_fn)
-        local = torch.zeros(3, dtype=torch.float64)
+        local = torch.zeros(5, dtype=torch.float64)
         if self.is_last_stage and self.rank["tp"] == 0:
             for rec in store:
-                local += torch.tensor([float(rec["pg_sum"]), float(rec["clipped"]), float(rec["k3_sum"])], dtype=torch.float64)
+                local[:3] += torch.tensor([float(rec["pg_sum"]), float(rec["clipped"]), float(rec["k3_sum"])],
+                                          dtype=torch.float64)
+        if self.replayer is not None and self.rank["tp"] == 0:
+            local[3:] += torch.tensor([self.replayer.calls, self.replayer.replayed_calls], dtype=torch.float64)
         torch.distributed.all_reduce(local)
-        pg_sum, clipped, k3 = local.tolist()
+        pg_sum, clipped, k3, calls, replayed = local.tolist()
+        metrics = {
+            "loss": pg_sum / global_num_tokens,
+            "tokens": float(global_num_tokens),
+            "clip_fraction": clipped / global_num_tokens,
+            "replay/applied": replayed / calls if calls else 0.0,
+        }
+        if have_old:
+            metrics["mismatch/kl"] = k3 / global_num_tokens
+        if not math.isfinite(pg_sum):
+            self.zero_grad()
+            raise NonFiniteError(f"step {self.step_count + 1}: loss={metrics['loss']}; gradients dropped, no update")
+        return metrics
+
+    def optimizer_step(self) -> dict[str, float]:
+        """Apply the accumulated gradients, unless any is NaN/inf on any rank (then raise, weights unchanged)."""
         grads_finite = torch.tensor([1.0 if self._grads_finite() else 0.0])
         torch.distributed.all_reduce(grads_finite, op=torch.distributed.ReduceOp.MIN)
-        if not math.isfinite(pg_sum) or grads_finite.item() < 1.0:
-            self.model.zero_grad_buffer()
-            self.optimizer.zero_grad()
+        if grads_finite.item() < 1.0:
+            self.zero_grad()
             raise NonFiniteError(
-                f"step {self.step_count + 1}: loss={pg_sum / global_num_tokens}, gradients finite on all ranks: "
-                f"{bool(grads_finite.item())}; optimizer step skipped, weights unchanged"
+                f"step {self.step_count + 1}: non-finite gradient on at least one rank; "
+                "optimizer step skipped, weights unchanged"
             )
         ok, grad_norm, _ = self.optimizer.step()
         if not ok:
             raise NonFiniteError(f"step {self.step_count + 1}: Megatron's optimizer refused the update")
-        grad_norm = float(grad_norm)
         self.step_count += 1
-        metrics = {
-            "loss": pg_sum / global_num_tokens,
-            "grad_norm": grad_norm,
-            "tokens": float(global_num_tokens),
-            "clip_fraction": clipped / global_num_tokens,
-        }
-        if have_old:
-            metrics["mismatch/kl"] = k3 / global_num_tokens
-        if self.replayer is not None:
-            metrics["replay/applied"] = self.replayer.applied_fraction()
-        return metrics
+        return {"grad_norm": float(grad_norm), "step": float(self.step_count)}
 
     def _grads_finite(self) -> bool:
         for buffer in list(self.model.buffers) + list(self.model.expert_parallel_buffers):

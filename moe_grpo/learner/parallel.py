@@ -85,9 +85,14 @@ def init_distributed(layout: ParallelLayout, *, timeout_s: float = 300.0) -> Non
 
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", "29500")
         os.environ.setdefault("RANK", "0")
         os.environ.setdefault("WORLD_SIZE", "1")
+        if "MASTER_PORT" not in os.environ:
+            if os.environ["WORLD_SIZE"] != "1":
+                raise RuntimeError("WORLD_SIZE > 1 but MASTER_PORT is not set; launch with torchrun or set it")
+            from moe_grpo.learner.spawn import free_port
+
+            os.environ["MASTER_PORT"] = str(free_port())
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", os.environ["RANK"])) % torch.cuda.device_count())

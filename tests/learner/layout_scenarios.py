@@ -63,3 +63,26 @@ def layout_logprobs(tp: int, ep: int, pp: int, ckpt_dir: str | None, save_to: st
             out["free"][i] = f
             out["replay"][i] = r
     return out
+
+
+def layout_train_step(tp: int, ep: int, pp: int, ckpt_dir: str, spec_changes: dict, learner_changes: dict):
+    """Load weights, take one replayed policy-gradient step on the global batch, return loss and new logprobs."""
+    import torch.distributed as dist
+
+    from moe_grpo.learner.megatron_learner import LearnerConfig, MegatronLearner
+    from moe_grpo.learner.parallel import ParallelLayout
+
+    spec = tiny_spec(**spec_changes)
+    learner = MegatronLearner(spec, ParallelLayout(tp, ep, pp),
+                              LearnerConfig(micro_batch_size=2, lr=1e-2, **learner_changes))
+    learner.load_checkpoint(ckpt_dir)
+    seqs = make_sequences(spec, n=4)
+    idx, mine = shard(seqs, learner.rank["dp"], learner.rank["dp_size"])
+    metrics = learner.train_step(mine, replay=True)
+    after = learner.logprobs(mine, replay=True)
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (idx, after))
+    out = {}
+    for part in gathered:
+        out.update(dict(zip(*part)))
+    return metrics, out
