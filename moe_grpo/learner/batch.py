@@ -74,6 +74,13 @@ class Microbatch:
     spans: list[tuple[int, int, int, int]]
     """Per sequence: (index in the input list, row, start, end) of its positions."""
 
+    def to(self, device: torch.device) -> "Microbatch":
+        """The same microbatch with every tensor on `device` (a no-op on CPU)."""
+        move = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
+        return Microbatch(move(self.input_ids), move(self.labels), move(self.loss_mask), move(self.valid_mask),
+                          move(self.advantages), move(self.old_logprobs), move(self.routing),
+                          move(self.attention_mask), self.spans)
+
 
 def _round_up(x: int, multiple: int) -> int:
     return -(-x // multiple) * multiple

@@ -324,17 +324,12 @@ CPU_PATCHES: tuple[Patch, ...] = (
     Patch("rng_tracker", "tensor_parallel/random.py: CudaRNGStatesTracker.add/fork read and set CUDA generator states", _rng_patch),
     Patch("alltoall_streams", "transformer/moe/token_dispatcher.py: MoEAlltoAllTokenDispatcher creates torch.cuda.Stream()", _torch_view_patch(f"{_MC}.transformer.moe.token_dispatcher")),
     Patch("router_device", "transformer/moe/router.py: Router moves weight and expert-bias buffers to torch.cuda.current_device()", _torch_view_patch(f"{_MC}.transformer.moe.router")),
-    Patch("moe_utils_device", "transformer/moe/moe_utils.py: aux-loss trackers allocate with device='cuda'", _torch_view_patch(f"{_MC}.transformer.moe.moe_utils")),
     Patch("rotary_device", "models/common/embeddings/rotary_pos_embedding.py: inv_freq.to(torch.cuda.current_device())", _torch_view_patch(f"{_MC}.models.common.embeddings.rotary_pos_embedding")),
     Patch("causal_mask_device", "transformer/utils.py: get_default_causal_mask builds torch.ones(..., device='cuda')", _torch_view_patch(f"{_MC}.transformer.utils")),
     Patch("global_memory_buffer", "utils.py: GlobalMemoryBuffer.get_tensor allocates on torch.cuda.current_device()", _torch_view_patch(f"{_MC}.utils")),
     Patch("tp_layers_device", "tensor_parallel/layers.py: sequence-parallel all-gather and weight allocation use torch.cuda.current_device()", _torch_view_patch(f"{_MC}.tensor_parallel.layers")),
-    Patch("tp_mappings", "tensor_parallel/mappings.py: gathers allocate on CUDA; all_to_all_single passes numpy split sizes gloo rejects", _gloo_all_to_all_patch),
-    Patch("attention_device", "transformer/attention.py and dot_product_attention.py: buffers on torch.cuda.current_device()", lambda: _chain(
-        _torch_view_patch(f"{_MC}.transformer.attention")(),
-        _torch_view_patch(f"{_MC}.transformer.dot_product_attention")(),
-    )),
-    Patch("gpt_model_device", "models/gpt/gpt_model.py: buffers on torch.cuda.current_device()", _torch_view_patch(f"{_MC}.models.gpt.gpt_model")),
+    Patch("tp_mappings", "tensor_parallel/mappings.py: gathers allocate on torch.cuda.current_device(), and _AllToAll "
+          "passes the dispatcher's numpy split sizes to all_to_all_single, which gloo rejects", _gloo_all_to_all_patch),
     Patch("pp_schedules", "pipeline_parallel/schedules.py: total_num_tokens = torch.zeros(..., device='cuda')", _torch_view_patch(f"{_MC}.pipeline_parallel.schedules")),
     Patch("ddp_buffers", "distributed/param_and_grad_buffer.py and distributed_data_parallel.py: grad buffers on torch.cuda.current_device()", lambda: _chain(
         _torch_view_patch(f"{_MC}.distributed.param_and_grad_buffer")(),

@@ -83,6 +83,12 @@ class MegatronLearner:
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
         self.spec, self.layout, self.config, self.options = spec, layout, config, options
+        if (not torch.cuda.is_available() and layout.tensor_parallel > 1 and layout.expert_parallel > 1
+                and options.token_dispatcher == "alltoall"):
+            raise ValueError(
+                f"TP={layout.tensor_parallel} x EP={layout.expert_parallel} on gloo needs the allgather dispatcher "
+                "(gloo's all_gather refuses the alltoall dispatcher's uneven sizes); set megatron.token_dispatcher=allgather"
+            )
         self.mconfig = transformer_config(spec, options, layout.megatron_kwargs(spec.num_layers, spec.num_experts))
         if options.routing_replay:
             check_replay_supported(self.mconfig)
@@ -122,11 +128,17 @@ class MegatronLearner:
         """The bare GPTModel (this stage's layers)."""
         return self.model.module
 
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
     def _microbatches(self, seqs: Sequence[LearnerSequence], replay: bool) -> list[Microbatch]:
         tp = self.layout.tensor_parallel
         n = len(seqs)
+        if n == 0:
+            raise ValueError("no sequences given; every data-parallel rank needs at least one")
         mbs = self.config.micro_batch_size
-        return make_microbatches(
+        batches = make_microbatches(
             seqs,
             list(range(n)),
             micro_batch_size=min(mbs, n),
@@ -137,6 +149,7 @@ class MegatronLearner:
             top_k=self.spec.top_k,
             seq_len=self.config.packed_seq_len,
         )
+        return [mb.to(self.device) for mb in batches]
 
     def _run(self, microbatches: list[Microbatch], *, replay: bool, forward_only: bool, loss_fn: Any,
              record_free: bool = False, record_used: bool = False) -> list[dict[str, Any]]:
@@ -158,7 +171,7 @@ class MegatronLearner:
                 else:
                     rep.free_running()
             rows, width = mb.input_ids.shape
-            position_ids = torch.arange(width).unsqueeze(0).expand(rows, -1)
+            position_ids = torch.arange(width, device=mb.input_ids.device).unsqueeze(0).expand(rows, -1)
             out = model(mb.input_ids, position_ids, attention_mask=mb.attention_mask, labels=mb.labels)
             return out, partial(loss_fn, mb)
 
@@ -260,7 +273,7 @@ class MegatronLearner:
         mbs = self._microbatches(seqs, replay)
         dp_size = ps.get_data_parallel_world_size()
         if global_num_tokens is None:
-            local = torch.tensor([sum(float(mb.loss_mask.sum()) for mb in mbs)], dtype=torch.float64)
+            local = torch.tensor([sum(float(mb.loss_mask.sum()) for mb in mbs)], dtype=torch.float64, device=self.device)
             torch.distributed.all_reduce(local, group=ps.get_data_parallel_group())
             global_num_tokens = int(local.item())
         if global_num_tokens <= 0:
@@ -280,13 +293,14 @@ class MegatronLearner:
             return pg_sum * scale, {"pg_sum": pg_sum.detach(), "clipped": stats["clipped_tokens"], "k3_sum": mismatch}
 
         store = self._run(mbs, replay=replay, forward_only=False, loss_fn=loss_fn)
-        local = torch.zeros(5, dtype=torch.float64)
+        local = torch.zeros(5, dtype=torch.float64, device=self.device)
         if self.is_last_stage and self.rank["tp"] == 0:
             for rec in store:
                 local[:3] += torch.tensor([float(rec["pg_sum"]), float(rec["clipped"]), float(rec["k3_sum"])],
-                                          dtype=torch.float64)
+                                          dtype=torch.float64, device=self.device)
         if self.replayer is not None and self.rank["tp"] == 0:
-            local[3:] += torch.tensor([self.replayer.calls, self.replayer.replayed_calls], dtype=torch.float64)
+            local[3:] += torch.tensor([self.replayer.calls, self.replayer.replayed_calls], dtype=torch.float64,
+                                      device=self.device)
         torch.distributed.all_reduce(local)
         pg_sum, clipped, k3, calls, replayed = local.tolist()
         metrics = {
@@ -304,7 +318,7 @@ class MegatronLearner:
 
     def optimizer_step(self) -> dict[str, float]:
         """Apply the accumulated gradients, unless any is NaN/inf on any rank (then raise, weights unchanged)."""
-        grads_finite = torch.tensor([1.0 if self._grads_finite() else 0.0])
+        grads_finite = torch.tensor([1.0 if self._grads_finite() else 0.0], device=self.device)
         torch.distributed.all_reduce(grads_finite, op=torch.distributed.ReduceOp.MIN)
         if grads_finite.item() < 1.0:
             self.zero_grad()

@@ -16,6 +16,13 @@ def tiny_spec(**changes):
     return spec.replace(num_layers=4, **changes)
 
 
+def tiny_v3_spec(**changes):
+    """DeepSeek-V3 routing and MLA at toy size: sigmoid scores, expert bias, 2 groups / top-1 group."""
+    return tiny_spec(architecture="DeepseekV3ForCausalLM", q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16,
+                     qk_rope_head_dim=16, v_head_dim=16, score_function="sigmoid", expert_bias=True,
+                     num_expert_groups=2, group_top_k=1, normalize_top_k=True, routed_scaling_factor=2.5, **changes)
+
+
 def make_sequences(spec, n: int = 4, seed: int = 0, with_routing: bool = True) -> list[LearnerSequence]:
     rng = np.random.default_rng(seed)
     seqs = []
