@@ -28,4 +28,4 @@ fi
 if ! .venv/bin/python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
     .venv/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 fi
-echo "[install] done: $(.venv/bin/python -c 'import torch, megatron.core as m; print("torch", torch.__version__, "| megatron-core", m.__version__)')"
+echo "[install] done: $(.venv/bin/python -W ignore -c 'import torch, megatron.core as m; print("torch", torch.__version__, "| megatron-core", m.__version__)')"
