@@ -352,6 +352,9 @@ class MegatronLearner:
         dist_checkpointing.save(self.module.sharded_state_dict(), tmp)
         torch.distributed.barrier()
         if rank == 0:
+            from moe_grpo.checkpoint.convert import write_spec
+
+            write_spec(self.spec, tmp)  # the checkpoint describes its model: export needs no config
             old = directory.rstrip("/") + ".old"
             if os.path.exists(directory):
                 os.replace(directory, old)

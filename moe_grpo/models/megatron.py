@@ -112,6 +112,7 @@ def transformer_config(
             v_head_dim=spec.v_head_dim,
             rope_type="rope",
             rotary_base=spec.rope_theta,
+            rotary_scaling_factor=1.0,  # plain RoPE: no yarn mscale on the softmax scale
         )
         return MLATransformerConfig(**kw)
     return TransformerConfig(**kw)

@@ -93,3 +93,18 @@ def layout_train_step(tp: int, ep: int, pp: int, ckpt_dir: str, spec_changes: di
     for part in gathered:
         out.update(dict(zip(*part)))
     return metrics, out
+
+
+def reshard_and_save(tp: int, ep: int, pp: int, src: str, dst: str, dtype_name: str = "float32") -> None:
+    """Load a Megatron checkpoint into a learner at (tp, ep, pp) and save it again from that layout."""
+    import torch
+
+    from moe_grpo.checkpoint.convert import read_spec
+    from moe_grpo.learner.megatron_learner import LearnerConfig, MegatronLearner
+    from moe_grpo.learner.parallel import ParallelLayout
+    from moe_grpo.models.megatron import MegatronOptions
+
+    learner = MegatronLearner(read_spec(src), ParallelLayout(tp, ep, pp), LearnerConfig(),
+                              MegatronOptions(params_dtype=getattr(torch, dtype_name)))
+    learner.load_checkpoint(src)
+    learner.save_checkpoint(dst)

@@ -1,0 +1,138 @@
+"""Megatron parameter names <-> Hugging Face tensor names, one map per family.
+
+Megatron names are those of a GPTModel built at TP=EP=PP=1 with the local
+spec (`decoder.layers.{i}.mlp.experts.local_experts.{e}.linear_fc1.weight`),
+i.e. full, unsharded tensors. Sharding (TP/EP/PP) is not this module's job:
+Megatron's own checkpoint machinery reshards full tensors, and the weight
+sync gathers shards back into full tensors before renaming.
+
+Three conversions cover every family:
+- `copy`: same tensor under another name;
+- `gate_up`: Megatron `linear_fc1` = cat[gate_proj; up_proj] along rows;
+- `qkv`: Megatron `linear_qkv` interleaves per query group
+  [q (heads/groups heads), k, v]; HF keeps q_proj, k_proj, v_proj apart.
+MLA projections map one to one (Megatron's MLA uses DeepSeek's rotary
+interleave and head layout [nope, rope], so no reordering is needed).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Sequence
+
+import torch
+
+from moe_grpo.models.spec import MoEModelSpec
+
+Kind = Literal["copy", "gate_up", "qkv"]
+
+
+@dataclass(frozen=True)
+class ParamMapping:
+    """One Megatron parameter and the HF tensors it is made of."""
+
+    megatron: str
+    hf: tuple[str, ...]
+    kind: Kind = "copy"
+    layer: int | None = None
+    """Decoder layer index, None for embeddings / final norm / output layer."""
+
+
+def _mlp(prefix_m: str, prefix_h: str, layer: int) -> list[ParamMapping]:
+    return [
+        ParamMapping(f"{prefix_m}.linear_fc1.weight", (f"{prefix_h}.gate_proj.weight", f"{prefix_h}.up_proj.weight"),
+                     "gate_up", layer),
+        ParamMapping(f"{prefix_m}.linear_fc2.weight", (f"{prefix_h}.down_proj.weight",), "copy", layer),
+    ]
+
+
+def param_mappings(spec: MoEModelSpec) -> list[ParamMapping]:
+    """Every parameter of the model, in Megatron module order (embedding, layers, final norm, output)."""
+    out = [ParamMapping("embedding.word_embeddings.weight", ("model.embed_tokens.weight",))]
+    for i in range(spec.num_layers):
+        m, h = f"decoder.layers.{i}", f"model.layers.{i}"
+        out.append(ParamMapping(f"{m}.input_layernorm.weight", (f"{h}.input_layernorm.weight",), "copy", i))
+        a, ha = f"{m}.self_attention", f"{h}.self_attn"
+        if spec.uses_mla:
+            if spec.q_lora_rank is None:
+                out.append(ParamMapping(f"{a}.linear_q_proj.weight", (f"{ha}.q_proj.weight",), "copy", i))
+            else:
+                out += [
+                    ParamMapping(f"{a}.linear_q_down_proj.weight", (f"{ha}.q_a_proj.weight",), "copy", i),
+                    ParamMapping(f"{a}.q_layernorm.weight", (f"{ha}.q_a_layernorm.weight",), "copy", i),
+                    ParamMapping(f"{a}.linear_q_up_proj.weight", (f"{ha}.q_b_proj.weight",), "copy", i),
+                ]
+            out += [
+                ParamMapping(f"{a}.linear_kv_down_proj.weight", (f"{ha}.kv_a_proj_with_mqa.weight",), "copy", i),
+                ParamMapping(f"{a}.kv_layernorm.weight", (f"{ha}.kv_a_layernorm.weight",), "copy", i),
+                ParamMapping(f"{a}.linear_kv_up_proj.weight", (f"{ha}.kv_b_proj.weight",), "copy", i),
+            ]
+        else:
+            out.append(ParamMapping(f"{a}.linear_qkv.weight",
+                                    (f"{ha}.q_proj.weight", f"{ha}.k_proj.weight", f"{ha}.v_proj.weight"), "qkv", i))
+            if spec.qk_layernorm:
+                out += [ParamMapping(f"{a}.q_layernorm.weight", (f"{ha}.q_norm.weight",), "copy", i),
+                        ParamMapping(f"{a}.k_layernorm.weight", (f"{ha}.k_norm.weight",), "copy", i)]
+        out.append(ParamMapping(f"{a}.linear_proj.weight", (f"{ha}.o_proj.weight",), "copy", i))
+        out.append(ParamMapping(f"{m}.pre_mlp_layernorm.weight", (f"{h}.post_attention_layernorm.weight",), "copy", i))
+        if i < spec.first_k_dense:
+            out += _mlp(f"{m}.mlp", f"{h}.mlp", i)
+            continue
+        out.append(ParamMapping(f"{m}.mlp.router.weight", (f"{h}.mlp.gate.weight",), "copy", i))
+        if spec.expert_bias:
+            out.append(ParamMapping(f"{m}.mlp.router.expert_bias", (f"{h}.mlp.gate.e_score_correction_bias",), "copy", i))
+        for e in range(spec.num_experts):
+            out += _mlp(f"{m}.mlp.experts.local_experts.{e}", f"{h}.mlp.experts.{e}", i)
+        if spec.num_shared_experts:
+            out += _mlp(f"{m}.mlp.shared_experts", f"{h}.mlp.shared_experts", i)
+    out.append(ParamMapping("decoder.final_layernorm.weight", ("model.norm.weight",)))
+    if not spec.tie_word_embeddings:
+        out.append(ParamMapping("output_layer.weight", ("lm_head.weight",)))
+    return out
+
+
+def to_megatron(mapping: ParamMapping, hf_tensors: Sequence[torch.Tensor], spec: MoEModelSpec) -> torch.Tensor:
+    """The Megatron tensor for `mapping` from its HF tensors (in `mapping.hf` order)."""
+    if len(hf_tensors) != len(mapping.hf):
+        raise ValueError(f"{mapping.megatron}: got {len(hf_tensors)} HF tensors, expected {len(mapping.hf)}")
+    if mapping.kind == "copy":
+        return hf_tensors[0]
+    if mapping.kind == "gate_up":
+        gate, up = hf_tensors
+        if gate.shape != up.shape:
+            raise ValueError(f"{mapping.hf[0]} {tuple(gate.shape)} and {mapping.hf[1]} {tuple(up.shape)} differ in shape")
+        return torch.cat([gate, up], dim=0)
+    q, k, v = hf_tensors
+    groups, d = spec.query_groups, spec.kv_channels
+    per = spec.num_attention_heads // groups
+    hidden = q.shape[-1]
+    expected = {"q": (spec.num_attention_heads * d, hidden), "k": (groups * d, hidden), "v": (groups * d, hidden)}
+    for label, t in zip("qkv", (q, k, v)):
+        if tuple(t.shape) != expected[label]:
+            raise ValueError(f"{mapping.hf['qkv'.index(label)]} has shape {tuple(t.shape)}, expected {expected[label]}")
+    return torch.cat([q.reshape(groups, per * d, hidden), k.reshape(groups, d, hidden), v.reshape(groups, d, hidden)],
+                     dim=1).reshape(-1, hidden)
+
+
+def to_hf(mapping: ParamMapping, tensor: torch.Tensor, spec: MoEModelSpec) -> list[torch.Tensor]:
+    """The HF tensors (in `mapping.hf` order) of one Megatron tensor; exact inverse of `to_megatron`."""
+    if mapping.kind == "copy":
+        return [tensor]
+    if mapping.kind == "gate_up":
+        if tensor.shape[0] % 2:
+            raise ValueError(f"{mapping.megatron} has {tensor.shape[0]} rows, expected an even number ([gate; up])")
+        gate, up = tensor.chunk(2, dim=0)
+        return [gate.contiguous(), up.contiguous()]
+    groups, d = spec.query_groups, spec.kv_channels
+    per = spec.num_attention_heads // groups
+    hidden = tensor.shape[-1]
+    grouped = tensor.reshape(groups, (per + 2) * d, hidden)
+    q = grouped[:, : per * d].reshape(-1, hidden)
+    k = grouped[:, per * d : (per + 1) * d].reshape(-1, hidden)
+    v = grouped[:, (per + 1) * d :].reshape(-1, hidden)
+    return [q.contiguous(), k.contiguous(), v.contiguous()]
+
+
+def hf_names(spec: MoEModelSpec) -> set[str]:
+    """Every HF tensor name the model has."""
+    return {name for m in param_mappings(spec) for name in m.hf}
