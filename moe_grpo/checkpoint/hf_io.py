@@ -32,6 +32,8 @@ class TensorInfo:
     file: Path
     dtype: str
     shape: tuple[int, ...]
+    offset: int = 0
+    """Byte offset of the tensor's data from the start of the file."""
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -70,7 +72,7 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
             raise CheckpointFileError(f"{path}: tensor {name!r} has a malformed header entry {meta!r}") from e
         if dtype not in _DTYPE_BYTES:
             raise CheckpointFileError(f"{path}: tensor {name!r} has unsupported dtype {dtype!r}")
-        info = TensorInfo(path, dtype, shape)
+        info = TensorInfo(path, dtype, shape, 8 + hlen + int(start))
         if end > data_size:
             raise CheckpointFileError(
                 f"{path}: tensor {name!r} ends at byte {end} of the data section but the file holds {data_size}: truncated")
@@ -112,7 +114,6 @@ class SafetensorsDir:
             for name, fname in weight_map.items():
                 if name not in self.tensors:
                     raise CheckpointFileError(f"{index}: maps {name!r} to {fname}, which does not hold it")
-        self._handles: dict[Path, object] = {}
 
     def require(self, names: Iterable[str]) -> None:
         missing = sorted(set(names) - set(self.tensors))
@@ -124,22 +125,25 @@ class SafetensorsDir:
         return self.tensors[name].shape
 
     def get(self, name: str) -> torch.Tensor:
-        from safetensors import safe_open
+        """Read one tensor into fresh memory.
 
+        Plain reads rather than safetensors' memory map: mapped pages stay
+        resident (and count against the process) while any tensor viewing
+        them lives, which defeats streaming on large checkpoints.
+        """
         info = self.tensors.get(name)
         if info is None:
             raise CheckpointFileError(f"{self.directory}: missing tensor {name!r}")
-        handle = self._handles.get(info.file)
-        if handle is None:
-            try:
-                handle = safe_open(str(info.file), framework="pt")
-            except Exception as e:  # safetensors raises its own error type
-                raise CheckpointFileError(f"{info.file}: cannot open ({e})") from e
-            self._handles = {info.file: handle}  # one open file at a time
+        buf = torch.empty(info.nbytes, dtype=torch.uint8)
         try:
-            return handle.get_tensor(name)  # type: ignore[attr-defined]
-        except Exception as e:
+            with open(info.file, "rb") as f:
+                f.seek(info.offset)
+                got = f.readinto(memoryview(buf.numpy()))
+        except OSError as e:
             raise CheckpointFileError(f"{info.file}: cannot read tensor {name!r} ({e})") from e
+        if got != info.nbytes:
+            raise CheckpointFileError(f"{info.file}: tensor {name!r} is cut short ({got} of {info.nbytes} bytes): truncated")
+        return buf.view(info.torch_dtype).reshape(info.shape)
 
     @property
     def total_bytes(self) -> int:

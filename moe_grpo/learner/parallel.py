@@ -84,19 +84,24 @@ def init_distributed(layout: ParallelLayout, *, timeout_s: float = 300.0) -> Non
     from megatron.core import parallel_state
 
     if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("RANK", "0")
-        os.environ.setdefault("WORLD_SIZE", "1")
-        if "MASTER_PORT" not in os.environ:
-            if os.environ["WORLD_SIZE"] != "1":
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        timeout = datetime.timedelta(seconds=timeout_s)
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            if "MASTER_PORT" not in os.environ:
                 raise RuntimeError("WORLD_SIZE > 1 but MASTER_PORT is not set; launch with torchrun or set it")
+            if backend == "nccl":
+                local = int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0")))
+                torch.cuda.set_device(local % torch.cuda.device_count())
+            dist.init_process_group(backend, timeout=timeout)
+        else:
+            # One process: a private rendezvous, and nothing written into os.environ
+            # (child processes must not inherit a port that is already taken).
             from moe_grpo.learner.spawn import free_port
 
-            os.environ["MASTER_PORT"] = str(free_port())
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        if backend == "nccl":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", os.environ["RANK"])) % torch.cuda.device_count())
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+            if backend == "nccl":
+                torch.cuda.set_device(0)
+            dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
+                                    timeout=timeout)
     world = dist.get_world_size()
     layout.data_parallel(world)  # validates
     if parallel_state.model_parallel_is_initialized():

@@ -141,3 +141,30 @@ class RoutingTrace:
         if ids.dtype != trace_dtype(num_experts):
             raise RoutingTraceError(f"packed routing trace dtype {ids.dtype}, expected {trace_dtype(num_experts)}")
         return trace
+
+
+def save_traces(path: str, traces: "list[RoutingTrace]") -> None:
+    """Several traces (one per sequence) in one .npz file; written to a temp file and renamed."""
+    import os
+
+    if not traces:
+        raise RoutingTraceError("no traces to save")
+    experts = {t.num_experts for t in traces}
+    if len(experts) != 1:
+        raise RoutingTraceError(f"traces disagree on num_experts: {sorted(experts)}")
+    tmp = f"{path}.tmp.npz"
+    np.savez(tmp, num_experts=np.int64(experts.pop()), **{f"seq{i}": t.expert_ids for i, t in enumerate(traces)})
+    os.replace(tmp, path)
+
+
+def load_traces(path: str) -> "list[RoutingTrace]":
+    """Traces saved by `save_traces`, in order."""
+    try:
+        data = np.load(path, allow_pickle=False)
+    except (OSError, ValueError) as e:
+        raise RoutingTraceError(f"{path}: not a routing-trace file ({e})") from e
+    if "num_experts" not in data:
+        raise RoutingTraceError(f"{path}: no 'num_experts' entry; expected a file written by save_traces")
+    n = int(data["num_experts"])
+    keys = sorted((k for k in data.files if k.startswith("seq")), key=lambda k: int(k[3:]))
+    return [RoutingTrace.from_array(data[k], n) for k in keys]
