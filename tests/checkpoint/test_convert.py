@@ -157,3 +157,22 @@ def test_existing_destination_is_not_overwritten(converted, tmp_path):
     (tmp_path / "mg").mkdir()
     with pytest.raises(FileExistsError, match="exists"):
         hf_to_megatron(hf, tmp_path / "mg", progress=False)
+
+
+@pytest.mark.slow
+def test_command_line_converts_and_verifies(converted, tmp_path):
+    import subprocess
+    import sys
+
+    _, _, hf, _ = converted
+    tool = os.path.join(os.path.dirname(__file__), "..", "..", "tools", "convert_checkpoint.py")
+    out = subprocess.run([sys.executable, tool, "--from", "hf", "--to", "megatron", "--src", hf,
+                          "--dst", str(tmp_path / "mg"), "--verify", "--ep", "2"],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    assert report["verify"]["ep"] == 2 and report["verify"]["max_abs_logprob_diff"] < 1e-5
+    assert "[convert] HF -> Megatron tensors" in out.stderr  # progress is shown
+    bad = subprocess.run([sys.executable, tool, "--from", "hf", "--to", "megatron", "--src", str(tmp_path / "nope"),
+                          "--dst", str(tmp_path / "mg2")], capture_output=True, text=True, timeout=600)
+    assert bad.returncode != 0 and "no config.json" in bad.stderr
