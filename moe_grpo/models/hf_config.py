@@ -168,7 +168,8 @@ def hf_config_from_spec(spec: MoEModelSpec, *, torch_dtype: str = "float32") -> 
         elif spec.num_expert_groups:
             cfg.update(topk_method="group_limited_greedy", n_group=spec.num_expert_groups, topk_group=spec.group_top_k)
         else:
-            cfg.update(topk_method="greedy", n_group=None, topk_group=None)
+            # vLLM reads n_group / topk_group unconditionally: 1 means "no grouping", None breaks it.
+            cfg.update(topk_method="greedy", n_group=1, topk_group=1)
         if spec.architecture == "DeepseekForCausalLM":
             cfg.update(head_dim=spec.kv_channels)
         else:

@@ -1,0 +1,92 @@
+"""A model directory vLLM loads: config.json, safetensors weights (HF names), the project tokenizer."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any, Iterable
+
+import torch
+
+from moe_grpo.data.tokenizer import write_tokenizer
+from moe_grpo.models.hf_config import hf_config_from_spec
+from moe_grpo.models.hf_names import param_mappings, to_hf
+from moe_grpo.models.spec import MoEModelSpec
+
+# transformers ships no config class for DeepSeek-MoE (v1); public checkpoints carry one as
+# remote code. We write our own minimal one so vLLM (trust_remote_code) can read config.json.
+_DEEPSEEK_V1_CONFIG = '''"""DeepSeek-MoE (v1) configuration, written by moe_grpo's export."""
+from transformers import PretrainedConfig
+
+
+class DeepseekConfig(PretrainedConfig):
+    model_type = "deepseek"
+
+    def __init__(self, vocab_size=512, hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
+                 num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, n_shared_experts=None,
+                 n_routed_experts=None, num_experts_per_tok=None, moe_layer_freq=1, first_k_dense_replace=0,
+                 norm_topk_prob=False, scoring_func="softmax", hidden_act="silu", max_position_embeddings=2048,
+                 initializer_range=0.02, rms_norm_eps=1e-6, use_cache=True, rope_theta=10000.0, rope_scaling=None,
+                 attention_bias=False, attention_dropout=0.0, head_dim=None, tie_word_embeddings=False, **kwargs):
+        for key, value in dict(locals()).items():
+            if key not in ("self", "kwargs", "__class__", "tie_word_embeddings"):
+                setattr(self, key, value)
+        super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)
+'''
+
+
+def hf_state_from_megatron(spec: MoEModelSpec, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Full Megatron tensors (TP=EP=PP=1 names) -> HF tensors, through the family's name map."""
+    out: dict[str, torch.Tensor] = {}
+    for m in param_mappings(spec):
+        if m.megatron not in state:
+            raise KeyError(f"Megatron state has no {m.megatron!r}")
+        out.update(zip(m.hf, (t.detach().to("cpu").contiguous() for t in to_hf(m, state[m.megatron], spec))))
+    return out
+
+
+def export_model_dir(spec: MoEModelSpec, hf_state: dict[str, torch.Tensor], directory: str | Path) -> Path:
+    """Write config.json, model.safetensors and the tokenizer; staged and renamed into place."""
+    from safetensors.torch import save_file
+
+    target = Path(directory)
+    tmp = target.with_name(target.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    cfg = hf_config_from_spec(spec, torch_dtype=str(next(iter(hf_state.values())).dtype).removeprefix("torch."))
+    cfg.update(bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    if spec.architecture == "DeepseekForCausalLM":
+        cfg["auto_map"] = {"AutoConfig": "configuration_deepseek.DeepseekConfig"}
+        (tmp / "configuration_deepseek.py").write_text(_DEEPSEEK_V1_CONFIG)
+    (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    save_file(hf_state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    write_tokenizer(tmp, spec.vocab_size)
+    if target.exists():
+        shutil.rmtree(target)
+    os.replace(tmp, target)
+    return target
+
+
+def export_learner(learner: Any, directory: str | Path) -> Path:
+    """A single-process learner's current weights as a vLLM model directory."""
+    if learner.layout.world_size() != 1:
+        raise ValueError("export_learner needs a TP=EP=PP=1 learner; sharded learners go through the weight sync")
+    state = dict(learner.module.state_dict())
+    return export_model_dir(learner.spec, hf_state_from_megatron(learner.spec, state), directory)
+
+
+def weight_buckets(spec: MoEModelSpec, hf_state: dict[str, torch.Tensor]) -> Iterable[dict[str, torch.Tensor]]:
+    """HF tensors grouped one decoder layer per bucket: vLLM reloads whole modules only."""
+    bucket: dict[str, torch.Tensor] = {}
+    layer: object = "start"
+    for m in param_mappings(spec):
+        if m.layer != layer and bucket:
+            yield bucket
+            bucket = {}
+        layer = m.layer
+        for name in m.hf:
+            bucket[name] = hf_state[name]
+    if bucket:
+        yield bucket

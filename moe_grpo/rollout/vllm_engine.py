@@ -1,0 +1,186 @@
+"""The rollout engine on vLLM: token ids in, completions with log-probs and routing traces out.
+
+Routing comes from one of two paths with one output format:
+- vLLM's native `enable_return_routed_experts` (Model Runner V2; GPU only:
+  V2 needs Triton, which has no CPU backend);
+- otherwise the worker extension in `worker_extension.py`, which hooks every
+  MoE router (what runs on CPU).
+Either way each completion carries a `RoutingTrace` of `prompt + generated - 1`
+rows over the MoE layers only.
+
+Bad requests (empty prompt, ids outside the vocabulary, longer than the
+context) are refused one by one, with the reason on their completions; the
+rest of the batch is served.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+from moe_grpo.models.spec import MoEModelSpec
+from moe_grpo.rollout.types import Completion, SamplingSettings
+from moe_grpo.routing.trace import RoutingTrace
+
+EXTENSION = "moe_grpo.rollout.worker_extension.RoutingCaptureExtension"
+
+
+class EngineError(RuntimeError):
+    """The vLLM engine failed (start, generation or weight load); names the step."""
+
+
+def _cpu_env(spec: MoEModelSpec, kv_cache_gib: int) -> None:
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(int(kv_cache_gib)))
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0")
+    if spec.uses_mla and (spec.kv_lora_rank or 0) + spec.qk_rope_head_dim != 576:
+        # vLLM's CPU MLA kernel only takes kv_lora_rank + qk_rope_head_dim == 576; compute MLA unabsorbed.
+        os.environ["VLLM_MLA_DISABLE"] = "1"
+
+
+class VllmEngine:
+    """A synchronous vLLM engine (`vllm.LLM`) with per-token routing capture."""
+
+    def __init__(self, model_dir: str | Path, spec: MoEModelSpec, *, max_model_len: int = 512, max_num_seqs: int = 16,
+                 kv_cache_gib: int = 1, capture: bool = True, seed: int = 0,
+                 max_num_batched_tokens: int | None = None, dtype: str = "float32") -> None:
+        import torch
+
+        self.spec, self.model_dir, self.max_model_len = spec, str(model_dir), max_model_len
+        self.policy_version = 0
+        on_gpu = torch.cuda.is_available()
+        if not on_gpu:
+            _cpu_env(spec, kv_cache_gib)
+        from vllm import LLM
+
+        kwargs: dict[str, Any] = dict(
+            model=self.model_dir, skip_tokenizer_init=True, trust_remote_code=True, dtype=dtype, enforce_eager=True,
+            max_model_len=max_model_len, max_num_seqs=max_num_seqs, enable_prefix_caching=False, seed=seed,
+            worker_extension_cls=EXTENSION)
+        if max_num_batched_tokens is not None:
+            kwargs.update(max_num_batched_tokens=max_num_batched_tokens, enable_chunked_prefill=True)
+        t0 = time.perf_counter()
+        try:
+            self.llm = LLM(**kwargs)
+            info = self.llm.collective_rpc("moe_grpo_install", args=(capture,))[0]
+        except Exception as e:
+            raise EngineError(f"vLLM engine failed to start on {self.model_dir}: {e}") from e
+        self.start_seconds = time.perf_counter() - t0
+        if capture and len(info["moe_layers"]) != spec.num_moe_layers:
+            raise EngineError(f"routing capture found {len(info['moe_layers'])} MoE routers, expected "
+                              f"{spec.num_moe_layers} for {spec.name}")
+        self.capture = capture
+        self.llm.llm_engine.set_weight_version(str(self.policy_version))
+
+    # ------------------------------------------------------------------ input checks
+    def check_prompt(self, prompt: Sequence[int], sampling: SamplingSettings) -> str | None:
+        """Why this prompt cannot be served, or None."""
+        if len(prompt) == 0:
+            return "empty prompt: expected at least one token id"
+        ids = np.asarray(prompt)
+        if ids.dtype.kind not in "iu":
+            return f"prompt token ids have dtype {ids.dtype}, expected integers"
+        bad = ids[(ids < 0) | (ids >= self.spec.vocab_size)]
+        if bad.size:
+            return f"token id {int(bad[0])} outside the vocabulary, expected 0 <= id < {self.spec.vocab_size}"
+        if len(prompt) >= self.max_model_len:
+            return (f"prompt of {len(prompt)} tokens does not fit the context of {self.max_model_len} "
+                    "(it needs room for at least one generated token)")
+        return None
+
+    # ------------------------------------------------------------------ generation
+    def set_capture(self, on: bool) -> None:
+        self.llm.collective_rpc("moe_grpo_set_capture", args=(on,))
+        self.capture = on
+
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingSettings) -> list[list[Completion]]:
+        from vllm import SamplingParams
+
+        results: list[list[Completion]] = [[] for _ in prompts]
+        good: list[int] = []
+        for i, p in enumerate(prompts):
+            why = self.check_prompt(p, sampling)
+            if why is None:
+                good.append(i)
+            else:
+                ids = np.asarray(p, dtype=np.int64) if len(p) else np.zeros(0, np.int64)
+                results[i] = [Completion(ids, finish_reason="error", error=why) for _ in range(sampling.n)]
+        if not good:
+            return results
+        params = []
+        for i in good:
+            room = self.max_model_len - len(prompts[i])
+            params.append(SamplingParams(n=sampling.n, temperature=sampling.temperature, top_p=sampling.top_p,
+                                         max_tokens=min(sampling.max_tokens, room), logprobs=0,
+                                         stop_token_ids=list(sampling.stop_token_ids)))
+        try:
+            outputs = self.llm.generate([{"prompt_token_ids": [int(t) for t in prompts[i]]} for i in good], params,
+                                        use_tqdm=False)
+        except Exception as e:
+            raise EngineError(f"vLLM generation failed: {e}") from e
+        routing = self._pop_routing(outputs, sampling.n) if self.capture else {}
+        for i, out in zip(good, outputs):
+            prompt_ids = np.asarray(prompts[i], dtype=np.int64)
+            for c in sorted(out.outputs, key=lambda c: c.index):
+                tokens = np.asarray(c.token_ids, dtype=np.int64)
+                lps = np.asarray([c.logprobs[j][int(t)].logprob for j, t in enumerate(tokens)], dtype=np.float32)
+                trace = None
+                if self.capture:
+                    rows = routing.get((out.request_id, c.index))
+                    n_pos = len(prompt_ids) + len(tokens) - 1
+                    if rows is None or rows.shape[0] < n_pos or (rows[:n_pos] < 0).any():
+                        raise EngineError(f"routing capture is missing rows for request {out.request_id} "
+                                          f"completion {c.index} ({n_pos} positions expected)")
+                    trace = RoutingTrace.from_array(rows[:n_pos], self.spec.num_experts)
+                results[i].append(Completion(prompt_ids, tokens, lps, trace,
+                                             np.full(len(tokens), self.policy_version, np.int64),
+                                             str(c.finish_reason or "")))
+        return results
+
+    def _pop_routing(self, outputs: Any, n: int) -> dict[tuple[str, int], np.ndarray]:
+        wanted: dict[str, tuple[str, int]] = {}
+        for out in outputs:
+            for c in out.outputs:
+                prefix = f"{c.index}_{out.request_id}-" if n > 1 else f"{out.request_id}-"
+                wanted[prefix] = (out.request_id, c.index)
+        packed = self.llm.collective_rpc("moe_grpo_pop_routing", args=(list(wanted),))[0]
+        found: dict[tuple[str, int], np.ndarray] = {}
+        for rid, (dtype, shape, data) in packed.items():
+            for prefix, key in wanted.items():
+                if rid.startswith(prefix):
+                    found[key] = np.frombuffer(data, dtype=np.dtype(dtype)).reshape(shape)
+        return found
+
+    # ------------------------------------------------------------------ weights
+    def load_weights(self, hf_tensors: dict[str, Any], version: int) -> None:
+        """Load full HF-named tensors, one decoder layer per reload, and serve `version` from now on."""
+        from safetensors.torch import save_file
+
+        from moe_grpo.rollout.export import weight_buckets
+
+        shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
+        for bucket in weight_buckets(self.spec, hf_tensors):
+            with tempfile.NamedTemporaryFile(suffix=".safetensors", dir=shm, delete=False) as f:
+                path = f.name
+            try:
+                save_file({k: v.contiguous() for k, v in bucket.items()}, path)
+                self.llm.collective_rpc("moe_grpo_reload_from_file", args=(path,))
+            except Exception as e:
+                raise EngineError(f"loading weights into the engine failed: {e}") from e
+            finally:
+                os.unlink(path)
+        self.policy_version = int(version)
+        self.llm.llm_engine.set_weight_version(str(self.policy_version))
+
+    def shutdown(self) -> None:
+        llm = getattr(self, "llm", None)
+        if llm is not None:
+            try:
+                llm.llm_engine.engine_core.shutdown()
+            except Exception:
+                pass
+            self.llm = None

@@ -1,0 +1,139 @@
+"""Code that runs inside every vLLM worker (`worker_extension_cls`), vLLM 0.32 V1 runner.
+
+Routing capture: each MoE router's `set_capture_fn` hands us the step's
+logical top-k ids `[tokens, topk]` (before EPLB mapping). The model runner's
+batch order changes from step to step, so `_prepare_inputs` is wrapped to
+record, for the step about to run, which requests are in it, how many tokens
+each contributes and from which position (`num_computed_tokens`). After the
+step, rows are written into per-request buffers at their positions, so
+chunked prefill fills a prompt piece by piece and a preempted-and-recomputed
+request overwrites its own rows: every position ends up with exactly one row,
+from the forward that produced the sampled tokens. Only MoE layers have
+routers, so dense layers never enter the trace.
+
+Prefix caching must be off: cached positions are never recomputed and would
+get no rows.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from functools import partial
+from typing import Any
+
+import numpy as np
+
+
+class RoutingCaptureExtension:
+    """Mixed into vLLM's worker class; methods are called through `collective_rpc`."""
+
+    # ---------------------------------------------------------------- setup
+    def moe_grpo_install(self, capture: bool = True) -> dict[str, Any]:
+        from vllm.model_executor.layers.fused_moe.router.base_router import BaseRouter
+
+        from moe_grpo.rollout.vllm_patches import apply_cpu_moe_reload_prepack
+
+        import torch
+
+        if not torch.cuda.is_available():
+            apply_cpu_moe_reload_prepack()
+        runner = self.model_runner  # type: ignore[attr-defined]
+        model = runner.get_model()
+        layers = []
+        for module in model.modules():
+            router = getattr(module, "router", None)
+            if isinstance(router, BaseRouter) and hasattr(module, "layer_id"):
+                router.set_capture_fn(partial(self._mg_on_route, int(module.layer_id)))
+                layers.append(int(module.layer_id))
+        self._mg_layers = sorted(layers)
+        self._mg_column = {layer: i for i, layer in enumerate(self._mg_layers)}
+        self._mg_capture = capture
+        self._mg_step: dict[str, Any] | None = None
+        self._mg_buffers: dict[str, np.ndarray] = {}
+        self._mg_hook_seconds = 0.0
+        if not getattr(runner, "_mg_wrapped", False):
+            prepare, execute = runner._prepare_inputs, runner.execute_model
+
+            def _prepare_inputs(scheduler_output: Any, num_scheduled_tokens: Any, *a: Any, **k: Any) -> Any:
+                if self._mg_capture:
+                    batch = runner.input_batch
+                    n = batch.num_reqs
+                    self._mg_step = {
+                        "req_ids": list(batch.req_ids[:n]),
+                        "num_tokens": [int(x) for x in num_scheduled_tokens[:n]],
+                        "start": [int(x) for x in batch.num_computed_tokens_cpu[:n]],
+                        "total": int(scheduler_output.total_num_scheduled_tokens),
+                        "ids": {},
+                    }
+                return prepare(scheduler_output, num_scheduled_tokens, *a, **k)
+
+            def execute_model(scheduler_output: Any, *a: Any, **k: Any) -> Any:
+                try:
+                    return execute(scheduler_output, *a, **k)
+                finally:
+                    self._mg_flush()
+
+            runner._prepare_inputs, runner.execute_model = _prepare_inputs, execute_model
+            runner._mg_wrapped = True
+        return {"moe_layers": self._mg_layers, "pid": os.getpid()}
+
+    def moe_grpo_set_capture(self, on: bool) -> bool:
+        self._mg_capture = bool(on)
+        return self._mg_capture
+
+    # ---------------------------------------------------------------- capture
+    def _mg_on_route(self, layer_id: int, topk_ids: Any) -> None:
+        step = self._mg_step
+        if step is None:
+            return  # warm-up / profiling forwards belong to no request
+        step["ids"][layer_id] = topk_ids[: step["total"]].to("cpu").numpy().astype(np.int16, copy=True)
+
+    def _mg_flush(self) -> None:
+        step, self._mg_step = self._mg_step, None
+        if step is None or not step["ids"]:
+            return
+        t0 = time.perf_counter()
+        if len(step["ids"]) != len(self._mg_layers):
+            missing = sorted(set(self._mg_layers) - set(step["ids"]))
+            raise RuntimeError(f"routing capture: MoE layers {missing} reported no routing in this step")
+        ids = np.stack([step["ids"][layer] for layer in self._mg_layers], axis=1)  # [T, L, k]
+        offset = 0
+        for rid, n, start in zip(step["req_ids"], step["num_tokens"], step["start"]):
+            end = start + n
+            buf = self._mg_buffers.get(rid)
+            if buf is None or buf.shape[0] < end:
+                grown = np.full((max(end, 2 * (0 if buf is None else buf.shape[0])),) + ids.shape[1:], -1, np.int16)
+                if buf is not None:
+                    grown[: buf.shape[0]] = buf
+                buf = grown
+                self._mg_buffers[rid] = buf
+            buf[start:end] = ids[offset : offset + n]
+            offset += n
+        self._mg_hook_seconds += time.perf_counter() - t0
+
+    def moe_grpo_pop_routing(self, prefixes: list[str]) -> dict[str, tuple[str, list[int], bytes]]:
+        """Routing of the requests whose worker id starts with one of `prefixes`, then forget them.
+
+        Arrays travel as (dtype, shape, bytes): collective_rpc does not carry numpy arrays.
+        """
+        out = {}
+        for rid in list(self._mg_buffers):
+            if any(rid.startswith(p) for p in prefixes):
+                a = self._mg_buffers.pop(rid)
+                out[rid] = (a.dtype.str, list(a.shape), a.tobytes())
+        return out
+
+    def moe_grpo_drop_routing(self) -> int:
+        n = len(self._mg_buffers)
+        self._mg_buffers.clear()
+        return n
+
+    # ---------------------------------------------------------------- weights
+    def moe_grpo_reload_from_file(self, path: str) -> int:
+        """Load every tensor of a safetensors file (HF names, whole modules) into the running model."""
+        from safetensors.torch import load_file
+
+        tensors = load_file(path)
+        self.reload_weights(weights_iterator=iter(list(tensors.items())))  # type: ignore[attr-defined]
+        return len(tensors)
