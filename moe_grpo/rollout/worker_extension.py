@@ -129,6 +129,16 @@ class RoutingCaptureExtension:
         self._mg_buffers.clear()
         return n
 
+    def moe_grpo_set_reload_patch(self, on: bool) -> bool:
+        """Tests only: show that reloading experts on CPU is wrong without the vLLM patch."""
+        from moe_grpo.rollout import vllm_patches
+
+        if on:
+            vllm_patches.apply_cpu_moe_reload_prepack()
+        else:
+            vllm_patches.revert_all()
+        return on
+
     # ---------------------------------------------------------------- weights
     def moe_grpo_reload_from_file(self, path: str) -> int:
         """Load every tensor of a safetensors file (HF names, whole modules) into the running model."""

