@@ -14,9 +14,9 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig
 
 NOT_BUILT = (
-    "moe_grpo: stopping here. The Megatron learner with routing replay is built and checked above; "
-    "the vLLM rollout engine, the weight sync and the asynchronous GRPO loop are not built yet "
-    "(README, 'Status'). Nothing was trained; exit status 2."
+    "moe_grpo: stopping here. The Megatron learner, routing replay and the vLLM rollout engine are built and "
+    "checked above; the resharding weight sync, the reward tasks and the asynchronous GRPO loop are not built "
+    "yet (README, 'Status'). Nothing was trained; exit status 2."
 )
 _exit_code = 0
 
@@ -25,10 +25,18 @@ _exit_code = 0
 def main(cfg: DictConfig) -> None:
     global _exit_code
     from moe_grpo.config import from_hydra
-    from moe_grpo.learner.preflight import learner_preflight
+    from moe_grpo.learner.preflight import engine_preflight, learner_preflight
 
     run = from_hydra(cfg)
-    learner_preflight(run)
+    learner = learner_preflight(run)
+    if run.parallel.world_size() == 1:
+        try:
+            import vllm  # noqa: F401
+        except ImportError:
+            print("[engine] vLLM is not installed (bash tools/install.sh engine); skipping the rollout check",
+                  file=sys.stderr)
+        else:
+            engine_preflight(run, learner)
     print(NOT_BUILT, file=sys.stderr)
     _exit_code = 2
 

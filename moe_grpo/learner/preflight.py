@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 
 
-def learner_preflight(run: Any, *, num_sequences: int = 4, seq_len: int = 24) -> dict[str, float]:
+def learner_preflight(run: Any, *, num_sequences: int = 4, seq_len: int = 24) -> Any:
     """Build the Megatron learner for `run`, replay a random routing trace, report what happened."""
     from moe_grpo.learner.batch import LearnerSequence
     from moe_grpo.learner.megatron_learner import MegatronLearner
@@ -34,4 +34,38 @@ def learner_preflight(run: Any, *, num_sequences: int = 4, seq_len: int = 24) ->
     print(f"[learner] forward of {num_sequences} x {seq_len} tokens in {time.perf_counter() - t0:.2f}s: "
           f"mean log-prob {mean_lp:.3f} (uniform would be {-np.log(spec.vocab_size):.3f}), "
           f"replay/applied={applied:.2f}")
-    return {"params": float(params), "replay/applied": applied, "mean_logprob": mean_lp}
+    return learner
+
+
+def engine_preflight(run: Any, learner: Any, *, prompts: int = 4, max_tokens: int = 16) -> dict[str, float]:
+    """Export the learner to vLLM, sample with routing capture, replay that routing in the learner."""
+    import tempfile
+
+    from moe_grpo.learner.batch import LearnerSequence
+    from moe_grpo.rollout.export import export_learner
+    from moe_grpo.rollout.types import SamplingSettings
+    from moe_grpo.rollout.vllm_engine import VllmEngine
+
+    spec = run.model
+    model_dir = export_learner(learner, tempfile.mkdtemp(prefix="moe_grpo_") + "/model")
+    t0 = time.perf_counter()
+    engine = VllmEngine(model_dir, spec, max_model_len=min(spec.max_position_embeddings, 512))
+    print(f"[engine] vLLM started in {time.perf_counter() - t0:.0f}s on {model_dir}")
+    try:
+        rng = np.random.default_rng(run.seed)
+        batch = [list(map(int, rng.integers(3, spec.vocab_size, size=12))) for _ in range(prompts)]
+        t0 = time.perf_counter()
+        results = engine.generate(batch, SamplingSettings(n=2, max_tokens=max_tokens))
+        seconds = time.perf_counter() - t0
+        comps = [c for g in results for c in g]
+        tokens = sum(len(c.token_ids) for c in comps)
+        seqs = [LearnerSequence(np.concatenate([c.prompt_ids, c.token_ids]), prompt_len=len(c.prompt_ids),
+                                routing=c.routing, old_logprobs=c.logprobs) for c in comps]
+        metrics = learner.forward_backward(seqs, replay=run.replay)
+        learner.zero_grad()
+        print(f"[engine] {len(comps)} completions, {tokens} tokens in {seconds:.1f}s "
+              f"({tokens / seconds:.0f} tokens/s), trace {comps[0].routing.bytes_per_token} bytes/token; "
+              f"learner replay/applied={metrics['replay/applied']:.2f}, mismatch/kl={metrics['mismatch/kl']:.2e}")
+        return {"rollout_tokens_per_s": tokens / seconds, **metrics}
+    finally:
+        engine.shutdown()

@@ -1,0 +1,78 @@
+"""Rollout tokens/s with routing capture divided by without, same engine, same prompts, one run.
+
+Capture is switched on and off inside the same vLLM engine (worker extension
+flag), alternating rounds so machine drift hits both arms. Greedy sampling
+with ignore-eos-like fixed lengths keeps the work identical.
+
+    .venv/bin/python tools/bench_capture.py [--prompts 16] [--prompt-len 64] [--max-tokens 64] [--rounds 4]
+
+Last line: one JSON object; `capture_throughput_ratio` is the headline (goal >= 0.97).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="deepseek_moe")
+    ap.add_argument("--prompts", type=int, default=16)
+    ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=4)
+    args = ap.parse_args()
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    import numpy as np
+
+    from moe_grpo.config import load_model_spec
+    from moe_grpo.learner.megatron_learner import LearnerConfig, MegatronLearner
+    from moe_grpo.rollout.export import export_learner
+    from moe_grpo.rollout.types import SamplingSettings
+    from moe_grpo.rollout.vllm_engine import VllmEngine
+
+    spec = load_model_spec(args.model)
+    learner = MegatronLearner(spec, config=LearnerConfig())
+    model_dir = export_learner(learner, tempfile.mkdtemp(prefix="bench_capture_") + "/model")
+    del learner
+    engine = VllmEngine(model_dir, spec, max_model_len=args.prompt_len + args.max_tokens + 8,
+                        max_num_seqs=args.prompts)
+    rng = np.random.default_rng(0)
+    prompts = [list(map(int, rng.integers(3, spec.vocab_size, size=args.prompt_len))) for _ in range(args.prompts)]
+    sampling = SamplingSettings(n=1, temperature=0.0, max_tokens=args.max_tokens, stop_token_ids=())
+
+    def run(capture: bool) -> float:
+        engine.set_capture(capture)
+        t0 = time.perf_counter()
+        out = engine.generate(prompts, sampling)
+        dt = time.perf_counter() - t0
+        tokens = sum(len(c.token_ids) for g in out for c in g)
+        if capture:
+            assert all(c.routing is not None for g in out for c in g)
+        return tokens / dt
+
+    run(True), run(False)  # warm-up
+    with_c, without_c = [], []
+    for i in range(args.rounds):
+        if i % 2:
+            without_c.append(run(False)); with_c.append(run(True))
+        else:
+            with_c.append(run(True)); without_c.append(run(False))
+    a, b = statistics.median(with_c), statistics.median(without_c)
+    engine.shutdown()
+    print(json.dumps({
+        "bench": "capture", "model": spec.name, "prompts": args.prompts, "prompt_len": args.prompt_len,
+        "max_tokens": args.max_tokens, "rounds": args.rounds, "engine_start_seconds": round(engine.start_seconds, 1),
+        "tokens_per_s_with_capture": round(a, 1), "tokens_per_s_without_capture": round(b, 1),
+        "capture_throughput_ratio": round(a / b, 4),
+    }))
+
+
+if __name__ == "__main__":
+    main()
