@@ -1,7 +1,8 @@
 """Hydra YAML -> frozen dataclasses, converted once at the entry point.
 
 Defaults live in the dataclasses (`LearnerConfig`, `ParallelLayout`,
-`MegatronOptions`, `RunConfig`); `defaults_tree()` turns them into the base
+`MegatronOptions`, `RunConfig`), next to the code that uses them;
+`defaults_tree()` turns them into the base
 Hydra node, so `conf/config.yaml` only picks the model and nothing is
 written twice. `from_hydra()` rejects unknown keys and bad values by name.
 """
@@ -13,50 +14,12 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Mapping
 
+from moe_grpo.learner.config import LearnerConfig
 from moe_grpo.learner.parallel import ParallelLayout
+from moe_grpo.models.options import MegatronOptions
 from moe_grpo.models.spec import MoEModelSpec, spec_from_mapping
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
-
-
-@dataclass(frozen=True)
-class LearnerSettings:
-    """Optimisation and batching (mirrors learner.megatron_learner.LearnerConfig)."""
-
-    lr: float = 1e-5
-    """Adam learning rate."""
-    weight_decay: float = 0.0
-    """Decoupled weight decay."""
-    clip_grad: float = 1.0
-    """Global gradient-norm clip (0 disables)."""
-    micro_batch_size: int = 4
-    """Sequences per microbatch."""
-    packed: bool = False
-    """Pack sequences into rows behind a block-diagonal mask instead of padding."""
-    clip_eps: float = 0.2
-    """PPO/GRPO ratio clip."""
-
-
-@dataclass(frozen=True)
-class MegatronSettings:
-    """How the Megatron model is built (not its shape)."""
-
-    params_dtype: str = "float32"
-    """'float32' (CPU) or 'bfloat16' (GPU clusters)."""
-    recompute: bool = False
-    """Full activation recompute; replay then also covers the recomputed forward."""
-    token_dispatcher: str = "alltoall"
-    """'alltoall' or 'allgather' (gloo needs allgather for TP x EP)."""
-    aux_loss_coeff: float = 0.0
-    """Sequence-level load-balancing loss coefficient; 0 disables it."""
-
-    def __post_init__(self) -> None:
-        if self.params_dtype not in ("float32", "bfloat16"):
-            raise ValueError(f"megatron.params_dtype={self.params_dtype!r}, expected 'float32' or 'bfloat16'")
-        if self.token_dispatcher not in ("alltoall", "allgather"):
-            raise ValueError(f"megatron.token_dispatcher={self.token_dispatcher!r}, expected 'alltoall' or 'allgather'")
-        if self.aux_loss_coeff < 0:
-            raise ValueError(f"megatron.aux_loss_coeff={self.aux_loss_coeff}, expected >= 0")
 
 
 @dataclass(frozen=True)
@@ -67,32 +30,29 @@ class RunConfig:
     """The model description (conf/model/<name>.yaml)."""
     parallel: ParallelLayout = field(default_factory=ParallelLayout)
     """Learner process layout."""
-    learner: LearnerSettings = field(default_factory=LearnerSettings)
-    """Optimisation and batching."""
-    megatron: MegatronSettings = field(default_factory=MegatronSettings)
-    """Megatron build switches."""
+    learner: LearnerConfig = field(default_factory=LearnerConfig)
+    """Optimisation, batching and the seed (learner/megatron_learner.py)."""
+    megatron: MegatronOptions = field(default_factory=MegatronOptions)
+    """How the Megatron model is built (models/megatron.py)."""
     replay: bool = True
     """Replay rollout routing in the learner (R3)."""
-    seed: int = 1234
-    """Seed for weight init and sampling."""
+
+    def __post_init__(self) -> None:
+        if self.replay and not self.megatron.routing_replay:
+            raise ValueError("replay=True needs megatron.routing_replay=True (no RouterReplay hooks would be built)")
+
+    @property
+    def seed(self) -> int:
+        return self.learner.seed
 
     def learner_config(self) -> Any:
-        from moe_grpo.learner.megatron_learner import LearnerConfig
-
-        return LearnerConfig(seed=self.seed, **dataclasses.asdict(self.learner))
+        return self.learner
 
     def megatron_options(self) -> Any:
-        import torch
-
-        from moe_grpo.models.megatron import MegatronOptions
-
-        m = self.megatron
-        return MegatronOptions(params_dtype=getattr(torch, m.params_dtype), routing_replay=True,
-                               recompute=m.recompute, token_dispatcher=m.token_dispatcher,
-                               aux_loss_coeff=m.aux_loss_coeff)
+        return self.megatron
 
 
-_SECTIONS = {"parallel": ParallelLayout, "learner": LearnerSettings, "megatron": MegatronSettings}
+_SECTIONS = {"parallel": ParallelLayout, "learner": LearnerConfig, "megatron": MegatronOptions}
 
 
 def defaults_tree() -> dict[str, Any]:

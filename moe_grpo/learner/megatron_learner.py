@@ -11,7 +11,6 @@ import logging
 import math
 import os
 import shutil
-from dataclasses import dataclass
 from functools import partial
 from typing import Any, Sequence
 
@@ -20,6 +19,7 @@ import torch
 
 from moe_grpo.algo.losses import clipped_policy_gradient_loss
 from moe_grpo.learner.batch import LearnerSequence, Microbatch, make_microbatches
+from moe_grpo.learner.config import LearnerConfig
 from moe_grpo.learner.parallel import ParallelLayout, init_distributed, ranks, seed_everything
 from moe_grpo.models.megatron import MegatronOptions, build_gpt_model, transformer_config
 from moe_grpo.models.spec import MoEModelSpec
@@ -28,40 +28,6 @@ from moe_grpo.routing.replay import RoutingReplayer, check_replay_supported, meg
 
 class NonFiniteError(FloatingPointError):
     """A loss or gradient was NaN/inf; the optimizer step was not taken."""
-
-
-@dataclass(frozen=True)
-class LearnerConfig:
-    """Optimisation and batching settings of the learner."""
-
-    lr: float = 1e-5
-    """Adam learning rate."""
-    weight_decay: float = 0.0
-    """Decoupled weight decay."""
-    adam_beta1: float = 0.9
-    """Adam beta1."""
-    adam_beta2: float = 0.999
-    """Adam beta2."""
-    clip_grad: float = 1.0
-    """Global gradient-norm clip (0 disables)."""
-    micro_batch_size: int = 4
-    """Sequences per microbatch (padded mode)."""
-    packed: bool = False
-    """Pack several sequences per row behind a block-diagonal mask instead of padding."""
-    packed_seq_len: int | None = None
-    """Positions per packed row; None = the longest sequence in the batch."""
-    clip_eps: float = 0.2
-    """PPO/GRPO ratio clip."""
-    seed: int = 1234
-    """Seed for weight init and any sampling inside the learner."""
-
-    def __post_init__(self) -> None:
-        if self.lr <= 0 or not math.isfinite(self.lr):
-            raise ValueError(f"lr={self.lr}, expected a positive finite number")
-        if self.micro_batch_size < 1:
-            raise ValueError(f"micro_batch_size={self.micro_batch_size}, expected >= 1")
-        if not 0 < self.clip_eps < 1:
-            raise ValueError(f"clip_eps={self.clip_eps}, expected 0 < clip_eps < 1")
 
 
 class MegatronLearner:
@@ -113,8 +79,8 @@ class MegatronLearner:
                 adam_beta1=config.adam_beta1,
                 adam_beta2=config.adam_beta2,
                 clip_grad=config.clip_grad,
-                bf16=options.params_dtype == torch.bfloat16,
-                params_dtype=options.params_dtype,
+                bf16=options.dtype == torch.bfloat16,
+                params_dtype=options.dtype,
                 use_distributed_optimizer=False,
             ),
             [self.model],

@@ -7,33 +7,15 @@ the model's shape and routing into Megatron's vocabulary.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Mapping
 
 import torch
 import torch.nn.functional as F
 
+from moe_grpo.models.options import MegatronOptions
 from moe_grpo.models.spec import MoEModelSpec
 
-
-@dataclass(frozen=True)
-class MegatronOptions:
-    """Learner-side switches that change how the Megatron model is built (not its shape)."""
-
-    params_dtype: torch.dtype = torch.float32
-    """Parameter dtype (fp32 on CPU; bf16 on GPU clusters)."""
-    routing_replay: bool = True
-    """Build RouterReplay hooks into every router (needed for R3; cheap when unused)."""
-    recompute: bool = False
-    """Full activation recompute of every layer (replay then uses REPLAY_BACKWARD)."""
-    token_dispatcher: str = "alltoall"
-    """Megatron MoE token dispatcher: 'alltoall' or 'allgather'."""
-    aux_loss_coeff: float = 0.0
-    """Sequence-level load-balancing loss coefficient (DeepSeek-V3 style); 0 disables it."""
-    init_method_std: float = 0.02
-    """Std of the normal weight init for freshly built models."""
-    perform_initialization: bool = True
-    """Initialise weights (False for meta-device builds and checkpoint loads)."""
+__all__ = ["MegatronOptions", "build_gpt_model", "layer_spec", "transformer_config", "use_transformer_engine"]
 
 
 def use_transformer_engine() -> bool:
@@ -72,9 +54,9 @@ def transformer_config(
         hidden_dropout=0.0,
         attention_dropout=0.0,
         init_method_std=options.init_method_std,
-        params_dtype=options.params_dtype,
-        bf16=options.params_dtype == torch.bfloat16,
-        fp16=options.params_dtype == torch.float16,
+        params_dtype=options.dtype,
+        bf16=options.dtype == torch.bfloat16,
+        fp16=options.dtype == torch.float16,
         perform_initialization=options.perform_initialization,
         use_cpu_initialization=not torch.cuda.is_available(),
         # MoE

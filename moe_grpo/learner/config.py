@@ -1,0 +1,40 @@
+"""Optimisation and batching settings of the learner (torch-free, so configs load fast)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class LearnerConfig:
+    """Optimisation and batching settings of the learner."""
+
+    lr: float = 1e-5
+    """Adam learning rate."""
+    weight_decay: float = 0.0
+    """Decoupled weight decay."""
+    adam_beta1: float = 0.9
+    """Adam beta1."""
+    adam_beta2: float = 0.999
+    """Adam beta2."""
+    clip_grad: float = 1.0
+    """Global gradient-norm clip (0 disables)."""
+    micro_batch_size: int = 4
+    """Sequences per microbatch (padded mode)."""
+    packed: bool = False
+    """Pack several sequences per row behind a block-diagonal mask instead of padding."""
+    packed_seq_len: int | None = None
+    """Positions per packed row; None = the longest sequence in the batch."""
+    clip_eps: float = 0.2
+    """PPO/GRPO ratio clip."""
+    seed: int = 1234
+    """Seed for weight init and any sampling inside the learner."""
+
+    def __post_init__(self) -> None:
+        if self.lr <= 0 or not math.isfinite(self.lr):
+            raise ValueError(f"lr={self.lr}, expected a positive finite number")
+        if self.micro_batch_size < 1:
+            raise ValueError(f"micro_batch_size={self.micro_batch_size}, expected >= 1")
+        if not 0 < self.clip_eps < 1:
+            raise ValueError(f"clip_eps={self.clip_eps}, expected 0 < clip_eps < 1")

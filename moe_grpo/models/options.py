@@ -1,0 +1,45 @@
+"""Learner-side switches for building the Megatron model (torch-free, so configs load fast)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass(frozen=True)
+class MegatronOptions:
+    """Learner-side switches that change how the Megatron model is built (not its shape)."""
+
+    params_dtype: str = "float32"
+    """Parameter dtype: 'float32' (CPU), 'bfloat16' (GPU clusters) or 'float16'; a torch.dtype is accepted too."""
+    routing_replay: bool = True
+    """Build RouterReplay hooks into every router (needed for R3; cheap when unused)."""
+    recompute: bool = False
+    """Full activation recompute of every layer (replay then uses REPLAY_BACKWARD)."""
+    token_dispatcher: str = "alltoall"
+    """Megatron MoE token dispatcher: 'alltoall' or 'allgather'."""
+    aux_loss_coeff: float = 0.0
+    """Sequence-level load-balancing loss coefficient (DeepSeek-V3 style); 0 disables it."""
+    init_method_std: float = 0.02
+    """Std of the normal weight init for freshly built models."""
+    perform_initialization: bool = True
+    """Initialise weights (False for meta-device builds and checkpoint loads)."""
+
+    def __post_init__(self) -> None:
+        name = str(self.params_dtype).removeprefix("torch.")
+        if name not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"params_dtype={self.params_dtype!r}, expected 'float32', 'bfloat16' or 'float16'")
+        object.__setattr__(self, "params_dtype", name)
+        if self.token_dispatcher not in ("alltoall", "allgather"):
+            raise ValueError(f"token_dispatcher={self.token_dispatcher!r}, expected 'alltoall' or 'allgather'")
+        if self.aux_loss_coeff < 0:
+            raise ValueError(f"aux_loss_coeff={self.aux_loss_coeff}, expected >= 0")
+
+    @property
+    def dtype(self) -> "torch.dtype":
+        import torch
+
+        return getattr(torch, self.params_dtype)
