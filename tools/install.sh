@@ -9,7 +9,12 @@ if [ ! -x .venv/bin/python ]; then
     echo "[install] creating .venv with $("$PYTHON" --version)"
     "$PYTHON" -m venv .venv
 fi
-PIP=(.venv/bin/python -m pip install --disable-pip-version-check -q)
+PIP=(quiet_pip)
+# pip warns once per package about local index folders this machine's pip.conf names; drop that noise.
+quiet_pip() {
+    .venv/bin/python -m pip install --disable-pip-version-check -q "$@" 2>&1 | { grep -v "^WARNING: Location '" || true; }
+    return "${PIPESTATUS[0]}"
+}
 # torch first and exactly pinned: an unpinned resolve would pull the newest CUDA build (GBs).
 echo "[install] torch 2.13.0"
 "${PIP[@]}" "torch==2.13.0"
