@@ -254,8 +254,9 @@ class MegatronLearner:
             pg_sum, stats = clipped_policy_gradient_loss(logp, old, mb.advantages, mb.loss_mask, clip_eps=clip_eps)
             mismatch = torch.zeros(())
             if have_old:  # k3 estimator of KL(rollout || learner) on response tokens
-                log_r = (logp.detach() - mb.old_logprobs) * mb.loss_mask
-                mismatch = ((torch.exp(log_r) - 1 - log_r) * mb.loss_mask).sum()
+                # float64: for |log r| ~ 1e-7 the float32 k3 terms round to exactly zero.
+                log_r = (logp.detach().double() - mb.old_logprobs.double()) * mb.loss_mask
+                mismatch = ((torch.expm1(log_r) - log_r) * mb.loss_mask).sum()
             return pg_sum * scale, {"pg_sum": pg_sum.detach(), "clipped": stats["clipped_tokens"], "k3_sum": mismatch}
 
         store = self._run(mbs, replay=replay, forward_only=False, loss_fn=loss_fn)

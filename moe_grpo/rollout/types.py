@@ -24,12 +24,12 @@ class SamplingSettings:
     """Longest completion."""
     stop_token_ids: tuple[int, ...] = (2,)
     """Token ids that end a completion (the project tokenizer's <eos> is 2)."""
-    seed: int | None = None
-    """Sampling seed (per request); None for none."""
 
     def __post_init__(self) -> None:
         if self.n < 1:
             raise ValueError(f"n={self.n}, expected >= 1")
+        if self.temperature == 0 and self.n > 1:
+            raise ValueError(f"n={self.n} with temperature=0: greedy decoding gives n identical completions; use n=1")
         if self.temperature < 0:
             raise ValueError(f"temperature={self.temperature}, expected >= 0")
         if not 0 < self.top_p <= 1:

@@ -100,60 +100,20 @@ class VllmEngine:
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingSettings) -> list[list[Completion]]:
         from vllm import SamplingParams
 
-        results: list[list[Completion]] = [[] for _ in prompts]
-        good: list[int] = []
-        for i, p in enumerate(prompts):
-            why = self.check_prompt(p, sampling)
-            if why is None:
-                good.append(i)
-            else:
-                ids = np.asarray(p, dtype=np.int64) if len(p) else np.zeros(0, np.int64)
-                results[i] = [Completion(ids, finish_reason="error", error=why) for _ in range(sampling.n)]
+        results, good = _refuse_bad(self, prompts, sampling)
         if not good:
             return results
-        params = []
-        for i in good:
-            room = self.max_model_len - len(prompts[i])
-            params.append(SamplingParams(n=sampling.n, temperature=sampling.temperature, top_p=sampling.top_p,
-                                         max_tokens=min(sampling.max_tokens, room), logprobs=0,
-                                         stop_token_ids=list(sampling.stop_token_ids)))
+        params = [_params(self, prompts[i], sampling) for i in good]
         try:
             outputs = self.llm.generate([{"prompt_token_ids": [int(t) for t in prompts[i]]} for i in good], params,
                                         use_tqdm=False)
         except Exception as e:
             raise EngineError(f"vLLM generation failed: {e}") from e
-        routing = self._pop_routing(outputs, sampling.n) if self.capture else {}
+        routing = _decode_routing(self.llm.collective_rpc("moe_grpo_pop_routing",
+                                                          args=(_prefixes(outputs, sampling.n),))[0]) if self.capture else {}
         for i, out in zip(good, outputs):
-            prompt_ids = np.asarray(prompts[i], dtype=np.int64)
-            for c in sorted(out.outputs, key=lambda c: c.index):
-                tokens = np.asarray(c.token_ids, dtype=np.int64)
-                lps = np.asarray([c.logprobs[j][int(t)].logprob for j, t in enumerate(tokens)], dtype=np.float32)
-                trace = None
-                if self.capture:
-                    rows = routing.get((out.request_id, c.index))
-                    n_pos = len(prompt_ids) + len(tokens) - 1
-                    if rows is None or rows.shape[0] < n_pos or (rows[:n_pos] < 0).any():
-                        raise EngineError(f"routing capture is missing rows for request {out.request_id} "
-                                          f"completion {c.index} ({n_pos} positions expected)")
-                    trace = RoutingTrace.from_array(rows[:n_pos], self.spec.num_experts)
-                results[i].append(Completion(prompt_ids, tokens, lps, trace,
-                                             np.full(len(tokens), self.policy_version, np.int64),
-                                             str(c.finish_reason or "")))
+            results[i] = _completions(self, prompts[i], out, routing, sampling.n)
         return results
-
-    def _pop_routing(self, outputs: Any, n: int) -> dict[tuple[str, int], np.ndarray]:
-        wanted: dict[str, tuple[str, int]] = {}
-        for out in outputs:
-            for c in out.outputs:
-                prefix = f"{c.index}_{out.request_id}-" if n > 1 else f"{out.request_id}-"
-                wanted[prefix] = (out.request_id, c.index)
-        packed = self.llm.collective_rpc("moe_grpo_pop_routing", args=(list(wanted),))[0]
-        found: dict[tuple[str, int], np.ndarray] = {}
-        for rid, (dtype, shape, data) in packed.items():
-            for prefix, key in wanted.items():
-                if rid.startswith(prefix):
-                    found[key] = np.frombuffer(data, dtype=np.dtype(dtype)).reshape(shape)
-        return found
 
     # ------------------------------------------------------------------ weights
     def load_weights(self, hf_tensors: dict[str, Any], version: int) -> None:
@@ -183,4 +143,130 @@ class VllmEngine:
                 llm.llm_engine.engine_core.shutdown()
             except Exception:
                 pass
+            self.llm = None
+
+
+# ---------------------------------------------------------------------- shared by both engines
+
+
+def _refuse_bad(engine: Any, prompts: Sequence[Sequence[int]], sampling: SamplingSettings
+                ) -> tuple[list[list[Completion]], list[int]]:
+    results: list[list[Completion]] = [[] for _ in prompts]
+    good: list[int] = []
+    for i, p in enumerate(prompts):
+        why = engine.check_prompt(p, sampling)
+        if why is None:
+            good.append(i)
+        else:
+            ids = np.asarray(p, dtype=np.int64) if len(p) else np.zeros(0, np.int64)
+            results[i] = [Completion(ids, finish_reason="error", error=why) for _ in range(sampling.n)]
+    return results, good
+
+
+def _params(engine: Any, prompt: Sequence[int], sampling: SamplingSettings) -> Any:
+    from vllm import SamplingParams
+
+    room = engine.max_model_len - len(prompt)
+    return SamplingParams(n=sampling.n, temperature=sampling.temperature, top_p=sampling.top_p,
+                          max_tokens=min(sampling.max_tokens, room), logprobs=0,
+                          stop_token_ids=list(sampling.stop_token_ids))
+
+
+def _prefixes(outputs: Any, n: int) -> list[str]:
+    """Worker-side request ids are '<id>-<suffix>' ('<index>_<id>-<suffix>' for n > 1 children)."""
+    return [f"{c.index}_{out.request_id}-" if n > 1 else f"{out.request_id}-" for out in outputs for c in out.outputs]
+
+
+def _decode_routing(packed: dict[str, tuple[str, list[int], bytes]]) -> dict[str, np.ndarray]:
+    return {rid: np.frombuffer(data, dtype=np.dtype(dtype)).reshape(shape) for rid, (dtype, shape, data) in packed.items()}
+
+
+def _completions(engine: Any, prompt: Sequence[int], out: Any, routing: dict[str, np.ndarray], n: int) -> list[Completion]:
+    prompt_ids = np.asarray(prompt, dtype=np.int64)
+    result = []
+    for c in sorted(out.outputs, key=lambda c: c.index):
+        tokens = np.asarray(c.token_ids, dtype=np.int64)
+        lps = np.asarray([c.logprobs[j][int(t)].logprob for j, t in enumerate(tokens)], dtype=np.float32)
+        trace = None
+        if engine.capture:
+            prefix = f"{c.index}_{out.request_id}-" if n > 1 else f"{out.request_id}-"
+            rows = next((a for rid, a in routing.items() if rid.startswith(prefix)), None)
+            n_pos = len(prompt_ids) + len(tokens) - 1
+            if rows is None or rows.shape[0] < n_pos or (rows[:n_pos] < 0).any():
+                raise EngineError(f"routing capture is missing rows for request {out.request_id} "
+                                  f"completion {c.index} ({n_pos} positions expected)")
+            trace = RoutingTrace.from_array(rows[:n_pos], engine.spec.num_experts)
+        result.append(Completion(prompt_ids, tokens, lps, trace, np.full(len(tokens), engine.policy_version, np.int64),
+                                 str(c.finish_reason or "")))
+    return result
+
+
+class AsyncVllmEngine:
+    """The same engine on vLLM's AsyncLLM, for an orchestrator that keeps many requests in flight.
+
+    Create it inside a running event loop with `await AsyncVllmEngine.create(...)`.
+    """
+
+    def __init__(self) -> None:
+        raise TypeError("use `await AsyncVllmEngine.create(model_dir, spec, ...)`")
+
+    @classmethod
+    async def create(cls, model_dir: str | Path, spec: MoEModelSpec, *, max_model_len: int = 512,
+                     max_num_seqs: int = 16, kv_cache_gib: int = 1, capture: bool = True, seed: int = 0,
+                     dtype: str = "float32") -> "AsyncVllmEngine":
+        import torch
+
+        self = object.__new__(cls)
+        self.spec, self.model_dir, self.max_model_len = spec, str(model_dir), max_model_len
+        self.policy_version, self.capture, self._next_id = 0, capture, 0
+        if not torch.cuda.is_available():
+            _cpu_env(spec, kv_cache_gib)
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        t0 = time.perf_counter()
+        try:
+            self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(
+                model=self.model_dir, skip_tokenizer_init=True, trust_remote_code=True, dtype=dtype,
+                enforce_eager=True, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+                enable_prefix_caching=False, seed=seed, worker_extension_cls=EXTENSION))
+            info = (await self.llm.collective_rpc("moe_grpo_install", args=(capture,)))[0]
+        except Exception as e:
+            raise EngineError(f"vLLM AsyncLLM failed to start on {self.model_dir}: {e}") from e
+        self.start_seconds = time.perf_counter() - t0
+        if capture and len(info["moe_layers"]) != spec.num_moe_layers:
+            raise EngineError(f"routing capture found {len(info['moe_layers'])} MoE routers, expected {spec.num_moe_layers}")
+        return self
+
+    check_prompt = VllmEngine.check_prompt
+
+    async def generate_one(self, prompt: Sequence[int], sampling: SamplingSettings) -> list[Completion]:
+        """The `n` completions of one prompt; many calls may run concurrently."""
+        results, good = _refuse_bad(self, [prompt], sampling)
+        if not good:
+            return results[0]
+        self._next_id += 1
+        request_id = f"mg{self._next_id}"
+        final = None
+        try:
+            async for out in self.llm.generate({"prompt_token_ids": [int(t) for t in prompt]},
+                                               _params(self, prompt, sampling), request_id=request_id):
+                final = out
+        except Exception as e:
+            raise EngineError(f"vLLM generation of request {request_id} failed: {e}") from e
+        routing = {}
+        if self.capture:
+            packed = (await self.llm.collective_rpc("moe_grpo_pop_routing", args=(_prefixes([final], sampling.n),)))[0]
+            routing = _decode_routing(packed)
+        return _completions(self, prompt, final, routing, sampling.n)
+
+    async def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingSettings) -> list[list[Completion]]:
+        import asyncio
+
+        return list(await asyncio.gather(*(self.generate_one(p, sampling) for p in prompts)))
+
+    def shutdown(self) -> None:
+        llm = getattr(self, "llm", None)
+        if llm is not None:
+            llm.shutdown()
             self.llm = None

@@ -129,3 +129,28 @@ def test_loaded_weights_change_the_engine_and_match_the_learner(engine_and_learn
     finally:
         engine.llm.collective_rpc("moe_grpo_set_reload_patch", args=(True,))
         engine.load_weights(hf_state_from_megatron(learner.spec, dict(learner.module.state_dict())), version=3)
+
+
+def test_async_engine_serves_concurrent_requests_with_traces(engine_and_learner):
+    import asyncio
+
+    from moe_grpo.rollout.vllm_engine import AsyncVllmEngine
+
+    engine, learner = engine_and_learner
+    greedy = SamplingSettings(n=1, max_tokens=8, temperature=0.0)
+    prompts = prompts_of_lengths([5, 23, 47, 11], seed=21) + [[]]
+    expected = engine.generate(prompts[:4], greedy)
+
+    async def run():
+        aengine = await AsyncVllmEngine.create(engine.model_dir, learner.spec, max_model_len=256)
+        try:
+            return await aengine.generate(prompts, greedy)
+        finally:
+            aengine.shutdown()
+
+    got = asyncio.run(run())
+    assert "empty prompt" in got[4][0].error
+    for want, have in zip(expected, got[:4]):
+        for w, h in zip(want, have):
+            np.testing.assert_array_equal(w.token_ids, h.token_ids)
+            np.testing.assert_array_equal(np.sort(w.routing.expert_ids, -1), np.sort(h.routing.expert_ids, -1))
