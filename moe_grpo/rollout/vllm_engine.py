@@ -115,6 +115,24 @@ class VllmEngine:
             results[i] = _completions(self, prompts[i], out, routing, sampling.n)
         return results
 
+    def score(self, sequences: Sequence[Sequence[int]]) -> list[np.ndarray]:
+        """Log-prob of every token after the first under the engine's current weights (prompt_logprobs)."""
+        from vllm import SamplingParams
+
+        params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0)
+        try:
+            outputs = self.llm.generate([{"prompt_token_ids": [int(t) for t in s]} for s in sequences], params,
+                                        use_tqdm=False)
+        except Exception as e:
+            raise EngineError(f"vLLM scoring failed: {e}") from e
+        if self.capture:  # scoring requests must not leave routing buffers behind
+            self.llm.collective_rpc("moe_grpo_pop_routing", args=(_prefixes(outputs, 1),))
+        result = []
+        for seq, out in zip(sequences, outputs):
+            lps = out.prompt_logprobs[1:]
+            result.append(np.asarray([lp[int(t)].logprob for lp, t in zip(lps, seq[1:])], dtype=np.float32))
+        return result
+
     # ------------------------------------------------------------------ weights
     def load_weights(self, hf_tensors: dict[str, Any], version: int) -> None:
         """Load full HF-named tensors, one decoder layer per reload, and serve `version` from now on."""

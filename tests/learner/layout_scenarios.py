@@ -108,3 +108,32 @@ def reshard_and_save(tp: int, ep: int, pp: int, src: str, dst: str, dtype_name: 
                               MegatronOptions(params_dtype=getattr(torch, dtype_name)))
     learner.load_checkpoint(src)
     learner.save_checkpoint(dst)
+
+
+def train_and_stage(tp: int, ep: int, pp: int, ckpt_dir: str, version: int):
+    """Load the engine's starting weights, take one step, stage the new weights for the sync.
+
+    Returns (stage_dir, {sequence index: learner log-probs after the step}) from rank 0's view.
+    """
+    import torch.distributed as dist
+
+    from moe_grpo.learner.megatron_learner import LearnerConfig, MegatronLearner
+    from moe_grpo.learner.parallel import ParallelLayout
+    from moe_grpo.sync.reshard import stage
+
+    from moe_grpo.checkpoint.convert import read_spec
+
+    spec = read_spec(ckpt_dir)
+    learner = MegatronLearner(spec, ParallelLayout(tp, ep, pp), LearnerConfig(micro_batch_size=2, lr=1e-2))
+    learner.load_checkpoint(ckpt_dir)
+    seqs = make_sequences(spec, n=4, with_routing=False)
+    idx, mine = shard(seqs, learner.rank["dp"], learner.rank["dp_size"])
+    learner.train_step(mine, replay=False)
+    path = stage(learner, version)
+    after = learner.logprobs(mine, replay=False)
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (idx, after))
+    out = {}
+    for part in gathered:
+        out.update(dict(zip(*part)))
+    return path, out
