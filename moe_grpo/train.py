@@ -15,8 +15,8 @@ from omegaconf import DictConfig
 
 NOT_BUILT = (
     "moe_grpo: stopping here. The Megatron learner, routing replay and the vLLM rollout engine are built and "
-    "checked above; the resharding weight sync, the reward tasks and the asynchronous GRPO loop are not built "
-    "yet (README, 'Status'). Nothing was trained; exit status 2."
+    "checked above; the reward tasks and the asynchronous GRPO loop are not built yet (README, 'Status'). "
+    "Nothing was trained; exit status 2."
 )
 _exit_code = 0
 
