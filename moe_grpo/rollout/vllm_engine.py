@@ -34,6 +34,25 @@ class EngineError(RuntimeError):
     """The vLLM engine failed (start, generation or weight load); names the step."""
 
 
+def native_routing_to_trace(routed: Any, spec: MoEModelSpec, num_positions: int) -> RoutingTrace:
+    """vLLM's native `CompletionOutput.routed_experts` -> a trace of MoE layers only.
+
+    vLLM reports `[seq_len, num_layers, topk]`; with DeepSeek's leading dense
+    layers the first `first_k_dense` columns carry no routing and are dropped.
+    """
+    ids = np.asarray(routed)
+    if ids.ndim != 3:
+        raise EngineError(f"native routed_experts has shape {ids.shape}, expected [seq_len, layers, topk]")
+    if ids.shape[1] == spec.num_layers and spec.first_k_dense:
+        ids = ids[:, spec.first_k_dense :]
+    if ids.shape[1] != spec.num_moe_layers:
+        raise EngineError(f"native routed_experts has {ids.shape[1]} layers, expected {spec.num_layers} "
+                          f"(all) or {spec.num_moe_layers} (MoE only)")
+    if ids.shape[0] < num_positions:
+        raise EngineError(f"native routed_experts has {ids.shape[0]} rows, expected {num_positions}")
+    return RoutingTrace.from_array(ids[:num_positions], spec.num_experts)
+
+
 def _cpu_env(spec: MoEModelSpec, kv_cache_gib: int) -> None:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(int(kv_cache_gib)))
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0")
@@ -47,10 +66,16 @@ class VllmEngine:
 
     def __init__(self, model_dir: str | Path, spec: MoEModelSpec, *, max_model_len: int = 512, max_num_seqs: int = 16,
                  kv_cache_gib: int = 1, capture: bool = True, seed: int = 0,
-                 max_num_batched_tokens: int | None = None, dtype: str = "float32") -> None:
+                 max_num_batched_tokens: int | None = None, dtype: str = "float32",
+                 routing_source: str = "auto") -> None:
+        """`routing_source`: 'extension' (router hooks, any platform), 'native' (vLLM's
+        enable_return_routed_experts: Model Runner V2, GPU only) or 'auto' (native on GPU)."""
         import torch
 
         self.spec, self.model_dir, self.max_model_len = spec, str(model_dir), max_model_len
+        if routing_source not in ("auto", "extension", "native"):
+            raise ValueError(f"routing_source={routing_source!r}, expected 'auto', 'extension' or 'native'")
+        self.native = capture and (routing_source == "native" or (routing_source == "auto" and torch.cuda.is_available()))
         self.policy_version = 0
         on_gpu = torch.cuda.is_available()
         if not on_gpu:
@@ -63,14 +88,18 @@ class VllmEngine:
             worker_extension_cls=EXTENSION)
         if max_num_batched_tokens is not None:
             kwargs.update(max_num_batched_tokens=max_num_batched_tokens, enable_chunked_prefill=True)
+        if self.native:
+            # vLLM's own capture (it also needs prefix caching on, and Model Runner V2).
+            os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "1")
+            kwargs.update(enable_return_routed_experts=True, enable_prefix_caching=True)
         t0 = time.perf_counter()
         try:
             self.llm = LLM(**kwargs)
-            info = self.llm.collective_rpc("moe_grpo_install", args=(capture,))[0]
+            info = self.llm.collective_rpc("moe_grpo_install", args=(capture and not self.native,))[0]
         except Exception as e:
             raise EngineError(f"vLLM engine failed to start on {self.model_dir}: {e}") from e
         self.start_seconds = time.perf_counter() - t0
-        if capture and len(info["moe_layers"]) != spec.num_moe_layers:
+        if capture and not self.native and len(info["moe_layers"]) != spec.num_moe_layers:
             raise EngineError(f"routing capture found {len(info['moe_layers'])} MoE routers, expected "
                               f"{spec.num_moe_layers} for {spec.name}")
         self.capture = capture
@@ -109,8 +138,10 @@ class VllmEngine:
                                         use_tqdm=False)
         except Exception as e:
             raise EngineError(f"vLLM generation failed: {e}") from e
-        routing = _decode_routing(self.llm.collective_rpc("moe_grpo_pop_routing",
-                                                          args=(_prefixes(outputs, sampling.n),))[0]) if self.capture else {}
+        routing = {}
+        if self.capture and not self.native:
+            routing = _decode_routing(self.llm.collective_rpc("moe_grpo_pop_routing",
+                                                              args=(_prefixes(outputs, sampling.n),))[0])
         for i, out in zip(good, outputs):
             results[i] = _completions(self, prompts[i], out, routing, sampling.n)
         return results
@@ -206,7 +237,9 @@ def _completions(engine: Any, prompt: Sequence[int], out: Any, routing: dict[str
         tokens = np.asarray(c.token_ids, dtype=np.int64)
         lps = np.asarray([c.logprobs[j][int(t)].logprob for j, t in enumerate(tokens)], dtype=np.float32)
         trace = None
-        if engine.capture:
+        if engine.capture and getattr(engine, "native", False):
+            trace = native_routing_to_trace(c.routed_experts, engine.spec, len(prompt_ids) + len(tokens) - 1)
+        elif engine.capture:
             prefix = f"{c.index}_{out.request_id}-" if n > 1 else f"{out.request_id}-"
             rows = next((a for rid, a in routing.items() if rid.startswith(prefix)), None)
             n_pos = len(prompt_ids) + len(tokens) - 1
