@@ -14,17 +14,18 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import shutil
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 from moe_grpo.checkpoint.hf_io import CheckpointFileError, SafetensorsDir, ShardedSafetensorsWriter
 from moe_grpo.models.hf_config import hf_config_from_spec, read_hf_config, spec_from_hf_config
-from moe_grpo.models.hf_names import ParamMapping, param_mappings, to_hf, to_megatron
+from moe_grpo.models.hf_names import ParamMapping, layer_groups, param_mappings, to_hf, to_megatron
 from moe_grpo.models.spec import MoEModelSpec, spec_from_mapping
 
 SPEC_FILE = "moe_grpo_model.json"
@@ -144,14 +145,6 @@ def read_spec(megatron_dir: str | Path) -> MoEModelSpec:
     return spec_from_mapping(json.loads(path.read_text()))
 
 
-def _layer_groups(mappings: list[ParamMapping]) -> list[list[ParamMapping]]:
-    groups: list[list[ParamMapping]] = []
-    for m in mappings:
-        if groups and groups[-1][-1].layer == m.layer:
-            groups[-1].append(m)
-        else:
-            groups.append([m])
-    return groups
 
 
 def megatron_to_hf(megatron_dir: str | Path, out_dir: str | Path, *, spec: MoEModelSpec | None = None,
@@ -162,7 +155,7 @@ def megatron_to_hf(megatron_dir: str | Path, out_dir: str | Path, *, spec: MoEMo
     target, tmp = _staging(out_dir)
     spec = spec or read_spec(megatron_dir)
     model = meta_model(spec, _checkpoint_dtype(megatron_dir))
-    groups = _layer_groups(param_mappings(spec))
+    groups = layer_groups(param_mappings(spec))
     bar = Progress("Megatron -> HF layers", len(groups), enabled=progress)
     try:
         writer = ShardedSafetensorsWriter(tmp)
@@ -180,17 +173,11 @@ def megatron_to_hf(megatron_dir: str | Path, out_dir: str | Path, *, spec: MoEMo
         if original.is_file():  # keep keys we do not model (tokenizer ids, rope scaling, ...)
             cfg = {**json.loads(original.read_text()), **cfg}
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
-        os_replace(tmp, target)
+        os.replace(tmp, target)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return spec
-
-
-def os_replace(src: Path, dst: Path) -> None:
-    import os
-
-    os.replace(src, dst)
 
 
 def _checkpoint_dtype(megatron_dir: str | Path) -> torch.dtype:
@@ -212,7 +199,7 @@ def megatron_to_megatron(src_dir: str | Path, out_dir: str | Path, *, dtype: tor
     src_model = meta_model(spec, _checkpoint_dtype(src_dir))
     out_model = meta_model(spec, dtype or _checkpoint_dtype(src_dir))
     mappings = param_mappings(spec)
-    group_of = {m.megatron: [x.megatron for x in g] for g in _layer_groups(mappings) for m in g}
+    group_of = {m.megatron: [x.megatron for x in g] for g in layer_groups(mappings) for m in g}
     cache: dict[str, torch.Tensor] = {}
     bar = Progress("Megatron -> Megatron tensors", len(mappings), enabled=progress)
 
@@ -229,5 +216,3 @@ def megatron_to_megatron(src_dir: str | Path, out_dir: str | Path, *, dtype: tor
     save_streaming(out_model, source, str(target), extra_files=extras)
     return spec
 
-
-Converter = Callable[..., MoEModelSpec]

@@ -133,6 +133,21 @@ def to_hf(mapping: ParamMapping, tensor: torch.Tensor, spec: MoEModelSpec) -> li
     return [q.contiguous(), k.contiguous(), v.contiguous()]
 
 
+def layer_groups(mappings: list[ParamMapping]) -> list[list[ParamMapping]]:
+    """Consecutive mappings of one decoder layer (embedding and head form their own groups).
+
+    vLLM reloads whole modules only and conversion streams a layer at a time:
+    both move weights in these groups.
+    """
+    groups: list[list[ParamMapping]] = []
+    for m in mappings:
+        if groups and groups[-1][-1].layer == m.layer:
+            groups[-1].append(m)
+        else:
+            groups.append([m])
+    return groups
+
+
 def hf_names(spec: MoEModelSpec) -> set[str]:
     """Every HF tensor name the model has."""
     return {name for m in param_mappings(spec) for name in m.hf}

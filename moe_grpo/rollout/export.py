@@ -12,7 +12,7 @@ import torch
 
 from moe_grpo.data.tokenizer import write_tokenizer
 from moe_grpo.models.hf_config import hf_config_from_spec
-from moe_grpo.models.hf_names import param_mappings, to_hf
+from moe_grpo.models.hf_names import layer_groups, param_mappings, to_hf
 from moe_grpo.models.spec import MoEModelSpec
 
 # transformers ships no config class for DeepSeek-MoE (v1); public checkpoints carry one as
@@ -79,14 +79,5 @@ def export_learner(learner: Any, directory: str | Path) -> Path:
 
 def weight_buckets(spec: MoEModelSpec, hf_state: dict[str, torch.Tensor]) -> Iterable[dict[str, torch.Tensor]]:
     """HF tensors grouped one decoder layer per bucket: vLLM reloads whole modules only."""
-    bucket: dict[str, torch.Tensor] = {}
-    layer: object = "start"
-    for m in param_mappings(spec):
-        if m.layer != layer and bucket:
-            yield bucket
-            bucket = {}
-        layer = m.layer
-        for name in m.hf:
-            bucket[name] = hf_state[name]
-    if bucket:
-        yield bucket
+    for group in layer_groups(param_mappings(spec)):
+        yield {name: hf_state[name] for m in group for name in m.hf}

@@ -24,7 +24,7 @@ from typing import Any, Iterator
 
 import torch
 
-from moe_grpo.models.hf_names import ParamMapping, param_mappings, to_hf
+from moe_grpo.models.hf_names import layer_groups, param_mappings, to_hf
 
 
 def staging_root() -> str:
@@ -48,14 +48,6 @@ def staged_version(stage_dir: str) -> int:
     return int(Path(stage_dir, "VERSION").read_text())
 
 
-def _layer_groups(mappings: list[ParamMapping]) -> list[list[ParamMapping]]:
-    groups: list[list[ParamMapping]] = []
-    for m in mappings:
-        if groups and groups[-1][-1].layer == m.layer:
-            groups[-1].append(m)
-        else:
-            groups.append([m])
-    return groups
 
 
 def iter_hf_buckets(stage_dir: str, *, max_bucket_bytes: int = 256 << 20) -> Iterator[dict[str, torch.Tensor]]:
@@ -67,7 +59,7 @@ def iter_hf_buckets(stage_dir: str, *, max_bucket_bytes: int = 256 << 20) -> Ite
     model = meta_model(spec, _checkpoint_dtype(stage_dir))
     bucket: dict[str, torch.Tensor] = {}
     size = 0
-    for group in _layer_groups(param_mappings(spec)):
+    for group in layer_groups(param_mappings(spec)):
         loaded = load_params(model, stage_dir, [m.megatron for m in group])
         for m in group:
             for name, t in zip(m.hf, to_hf(m, loaded[m.megatron], spec)):
