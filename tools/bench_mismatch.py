@@ -38,7 +38,6 @@ def main() -> None:
     from moe_grpo.rollout.types import SamplingSettings
     from moe_grpo.rollout.vllm_engine import VllmEngine
     from moe_grpo.routing.metrics import agreement
-    from moe_grpo.routing.trace import RoutingTrace
 
     spec = load_model_spec(args.model)
     learner = MegatronLearner(spec, config=LearnerConfig(micro_batch_size=args.prompts * 2))
@@ -50,16 +49,7 @@ def main() -> None:
     engine.shutdown()
     seqs = [LearnerSequence(np.concatenate([c.prompt_ids, c.token_ids]), prompt_len=len(c.prompt_ids),
                             routing=c.routing, old_logprobs=c.logprobs) for c in comps]
-    rec = learner.routing(seqs, replay=False)
-    learner_traces = []
-    for k in range(len(seqs)):
-        layers = []
-        for m in range(spec.num_moe_layers):
-            for mb_i, mb in enumerate(rec["microbatches"]):
-                for idx, row, start, end in mb.spans:
-                    if idx == k:
-                        layers.append(rec["free"][m][mb_i][row, start:end].numpy())
-        learner_traces.append(RoutingTrace.from_array(np.stack(layers, axis=1), spec.num_experts))
+    learner_traces = learner.routing_traces(seqs, replay=False)["free"]
     agree = agreement([s.routing for s in seqs], learner_traces)
     free = learner.forward_backward(seqs, replay=False)
     learner.zero_grad()

@@ -36,7 +36,6 @@ def main() -> None:
     from moe_grpo.config import load_model_spec
     from moe_grpo.learner.batch import LearnerSequence
     from moe_grpo.learner.megatron_learner import LearnerConfig, MegatronLearner
-    from moe_grpo.routing.trace import RoutingTrace
 
     spec = load_model_spec(args.model).replace(max_position_embeddings=max(args.seq, 512))
     learner = MegatronLearner(spec, config=LearnerConfig(micro_batch_size=args.batch))
@@ -44,11 +43,8 @@ def main() -> None:
     seqs = [LearnerSequence(rng.integers(0, spec.vocab_size, size=args.seq), prompt_len=args.seq // 4,
                             advantage=float(rng.normal())) for _ in range(args.batch)]
     # Record the learner's own routing, then replay exactly that.
-    rec = learner.routing(seqs, replay=False)
-    mb = rec["microbatches"][0]
-    for idx, row, start, end in mb.spans:
-        layers = [rec["free"][m][0][row, start:end] for m in range(spec.num_moe_layers)]
-        seqs[idx].routing = RoutingTrace.from_array(torch.stack(layers, dim=1), spec.num_experts)
+    for seq, trace in zip(seqs, learner.routing_traces(seqs, replay=False)["free"]):
+        seq.routing = trace
 
     def timed(replay: bool) -> float:
         learner.zero_grad()

@@ -24,6 +24,7 @@ from moe_grpo.learner.parallel import ParallelLayout, init_distributed, ranks, s
 from moe_grpo.models.megatron import MegatronOptions, build_gpt_model, transformer_config
 from moe_grpo.models.spec import MoEModelSpec
 from moe_grpo.routing.replay import RoutingReplayer, check_replay_supported, megatron_token_order
+from moe_grpo.routing.trace import RoutingTrace
 
 
 class NonFiniteError(FloatingPointError):
@@ -211,6 +212,28 @@ class MegatronLearner:
             "free": {s.moe_index: [batch_order_from_megatron(t, rows) for t in s.free] for s in self.replayer.slots},
             "microbatches": mbs,
         }
+
+    def routing_traces(self, seqs: Sequence[LearnerSequence], *, replay: bool = False) -> dict[str, list[RoutingTrace]]:
+        """Per sequence, the routing the learner used and the routing it would choose free-running.
+
+        `{"used": [RoutingTrace...], "free": [...]}`, one trace per sequence
+        (`len(tokens) - 1` rows, MoE layers only). With `replay=True`, "used"
+        is the replayed trace and "free" is what the current weights prefer,
+        so `routing.metrics.agreement(used, free)` is the router disagreement.
+        Needs every MoE layer and the whole sequence on this rank (TP = PP = 1).
+        """
+        if self.layout.tensor_parallel > 1 or self.layout.pipeline_parallel > 1:
+            raise ValueError("routing_traces needs TP=PP=1 (all MoE layers and whole sequences on one rank)")
+        rec = self.routing(seqs, replay=replay)
+        out: dict[str, list[RoutingTrace]] = {"used": [], "free": []}
+        spans = {idx: (mb_i, row, start, end) for mb_i, mb in enumerate(rec["microbatches"])
+                 for idx, row, start, end in mb.spans}
+        for k in range(len(seqs)):
+            mb_i, row, start, end = spans[k]
+            for key in ("used", "free"):
+                ids = torch.stack([rec[key][m][mb_i][row, start:end] for m in range(self.spec.num_moe_layers)], dim=1)
+                out[key].append(RoutingTrace.from_array(ids, self.spec.num_experts))
+        return out
 
     def train_step(self, seqs: Sequence[LearnerSequence], *, replay: bool = True,
                    global_num_tokens: int | None = None) -> dict[str, float]:

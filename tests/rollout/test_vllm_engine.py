@@ -61,32 +61,16 @@ def to_sequences(results):
                             routing=c.routing, old_logprobs=c.logprobs) for group in results for c in group]
 
 
-def learner_routing(learner, seqs, key):
-    out = []
-    rec = learner.routing(seqs, replay=(key == "used"))
-    for k in range(len(seqs)):
-        layers = []
-        for m in range(learner.spec.num_moe_layers):
-            for mb_i, mb in enumerate(rec["microbatches"]):
-                for idx, row, start, end in mb.spans:
-                    if idx == k:
-                        layers.append(rec[key][m][mb_i][row, start:end].numpy())
-        out.append(np.stack(layers, axis=1))
-    return out
-
-
 def test_r3_learner_replays_vllm_routing_exactly(engine_and_learner, record_property):
     engine, learner = engine_and_learner
     results = engine.generate(prompts_of_lengths([8, 20, 33, 50, 14, 27], seed=7), SamplingSettings(n=2, max_tokens=24))
     seqs = to_sequences(results)
-    used = learner_routing(learner, seqs, "used")
-    free = learner_routing(learner, seqs, "free")
-    total = agree_free = 0
-    for s, u, f in zip(seqs, used, free):
-        rollout = np.sort(s.routing.expert_ids.astype(np.int64), -1)
-        assert np.array_equal(np.sort(u, -1), rollout), "with replay the learner must route exactly as vLLM did"
-        agree_free += int((np.sort(f, -1) == rollout).all(-1).sum())
-        total += rollout.shape[0] * rollout.shape[1]
+    from moe_grpo.routing.metrics import agreement
+
+    traces = learner.routing_traces(seqs, replay=True)
+    rollout = [s.routing for s in seqs]
+    assert agreement(rollout, traces["used"])["set_agreement"] == 1.0, "with replay the learner must route as vLLM did"
+    free_agreement = agreement(rollout, traces["free"])["set_agreement"]
     replayed = learner.forward_backward(seqs, replay=True)
     learner.zero_grad()
     free_m = learner.forward_backward(seqs, replay=False)
@@ -94,7 +78,7 @@ def test_r3_learner_replays_vllm_routing_exactly(engine_and_learner, record_prop
     assert replayed["replay/applied"] == 1.0
     # Same weights, fp32 on both sides: replayed log-probs match vLLM's sampling log-probs closely.
     assert replayed["mismatch/kl"] < 1e-5
-    figures = {"router_disagreement_without_replay": 1 - agree_free / total,
+    figures = {"router_disagreement_without_replay": 1 - free_agreement,
                "kl_with_replay": replayed["mismatch/kl"], "kl_without_replay": free_m["mismatch/kl"]}
     record_property("r3_figures", figures)
     print("R3 figures:", figures)

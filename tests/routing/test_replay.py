@@ -16,21 +16,6 @@ def learner():
     return MegatronLearner(tiny_spec(), config=LearnerConfig(micro_batch_size=2, lr=1e-3))
 
 
-def traces_from(routing, seqs, key):
-    """Per sequence, a RoutingTrace assembled from what every router did in `routing[key]`."""
-    spec = tiny_spec()
-    out = []
-    for k, seq in enumerate(seqs):
-        layers = []
-        for moe_index in range(spec.num_moe_layers):
-            for mb_i, mb in enumerate(routing["microbatches"]):
-                for idx, row, start, end in mb.spans:
-                    if idx == k:
-                        layers.append(routing[key][moe_index][mb_i][row, start:end])
-        out.append(RoutingTrace.from_array(torch.stack(layers, dim=1), spec.num_experts))
-    return out
-
-
 def set_sorted(trace):
     return np.sort(trace.expert_ids.astype(np.int64), axis=-1)
 
@@ -38,7 +23,7 @@ def set_sorted(trace):
 def test_replay_forces_the_trace_and_router_still_learns(learner):
     spec = tiny_spec()
     seqs = make_sequences(spec, n=6, with_routing=False)
-    recorded = traces_from(learner.routing(seqs, replay=False), seqs, "free")
+    recorded = learner.routing_traces(seqs, replay=False)["free"]
     for s, t in zip(seqs, recorded):
         t.validate(num_positions=s.num_positions, num_moe_layers=spec.num_moe_layers, top_k=spec.top_k,
                    num_experts=spec.num_experts)
@@ -50,9 +35,8 @@ def test_replay_forces_the_trace_and_router_still_learns(learner):
             router = getattr(layer.mlp, "router", None)
             if router is not None:
                 router.weight.add_(torch.randn(router.weight.shape, generator=gen) * 0.5)
-    after = learner.routing(seqs, replay=True)
-    free = traces_from(after, seqs, "free")
-    used = traces_from(after, seqs, "used")
+    after = learner.routing_traces(seqs, replay=True)
+    free, used = after["free"], after["used"]
     differing = sum(int((set_sorted(f) != set_sorted(r)).any(-1).sum()) for f, r in zip(free, recorded))
     total = sum(r.num_positions * spec.num_moe_layers for r in recorded)
     assert 0 < differing < total, f"perturbed routers should disagree on some (token, layer): {differing}/{total}"
