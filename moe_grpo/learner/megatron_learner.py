@@ -104,6 +104,17 @@ class MegatronLearner:
         n = len(seqs)
         if n == 0:
             raise ValueError("no sequences given; every data-parallel rank needs at least one")
+        if replay:
+            from moe_grpo.routing.trace import RoutingTraceError
+
+            for i, s in enumerate(seqs):
+                if s.routing is None:
+                    continue  # make_microbatches names every sequence without a trace
+                try:
+                    s.routing.validate(num_positions=s.num_positions, num_moe_layers=self.spec.num_moe_layers,
+                                       top_k=self.spec.top_k, num_experts=self.spec.num_experts)
+                except RoutingTraceError as e:
+                    raise RoutingTraceError(f"sequence {i}: {e}") from e
         mbs = self.config.micro_batch_size
         batches = make_microbatches(
             seqs,

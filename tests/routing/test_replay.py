@@ -97,3 +97,13 @@ def test_packed_and_padded_batches_give_the_same_logprobs(learner):
     for a, b in zip(padded, packed):
         assert a.shape == b.shape
         np.testing.assert_allclose(a, b, atol=1e-5)
+
+
+def test_a_trace_that_does_not_fit_its_sequence_is_refused_before_the_forward(learner):
+    from moe_grpo.routing.trace import RoutingTraceError
+
+    seqs = make_sequences(tiny_spec(), n=3)
+    short = seqs[1].routing.expert_ids[:-1]
+    seqs[1].routing = RoutingTrace.from_array(short, tiny_spec().num_experts)
+    with pytest.raises(RoutingTraceError, match=r"sequence 1: routing trace positions="):
+        learner.logprobs(seqs, replay=True)
