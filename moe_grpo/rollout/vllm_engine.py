@@ -127,8 +127,6 @@ class VllmEngine:
         self.capture = on
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingSettings) -> list[list[Completion]]:
-        from vllm import SamplingParams
-
         results, good = _refuse_bad(self, prompts, sampling)
         if not good:
             return results
