@@ -43,14 +43,12 @@ def write_synthetic_hf(spec, directory: Path) -> int:
     """Random weights in HF layout, one decoder layer per file; returns bytes written."""
     import torch
 
-    from moe_grpo.checkpoint.convert import meta_model
+    from moe_grpo.checkpoint.convert import _meta_shapes, meta_model
     from moe_grpo.checkpoint.hf_io import ShardedSafetensorsWriter
     from moe_grpo.models.hf_config import write_hf_config
     from moe_grpo.models.hf_names import param_mappings, to_hf
 
-    model = meta_model(spec)
-    shapes = {n: p.shape for n, p in model.named_parameters()}
-    shapes.update({n: b.shape for n, b in model.named_buffers() if n.endswith("expert_bias")})
+    shapes = _meta_shapes(meta_model(spec))
     writer = ShardedSafetensorsWriter(directory)
     gen = torch.Generator().manual_seed(0)
     group, layer = {}, "start"

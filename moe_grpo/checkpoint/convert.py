@@ -154,7 +154,8 @@ def megatron_to_hf(megatron_dir: str | Path, out_dir: str | Path, *, spec: MoEMo
 
     target, tmp = _staging(out_dir)
     spec = spec or read_spec(megatron_dir)
-    model = meta_model(spec, _checkpoint_dtype(megatron_dir))
+    dtype = _checkpoint_dtype(megatron_dir)
+    model = meta_model(spec, dtype)
     groups = layer_groups(param_mappings(spec))
     bar = Progress("Megatron -> HF layers", len(groups), enabled=progress)
     try:
@@ -168,7 +169,7 @@ def megatron_to_hf(megatron_dir: str | Path, out_dir: str | Path, *, spec: MoEMo
             bar.step(sum(t.numel() * t.element_size() for t in out.values()))
             del loaded, out
         writer.finish()
-        cfg = hf_config_from_spec(spec, torch_dtype=str(_checkpoint_dtype(megatron_dir)).removeprefix("torch."))
+        cfg = hf_config_from_spec(spec, torch_dtype=str(dtype).removeprefix("torch."))
         original = Path(megatron_dir) / "hf_config.json"
         if original.is_file():  # keep keys we do not model (tokenizer ids, rope scaling, ...)
             cfg = {**json.loads(original.read_text()), **cfg}
@@ -196,8 +197,9 @@ def megatron_to_megatron(src_dir: str | Path, out_dir: str | Path, *, dtype: tor
 
     target, _ = _staging(out_dir)
     spec = read_spec(src_dir)
-    src_model = meta_model(spec, _checkpoint_dtype(src_dir))
-    out_model = meta_model(spec, dtype or _checkpoint_dtype(src_dir))
+    src_dtype = _checkpoint_dtype(src_dir)
+    src_model = meta_model(spec, src_dtype)
+    out_model = meta_model(spec, dtype or src_dtype)
     mappings = param_mappings(spec)
     group_of = {m.megatron: [x.megatron for x in g] for g in layer_groups(mappings) for m in g}
     cache: dict[str, torch.Tensor] = {}

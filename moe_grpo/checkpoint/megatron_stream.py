@@ -19,7 +19,7 @@ import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable
 
 import torch
 
@@ -149,7 +149,6 @@ def save_streaming(meta_model: Any, source: ParamSource, directory: str,
 def load_params(meta_model: Any, directory: str, names: Iterable[str]) -> dict[str, torch.Tensor]:
     """Full tensors of the named model parameters (TP=EP=PP=1 names) from a Megatron checkpoint."""
     from megatron.core import dist_checkpointing
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 
     wanted = set(names)
     sharded = meta_model.sharded_state_dict()
@@ -173,18 +172,3 @@ def _materialize(item: Any) -> Any:
         item.data = torch.empty(item.data.shape, dtype=item.data.dtype, device="cpu")
         return item
     raise TypeError(f"cannot load checkpoint item of type {type(item).__name__}")
-
-
-def iter_param_groups(names: list[str], group_of: Callable[[str], Any]) -> Iterator[list[str]]:
-    """Split parameter names into consecutive groups (e.g. one decoder layer each)."""
-    group: list[str] = []
-    current: Any = object()
-    for name in names:
-        g = group_of(name)
-        if group and g != current:
-            yield group
-            group = []
-        current = g
-        group.append(name)
-    if group:
-        yield group

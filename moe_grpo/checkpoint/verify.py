@@ -32,12 +32,10 @@ def hf_logprobs(hf_dir: str | Path, seqs: list[np.ndarray]) -> list[np.ndarray]:
 
 def megatron_logprobs(megatron_dir: str, tp: int, ep: int, pp: int, seqs: list[np.ndarray]) -> Any:
     """Runs in every rank of a (tp, ep, pp) group: load the checkpoint, return log-probs on rank 0."""
-    import torch.distributed as dist
-
     from moe_grpo.checkpoint.convert import _checkpoint_dtype, read_spec
     from moe_grpo.learner.batch import LearnerSequence
     from moe_grpo.learner.megatron_learner import LearnerConfig, MegatronLearner
-    from moe_grpo.learner.parallel import ParallelLayout
+    from moe_grpo.learner.parallel import ParallelLayout, gather_by_index
     from moe_grpo.models.megatron import MegatronOptions
 
     spec = read_spec(megatron_dir)
@@ -47,13 +45,8 @@ def megatron_logprobs(megatron_dir: str, tp: int, ep: int, pp: int, seqs: list[n
     dp, dp_size = learner.rank["dp"], learner.rank["dp_size"]
     mine = list(range(dp, len(seqs), dp_size))
     lps = learner.logprobs([LearnerSequence(seqs[i], prompt_len=1) for i in mine], replay=False)
-    gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, (mine, lps))
-    result: list[Any] = [None] * len(seqs)
-    for idx, vals in gathered:
-        for i, v in zip(idx, vals):
-            result[i] = v
-    return result
+    merged = gather_by_index(mine, lps)
+    return [merged[i] for i in range(len(seqs))]
 
 
 def verify(hf_dir: str | Path, megatron_dir: str | Path, *, tp: int = 1, ep: int = 1, pp: int = 1,

@@ -63,8 +63,6 @@ class Microbatch:
     labels: torch.Tensor
     loss_mask: torch.Tensor
     """1.0 on response-token targets."""
-    valid_mask: torch.Tensor
-    """1.0 on every real (non-padding) target."""
     advantages: torch.Tensor
     old_logprobs: torch.Tensor
     routing: torch.Tensor | None
@@ -77,7 +75,7 @@ class Microbatch:
     def to(self, device: torch.device) -> "Microbatch":
         """The same microbatch with every tensor on `device` (a no-op on CPU)."""
         move = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
-        return Microbatch(move(self.input_ids), move(self.labels), move(self.loss_mask), move(self.valid_mask),
+        return Microbatch(move(self.input_ids), move(self.labels), move(self.loss_mask),
                           move(self.advantages), move(self.old_logprobs), move(self.routing),
                           move(self.attention_mask), self.spans)
 
@@ -144,7 +142,6 @@ def _collate(seqs, indices, rows, width, packed, with_routing, moe_layers, top_k
     input_ids = torch.full((rows, width), pad_token, dtype=torch.int64)
     labels = torch.full((rows, width), pad_token, dtype=torch.int64)
     loss_mask = torch.zeros((rows, width), dtype=torch.float32)
-    valid = torch.zeros((rows, width), dtype=torch.float32)
     adv = torch.zeros((rows, width), dtype=torch.float32)
     old = torch.zeros((rows, width), dtype=torch.float32)
     routing = None
@@ -163,7 +160,6 @@ def _collate(seqs, indices, rows, width, packed, with_routing, moe_layers, top_k
         t = torch.from_numpy(s.tokens)
         input_ids[row, start:end] = t[:-1]
         labels[row, start:end] = t[1:]
-        valid[row, start:end] = 1.0
         resp_from = start + s.prompt_len - 1
         loss_mask[row, resp_from:end] = 1.0
         adv[row, start:end] = float(s.advantage)
@@ -180,4 +176,4 @@ def _collate(seqs, indices, rows, width, packed, with_routing, moe_layers, top_k
         pad = torch.arange(cursor, width)
         allowed[pad, pad] = True
         attention_mask = (~allowed).view(1, 1, width, width)
-    return Microbatch(input_ids, labels, loss_mask, valid, adv, old, routing, attention_mask, spans)
+    return Microbatch(input_ids, labels, loss_mask, adv, old, routing, attention_mask, spans)

@@ -357,8 +357,11 @@ def _chain(*undos: Callable[[], None]) -> Callable[[], None]:
     return undo
 
 
-def _te_general_gemm_none(module: Any) -> Any:
-    return None
+def _te_general_gemm_patch() -> Callable[[], None]:
+    moe_utils = importlib.import_module(f"{_MC}.transformer.moe.moe_utils")
+    if hasattr(moe_utils, "te_general_gemm"):
+        return lambda: None
+    return _setattr_patch(moe_utils.__name__, "te_general_gemm", lambda m: None)()
 
 
 def _transformer_engine_importable() -> bool:
@@ -380,9 +383,7 @@ GENUINE_BUGS: tuple[Patch, ...] = (
         "te_general_gemm_undefined",
         "transformer/moe/moe_utils.py: RouterGatingLinearFunction reads te_general_gemm, which is only "
         "defined when Transformer Engine imports (NameError without TE, on GPU as well)",
-        lambda: _setattr_patch(f"{_MC}.transformer.moe.moe_utils", "te_general_gemm", _te_general_gemm_none)()
-        if not hasattr(importlib.import_module(f"{_MC}.transformer.moe.moe_utils"), "te_general_gemm")
-        else (lambda: None),
+        _te_general_gemm_patch,
     ),
     Patch(
         "mla_have_te_stub",

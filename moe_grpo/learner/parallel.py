@@ -127,6 +127,22 @@ def seed_everything(seed: int) -> None:
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 
+def gather_by_index(indices: list[int], values: list[Any]) -> dict[int, Any]:
+    """Collective: every rank's (index, value) pairs, merged into one dict on every rank.
+
+    For results computed on each data-parallel rank's share of a batch (TP/PP
+    peers hold the same pairs; merging them is harmless).
+    """
+    import torch.distributed as dist
+
+    parts: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, (list(indices), list(values)))
+    merged: dict[int, Any] = {}
+    for idx, vals in parts:
+        merged.update(zip(idx, vals))
+    return merged
+
+
 def ranks() -> dict[str, int]:
     """This process's coordinates in every Megatron group."""
     from megatron.core import parallel_state as ps

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from moe_grpo.learner.batch import LearnerSequence
+from moe_grpo.learner.parallel import gather_by_index
 from moe_grpo.routing.trace import RoutingTrace
 
 
@@ -47,8 +48,6 @@ def shard(seqs, dp_rank: int, dp_size: int):
 def layout_logprobs(tp: int, ep: int, pp: int, ckpt_dir: str | None, save_to: str | None, spec_changes: dict,
                     learner_changes: dict, seq_seed: int = 0):
     """Build a learner at (tp, ep, pp), optionally load/save weights; return logprobs by sequence index."""
-    import torch.distributed as dist
-
     from moe_grpo.learner.megatron_learner import LearnerConfig, MegatronLearner
     from moe_grpo.learner.parallel import ParallelLayout
 
@@ -62,20 +61,11 @@ def layout_logprobs(tp: int, ep: int, pp: int, ckpt_dir: str | None, save_to: st
     idx, mine = shard(seqs, learner.rank["dp"], learner.rank["dp_size"])
     free = learner.logprobs(mine, replay=False)
     replayed = learner.logprobs(mine, replay=True)
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, (idx, free, replayed))
-    out = {"free": {}, "replay": {}}
-    for part in gathered:
-        for i, f, r in zip(*part):
-            out["free"][i] = f
-            out["replay"][i] = r
-    return out
+    return {"free": gather_by_index(idx, free), "replay": gather_by_index(idx, replayed)}
 
 
 def layout_train_step(tp: int, ep: int, pp: int, ckpt_dir: str, spec_changes: dict, learner_changes: dict):
     """Load weights, take one replayed policy-gradient step on the global batch, return loss and new logprobs."""
-    import torch.distributed as dist
-
     from moe_grpo.learner.megatron_learner import LearnerConfig, MegatronLearner
     from moe_grpo.learner.parallel import ParallelLayout
 
@@ -87,12 +77,7 @@ def layout_train_step(tp: int, ep: int, pp: int, ckpt_dir: str, spec_changes: di
     idx, mine = shard(seqs, learner.rank["dp"], learner.rank["dp_size"])
     metrics = learner.train_step(mine, replay=True)
     after = learner.logprobs(mine, replay=True)
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, (idx, after))
-    out = {}
-    for part in gathered:
-        out.update(dict(zip(*part)))
-    return metrics, out
+    return metrics, gather_by_index(idx, after)
 
 
 def reshard_and_save(tp: int, ep: int, pp: int, src: str, dst: str, dtype_name: str = "float32") -> None:
@@ -115,8 +100,6 @@ def train_and_stage(tp: int, ep: int, pp: int, ckpt_dir: str, version: int):
 
     Returns (stage_dir, {sequence index: learner log-probs after the step}) from rank 0's view.
     """
-    import torch.distributed as dist
-
     from moe_grpo.learner.megatron_learner import LearnerConfig, MegatronLearner
     from moe_grpo.learner.parallel import ParallelLayout
     from moe_grpo.sync.reshard import stage
@@ -131,9 +114,4 @@ def train_and_stage(tp: int, ep: int, pp: int, ckpt_dir: str, version: int):
     learner.train_step(mine, replay=False)
     path = stage(learner, version)
     after = learner.logprobs(mine, replay=False)
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, (idx, after))
-    out = {}
-    for part in gathered:
-        out.update(dict(zip(*part)))
-    return path, out
+    return path, gather_by_index(idx, after)
