@@ -12,7 +12,7 @@ import math
 import os
 import shutil
 from functools import partial
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -88,6 +88,8 @@ class MegatronLearner:
         )
         self.replayer = RoutingReplayer(module, spec.moe_layer_pattern, recompute=options.recompute) if options.routing_replay else None
         self.step_count = 0
+        self.before_update: list[Callable[[], None]] = []
+        """Called before the optimizer changes the weights (a background weight sync still copying them waits here)."""
 
     # ------------------------------------------------------------------ helpers
     @property
@@ -319,6 +321,8 @@ class MegatronLearner:
 
     def optimizer_step(self) -> dict[str, float]:
         """Apply the accumulated gradients, unless any is NaN/inf on any rank (then raise, weights unchanged)."""
+        for wait in self.before_update:
+            wait()
         grads_finite = torch.tensor([1.0 if self._grads_finite() else 0.0], device=self.device)
         torch.distributed.all_reduce(grads_finite, op=torch.distributed.ReduceOp.MIN)
         if grads_finite.item() < 1.0:

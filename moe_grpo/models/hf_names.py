@@ -151,3 +151,49 @@ def layer_groups(mappings: list[ParamMapping]) -> list[list[ParamMapping]]:
 def hf_names(spec: MoEModelSpec) -> set[str]:
     """Every HF tensor name the model has."""
     return {name for m in param_mappings(spec) for name in m.hf}
+
+
+def hf_shapes(spec: MoEModelSpec) -> dict[str, tuple[int, ...]]:
+    """Shape of every HF tensor, from the spec alone (no model is built: learner ranks each hold a part)."""
+    h, heads = spec.hidden_size, spec.num_attention_heads
+
+    def mlp(prefix: str, ffn: int) -> dict[str, tuple[int, ...]]:
+        return {f"{prefix}.gate_proj.weight": (ffn, h), f"{prefix}.up_proj.weight": (ffn, h),
+                f"{prefix}.down_proj.weight": (h, ffn)}
+
+    out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (spec.vocab_size, h), "model.norm.weight": (h,)}
+    if not spec.tie_word_embeddings:
+        out["lm_head.weight"] = (spec.vocab_size, h)
+    for i in range(spec.num_layers):
+        p, a = f"model.layers.{i}", f"model.layers.{i}.self_attn"
+        out[f"{p}.input_layernorm.weight"] = (h,)
+        out[f"{p}.post_attention_layernorm.weight"] = (h,)
+        if spec.uses_mla:
+            qk = spec.qk_nope_head_dim + spec.qk_rope_head_dim
+            if spec.q_lora_rank is None:
+                out[f"{a}.q_proj.weight"] = (heads * qk, h)
+            else:
+                out.update({f"{a}.q_a_proj.weight": (spec.q_lora_rank, h), f"{a}.q_a_layernorm.weight": (spec.q_lora_rank,),
+                            f"{a}.q_b_proj.weight": (heads * qk, spec.q_lora_rank)})
+            kv = int(spec.kv_lora_rank or 0)
+            out.update({f"{a}.kv_a_proj_with_mqa.weight": (kv + spec.qk_rope_head_dim, h),
+                        f"{a}.kv_a_layernorm.weight": (kv,),
+                        f"{a}.kv_b_proj.weight": (heads * (spec.qk_nope_head_dim + spec.v_head_dim), kv),
+                        f"{a}.o_proj.weight": (h, heads * spec.v_head_dim)})
+        else:
+            d, groups = spec.kv_channels, spec.query_groups
+            out.update({f"{a}.q_proj.weight": (heads * d, h), f"{a}.k_proj.weight": (groups * d, h),
+                        f"{a}.v_proj.weight": (groups * d, h), f"{a}.o_proj.weight": (h, heads * d)})
+            if spec.qk_layernorm:
+                out.update({f"{a}.q_norm.weight": (d,), f"{a}.k_norm.weight": (d,)})
+        if i < spec.first_k_dense:
+            out.update(mlp(f"{p}.mlp", spec.ffn_hidden_size))
+            continue
+        out[f"{p}.mlp.gate.weight"] = (spec.num_experts, h)
+        if spec.expert_bias:
+            out[f"{p}.mlp.gate.e_score_correction_bias"] = (spec.num_experts,)
+        for e in range(spec.num_experts):
+            out.update(mlp(f"{p}.mlp.experts.{e}", spec.moe_ffn_hidden_size))
+        if spec.num_shared_experts:
+            out.update(mlp(f"{p}.mlp.shared_experts", int(spec.shared_expert_hidden_size or 0)))
+    return out

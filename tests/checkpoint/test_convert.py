@@ -176,3 +176,13 @@ def test_command_line_converts_and_verifies(converted, tmp_path):
     bad = subprocess.run([sys.executable, tool, "--from", "hf", "--to", "megatron", "--src", str(tmp_path / "nope"),
                           "--dst", str(tmp_path / "mg2")], capture_output=True, text=True, timeout=600)
     assert bad.returncode != 0 and "no config.json" in bad.stderr
+
+
+def test_hf_shapes_from_the_spec_match_transformers_checkpoints(converted):
+    """The weight sync plans its buckets from `hf_shapes(spec)`; transformers' own tensors are the truth."""
+    from moe_grpo.checkpoint.convert import read_spec
+    from moe_grpo.models.hf_names import hf_shapes
+
+    _, _, hf, mg = converted
+    truth = {k: tuple(v.shape) for k, v in load_dir(hf).items()}
+    assert hf_shapes(read_spec(mg)) == truth

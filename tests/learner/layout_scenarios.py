@@ -95,16 +95,16 @@ def reshard_and_save(tp: int, ep: int, pp: int, src: str, dst: str, dtype_name: 
     learner.save_checkpoint(dst)
 
 
-def train_and_stage(tp: int, ep: int, pp: int, ckpt_dir: str, version: int):
-    """Load the engine's starting weights, take one step, stage the new weights for the sync.
+def train_and_sync(tp: int, ep: int, pp: int, ckpt_dir: str, version: int, root: str):
+    """Load the engine's starting weights, take one step, publish the new weights through the weight sync.
 
-    Returns (stage_dir, {sequence index: learner log-probs after the step}) from rank 0's view.
+    Returns {sequence index: learner log-probs after the step} from rank 0's view.
     """
+    from moe_grpo.checkpoint.convert import read_spec
     from moe_grpo.learner.megatron_learner import LearnerConfig, MegatronLearner
     from moe_grpo.learner.parallel import ParallelLayout
-    from moe_grpo.sync.reshard import stage
-
-    from moe_grpo.checkpoint.convert import read_spec
+    from moe_grpo.sync.transport import SharedMemoryTransport
+    from moe_grpo.sync.weight_sync import WeightSync
 
     spec = read_spec(ckpt_dir)
     learner = MegatronLearner(spec, ParallelLayout(tp, ep, pp), LearnerConfig(micro_batch_size=2, lr=1e-2))
@@ -112,6 +112,18 @@ def train_and_stage(tp: int, ep: int, pp: int, ckpt_dir: str, version: int):
     seqs = make_sequences(spec, n=4, with_routing=False)
     idx, mine = shard(seqs, learner.rank["dp"], learner.rank["dp_size"])
     learner.train_step(mine, replay=False)
-    path = stage(learner, version)
+    WeightSync(learner, SharedMemoryTransport(root), max_bucket_bytes=1 << 20).sync(version)
     after = learner.logprobs(mine, replay=False)
-    return path, gather_by_index(idx, after)
+    return gather_by_index(idx, after)
+
+
+def sync_and_save(tp: int, ep: int, pp: int, spec_changes: dict, version: int, root: str, save_to: str) -> None:
+    """A randomly initialised learner at (tp, ep, pp) publishes its weights and saves them as a checkpoint."""
+    from moe_grpo.learner.megatron_learner import LearnerConfig, MegatronLearner
+    from moe_grpo.learner.parallel import ParallelLayout
+    from moe_grpo.sync.transport import SharedMemoryTransport
+    from moe_grpo.sync.weight_sync import WeightSync
+
+    learner = MegatronLearner(tiny_spec(**spec_changes), ParallelLayout(tp, ep, pp), LearnerConfig(seed=tp + 2 * ep))
+    WeightSync(learner, SharedMemoryTransport(root), max_bucket_bytes=1 << 16).sync(version)
+    learner.save_checkpoint(save_to)

@@ -1,0 +1,120 @@
+"""The learner's side of a weight sync: `WeightSync(learner).sync(version)`.
+
+Each rank writes its own shards into the transport's buckets (see
+`gather.py`) and marks itself done; nothing waits on an engine, so a slow or
+dead engine cannot stall training. `sync(version)` blocks until this rank's
+shards are written - memcpy-bound - and with `background=True` it returns at
+once and the writes overlap the next forward/backward: the learner's
+`optimizer_step` waits for them first, because the step changes the weights
+being copied. Background syncs use no collective, so they cannot interleave
+with the training step's collectives.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from moe_grpo.sync.gather import ShardWrite, local_shard_writes
+from moe_grpo.sync.plan import BucketPlan, plan_buckets
+from moe_grpo.sync.transport import SharedMemoryTransport, SyncError, WeightTransport
+
+
+@dataclass(frozen=True)
+class SyncReport:
+    version: int
+    rank: int
+    bytes_written: int
+    """Bytes this rank wrote (its shards; replicas write nothing)."""
+    seconds: float
+    """From the call until this rank's shards were written and marked done."""
+    slot: str
+
+
+class SyncHandle:
+    """One rank's part of a sync in flight; `wait()` returns its report or raises its error."""
+
+    def __init__(self, version: int) -> None:
+        self.version = version
+        self._done = threading.Event()
+        self._report: SyncReport | None = None
+        self._error: BaseException | None = None
+
+    def _finish(self, report: SyncReport | None, error: BaseException | None) -> None:
+        self._report, self._error = report, error
+        self._done.set()
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self, timeout_s: float | None = None) -> SyncReport:
+        if not self._done.wait(timeout_s):
+            raise SyncError(f"sync of version {self.version}: this rank's writes did not finish within {timeout_s} s")
+        if self._error is not None:
+            raise SyncError(f"sync of version {self.version} failed on this learner rank: {self._error}") from self._error
+        assert self._report is not None
+        return self._report
+
+
+class WeightSync:
+    """Publishes the learner's weights as policy versions through a transport."""
+
+    def __init__(self, learner: Any, transport: WeightTransport | None = None, *,
+                 max_bucket_bytes: int = 256 << 20, claim_timeout_s: float = 60.0) -> None:
+        self.learner = learner
+        self.transport = transport if transport is not None else SharedMemoryTransport()
+        self.claim_timeout_s = claim_timeout_s
+        dtype = next(learner.module.parameters()).dtype
+        self.plan: BucketPlan = plan_buckets(learner.spec, dtype, max_bucket_bytes)
+        where = self.plan.bucket_of()
+        # Placements are fixed for the run: the optimizer updates parameters in place.
+        self.writes: dict[int, list[ShardWrite]] = {b.index: [] for b in self.plan.buckets}
+        for w in local_shard_writes(learner):
+            self.writes[where[w.name]].append(w)
+        self.rank, self.world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+        self._pending: SyncHandle | None = None
+        learner.before_update.append(self._wait_pending)
+
+    def _wait_pending(self) -> None:
+        if self._pending is not None:
+            self._pending._done.wait()  # errors surface through the handle, not through the training step
+
+    def sync(self, version: int, *, background: bool = False) -> SyncHandle:
+        """Publish the current weights as `version`. Versions must increase."""
+        if self._pending is not None:
+            self._pending._done.wait()
+            if self._pending.version >= version:
+                raise ValueError(f"sync version {version} after version {self._pending.version}; versions must increase")
+        handle = SyncHandle(version)
+        self._pending = handle
+        if background:
+            threading.Thread(target=self._run, args=(handle,), name=f"moe_grpo-sync-v{version}", daemon=True).start()
+        else:
+            self._run(handle)
+            handle.wait()
+        return handle
+
+    def _run(self, handle: SyncHandle) -> None:
+        t0 = time.perf_counter()
+        try:
+            slot = self.transport.claim(handle.version, self.plan, self.rank, self.world, self.claim_timeout_s)
+            elements: dict[int, int] = {}
+            nbytes = 0
+            with torch.no_grad():
+                for bucket in self.plan.buckets:
+                    writes = self.writes[bucket.index]
+                    elements[bucket.index] = sum(w.source.numel() for w in writes)
+                    if not writes:
+                        continue
+                    with self.transport.bucket_views(slot, bucket, self.plan.torch_dtype) as full:
+                        for w in writes:
+                            w.place(full[w.name]).copy_(w.source)
+                            nbytes += w.source.numel() * w.source.element_size()
+            self.transport.mark_done(slot, handle.version, self.rank, elements)
+            handle._finish(SyncReport(handle.version, self.rank, nbytes, time.perf_counter() - t0, slot), None)
+        except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the handle
+            handle._finish(None, e)
