@@ -23,6 +23,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from moe_grpo.models.hf_names import hf_names
 from moe_grpo.models.spec import MoEModelSpec
 from moe_grpo.rollout.types import Completion, SamplingSettings
 from moe_grpo.routing.trace import RoutingTrace
@@ -103,6 +104,13 @@ class VllmEngine:
             raise EngineError(f"routing capture found {len(info['moe_layers'])} MoE routers, expected "
                               f"{spec.num_moe_layers} for {spec.name}")
         self.capture = capture
+        self.engine_id = f"vllm-{os.getpid()}-{id(self):x}"
+        self.worker_pid = int(info["pid"])
+        """The process that holds the model (vLLM's engine core)."""
+        self.broken: str | None = None
+        """Why the engine must not generate (a failed sync it could not roll back), or None."""
+        self.weight_source: tuple[str, Any] | None = None
+        """Where the served weights can be re-read: (slot, plan) of a sync, or None for the model directory."""
         self.llm.llm_engine.set_weight_version(str(self.policy_version))
 
     # ------------------------------------------------------------------ input checks
@@ -148,6 +156,8 @@ class VllmEngine:
         """Log-prob of every token after the first under the engine's current weights (prompt_logprobs)."""
         from vllm import SamplingParams
 
+        if self.broken:
+            raise EngineError(f"engine refuses to score: {self.broken}")
         params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0)
         try:
             outputs = self.llm.generate([{"prompt_token_ids": [int(t) for t in s]} for s in sequences], params,
@@ -163,8 +173,13 @@ class VllmEngine:
         return result
 
     # ------------------------------------------------------------------ weights
+    def _reload_file(self, path: str) -> None:
+        self.llm.collective_rpc("moe_grpo_reload_from_file", args=(path,))
+
     def load_weights(self, hf_tensors: dict[str, Any], version: int) -> None:
-        """Load full HF-named tensors, one decoder layer per reload, and serve `version` from now on."""
+        """Load full HF-named tensors held in this process, one decoder layer per reload; serve `version`.
+
+        Not all-or-nothing: a failure part-way leaves a mix (use `load_published` for syncs)."""
         from safetensors.torch import save_file
 
         from moe_grpo.rollout.export import weight_buckets
@@ -175,13 +190,55 @@ class VllmEngine:
                 path = f.name
             try:
                 save_file({k: v.contiguous() for k, v in bucket.items()}, path)
-                self.llm.collective_rpc("moe_grpo_reload_from_file", args=(path,))
+                self._reload_file(path)
             except Exception as e:
                 raise EngineError(f"loading weights into the engine failed: {e}") from e
             finally:
                 os.unlink(path)
+        self._set_version(version, source=None)
+
+    def _set_version(self, version: int, source: tuple[str, Any] | None) -> None:
         self.policy_version = int(version)
+        self.weight_source = source
         self.llm.llm_engine.set_weight_version(str(self.policy_version))
+
+    def _apply_buckets(self, slot: str, plan: Any, timeout_s: float | None) -> None:
+        for b in plan.buckets:
+            entries = [(e.name, list(e.shape), e.offset) for e in b.entries]
+            self.llm.collective_rpc("moe_grpo_reload_from_shm", timeout=timeout_s,
+                                    args=(os.path.join(slot, f"b{b.index:05d}.bin"), entries, b.nbytes, plan.dtype))
+
+    def load_published(self, slot: str, plan: Any, version: int, *, timeout_s: float | None = 120.0) -> None:
+        """Apply a whole published version (the transport's bucket files, read without a copy) or none of it.
+
+        Every bucket is reloaded in turn; if one fails, the engine re-applies the
+        weights it served before (the previous version's buckets, which the sync
+        keeps pinned, or its model directory) and raises EngineError. If even that
+        fails, the engine refuses to generate until a sync succeeds.
+        """
+        if self.broken:
+            self.broken = None  # a full version is about to replace whatever is loaded
+        try:
+            self._apply_buckets(slot, plan, timeout_s)
+        except Exception as e:
+            try:
+                self._restore(timeout_s)
+            except Exception as e2:
+                self.broken = (f"engine holds part of version {version} and could not restore version "
+                               f"{self.policy_version} ({e2}); sync a full version before generating")
+                raise EngineError(f"loading version {version} failed ({e}); restoring failed too: {e2}") from e
+            raise EngineError(f"loading version {version} failed part-way ({e}); rolled back to version "
+                              f"{self.policy_version}") from e
+        self._set_version(version, source=(slot, plan))
+
+    def _restore(self, timeout_s: float | None) -> None:
+        if self.weight_source is not None:
+            self._apply_buckets(*self.weight_source, timeout_s)
+            return
+        from moe_grpo.checkpoint.hf_io import SafetensorsDir
+
+        files = SafetensorsDir(self.model_dir)
+        self.load_weights({n: files.get(n) for n in hf_names(self.spec)}, self.policy_version)
 
     def shutdown(self) -> None:
         llm = getattr(self, "llm", None)
@@ -198,6 +255,8 @@ class VllmEngine:
 
 def _refuse_bad(engine: Any, prompts: Sequence[Sequence[int]], sampling: SamplingSettings
                 ) -> tuple[list[list[Completion]], list[int]]:
+    if getattr(engine, "broken", None):
+        raise EngineError(f"engine refuses to generate: {engine.broken}")
     results: list[list[Completion]] = [[] for _ in prompts]
     good: list[int] = []
     for i, p in enumerate(prompts):

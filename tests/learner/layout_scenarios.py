@@ -127,3 +127,54 @@ def sync_and_save(tp: int, ep: int, pp: int, spec_changes: dict, version: int, r
     learner = MegatronLearner(tiny_spec(**spec_changes), ParallelLayout(tp, ep, pp), LearnerConfig(seed=tp + 2 * ep))
     WeightSync(learner, SharedMemoryTransport(root), max_bucket_bytes=1 << 16).sync(version)
     learner.save_checkpoint(save_to)
+
+
+def background_sync_then_step(root: str) -> dict:
+    """Publish version 1 in the background and take a training step at once; report what version 1 must hold."""
+    import time
+
+    import torch
+
+    from moe_grpo.learner.megatron_learner import LearnerConfig, MegatronLearner
+    from moe_grpo.rollout.export import hf_state_from_megatron
+    from moe_grpo.sync.transport import SharedMemoryTransport
+    from moe_grpo.sync.weight_sync import WeightSync
+
+    spec = tiny_spec()
+    learner = MegatronLearner(spec, config=LearnerConfig(micro_batch_size=2, lr=1e-2))
+    before = hf_state_from_megatron(spec, {k: v.clone() if torch.is_tensor(v) else v for k, v in learner.module.state_dict().items()})
+
+    class Slow(SharedMemoryTransport):  # a sync slower than the step's forward/backward, as at scale
+        def bucket_views(self, slot, bucket, dtype):
+            time.sleep(0.5)
+            return super().bucket_views(slot, bucket, dtype)
+
+    handle = WeightSync(learner, Slow(root), max_bucket_bytes=1 << 16).sync(1, background=True)
+    in_flight = not handle.done()
+    learner.train_step(make_sequences(spec, n=4), replay=True)
+    after = hf_state_from_megatron(spec, dict(learner.module.state_dict()))
+    handle.wait(60)
+    return {"before": before, "in_flight": in_flight,
+            "changed": sorted(k for k in before if not torch.equal(before[k], after[k]))}
+
+
+def die_while_publishing(root: str, version: int, after_buckets: int) -> None:
+    """A learner that is killed (SIGKILL) after writing `after_buckets` buckets of `version`."""
+    import os
+    import signal
+
+    from moe_grpo.learner.megatron_learner import LearnerConfig, MegatronLearner
+    from moe_grpo.sync.transport import SharedMemoryTransport
+    from moe_grpo.sync.weight_sync import WeightSync
+
+    class Dying(SharedMemoryTransport):
+        written = 0
+
+        def bucket_views(self, slot, bucket, dtype):
+            if self.written == after_buckets:
+                os.kill(os.getpid(), signal.SIGKILL)
+            self.written += 1
+            return super().bucket_views(slot, bucket, dtype)
+
+    learner = MegatronLearner(tiny_spec(), config=LearnerConfig())
+    WeightSync(learner, Dying(root), max_bucket_bytes=1 << 16).sync(version)

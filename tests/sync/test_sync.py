@@ -1,99 +1,136 @@
-"""Weight sync from every learner layout into the running vLLM engine."""
+"""Weight sync from every learner layout into the running vLLM engine, and what happens when a side dies."""
+
+import os
+import signal
 
 import numpy as np
 import pytest
 import torch
 
 import layout_scenarios as S
-from moe_grpo.learner.spawn import run_distributed
+from moe_grpo.learner.spawn import DistributedRunError, run_distributed
 from moe_grpo.models.hf_names import param_mappings, to_hf, to_megatron
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
+GREEDY_PROMPTS = [[1, 5, 9, 33, 70], [1, 200, 3, 3, 17, 90, 4], [1, 44]]
+
+
+def _greedy(engine):
+    from moe_grpo.rollout.types import SamplingSettings
+
+    out = engine.generate(GREEDY_PROMPTS, SamplingSettings(n=1, temperature=0.0, max_tokens=16))
+    return [c[0].token_ids.tolist() for c in out]
+
+
+def _scores(engine):
+    return engine.score([s.tokens for s in S.make_sequences(engine.spec, n=4, with_routing=False)])
+
 
 @pytest.fixture(scope="module")
 def synced(engine_and_learner, tmp_path_factory):
-    """The engine's starting weights as a Megatron checkpoint, and a transport that knows them."""
+    """The engine's starting weights as a Megatron checkpoint, a transport, and the engine's greedy
+    completions after a sync from one process (the reference for the other layouts)."""
     from moe_grpo.rollout.export import hf_state_from_megatron
+    from moe_grpo.sync.deliver import apply_version
     from moe_grpo.sync.transport import SharedMemoryTransport
 
     engine, learner = engine_and_learner
-    ckpt = str(tmp_path_factory.mktemp("sync") / "start")
+    root = tmp_path_factory.mktemp("sync")
+    ckpt = str(root / "start")
     learner.save_checkpoint(ckpt)
-    transport = SharedMemoryTransport(engine)
-    transport.adopt(hf_state_from_megatron(learner.spec, dict(learner.module.state_dict())))
-    engine.load_weights(transport.current, engine.policy_version)
-    yield engine, transport, ckpt
+    transport = SharedMemoryTransport(str(root / "shm"))
+    version = engine.policy_version + 1
+    learner_lp = run_distributed(S.train_and_sync, 1, 1, 1, 1, ckpt, version, str(transport.root))[0]
+    apply_version(engine, transport, version)
+    reference = {"greedy": _greedy(engine), "learner_lp": learner_lp}
+    yield engine, transport, ckpt, reference
     # Hand the shared engine back on the in-process learner's weights for the other test modules.
     engine.load_weights(hf_state_from_megatron(learner.spec, dict(learner.module.state_dict())),
                         engine.policy_version + 1)
+    transport.unpin(engine.engine_id)
+    transport.close()
 
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("layout", [(1, 1, 1), (1, 2, 1), (2, 1, 1), (1, 1, 2)], ids=["1proc", "EP=2", "TP=2", "PP=2"])
 def test_engine_matches_the_learner_after_a_sync_from_each_layout(synced, layout):
-    from moe_grpo.sync.reshard import iter_hf_buckets, release
+    from moe_grpo.sync.deliver import apply_version
 
-    engine, transport, ckpt = synced
+    engine, transport, ckpt, reference = synced
     tp, ep, pp = layout
     version = engine.policy_version + 1
-    stage_dir, learner_lp = run_distributed(S.train_and_stage, tp * ep * pp, tp, ep, pp, ckpt, version)[0]
-    try:
-        report = transport.push(iter_hf_buckets(stage_dir, max_bucket_bytes=1 << 20), version)
-    finally:
-        release(stage_dir)
-    assert engine.policy_version == version and report["sync/bytes"] > 0
-    seqs = S.make_sequences(engine.spec, n=4, with_routing=False)
-    got = engine.score([s.tokens for s in seqs])
-    diff = max(float(np.abs(got[i] - learner_lp[i]).max()) for i in range(len(seqs)))
-    # fp32 on both sides; differences come from summation order in different kernels.
+    learner_lp = run_distributed(S.train_and_sync, tp * ep * pp, tp, ep, pp, ckpt, version, str(transport.root))[0]
+    apply_version(engine, transport, version)
+    assert engine.policy_version == version
+    got = _scores(engine)
+    diff = max(float(np.abs(got[i] - learner_lp[i]).max()) for i in range(len(got)))
+    # fp32 on both sides; differences come from summation order in different kernels (~1e-6 measured).
     assert diff < 1e-4, f"{layout}: max |logprob(vLLM) - logprob(learner)| = {diff}"
+    # Every layout took the same step from the same weights: the engine completes greedily the same way.
+    assert _greedy(engine) == reference["greedy"]
 
 
-def test_bad_tensors_are_refused_and_the_engine_keeps_its_version(synced):
+def _publish_plan(transport, version, spec, fill=0.0):
+    """Write a whole version for `spec` straight through the transport, as one learner rank would."""
+    from moe_grpo.sync.plan import plan_buckets
+
+    plan = plan_buckets(spec, torch.float32, 1 << 16)
+    slot = transport.claim(version, plan, 0, 1)
+    counts = {}
+    for b in plan.buckets:
+        with transport.bucket_views(slot, b, torch.float32) as views:
+            for t in views.values():
+                t.fill_(fill)
+        counts[b.index] = sum(e.numel for e in b.entries)
+    transport.mark_done(slot, version, 0, counts)
+    return slot, plan
+
+
+@pytest.mark.parametrize("change,message", [
+    (dict(moe_ffn_hidden_size=32), r"model.layers.1.mlp.experts.0.gate_proj.weight has shape \[32, 128\], expected \[64, 128\]"),
+    (dict(num_layers=5), r"\['model.layers.4.*are not parameters of deepseek_moe"),
+], ids=["wrong-shape", "wrong-name"])
+def test_wrong_tensors_are_refused_before_anything_is_applied(synced, change, message):
+    from moe_grpo.sync.deliver import apply_version
     from moe_grpo.sync.transport import SyncError
 
-    engine, transport, _ = synced
-    seqs = S.make_sequences(engine.spec, n=2, with_routing=False)
-    before, version = engine.score([s.tokens for s in seqs]), engine.policy_version
-    bad_shape = dict(transport.current)
-    bad_shape["model.norm.weight"] = torch.zeros(7)
-    with pytest.raises(SyncError, match=r"model.norm.weight has shape \[7\], expected \[128\]"):
-        transport.push([bad_shape], version + 1)
-    bad_name = dict(transport.current)
-    bad_name["model.layers.9.mlp.gate.weight"] = torch.zeros(8, 128)
-    with pytest.raises(SyncError, match="not parameters of"):
-        transport.push([bad_name], version + 1)
+    engine, transport, _, _ = synced
+    before, version = _scores(engine), engine.policy_version
+    _publish_plan(transport, version + 1, engine.spec.replace(**change))
+    with pytest.raises(SyncError, match=message):
+        apply_version(engine, transport, version + 1)
     assert engine.policy_version == version
-    after = engine.score([s.tokens for s in seqs])
-    assert all(np.array_equal(a, b) for a, b in zip(before, after))
+    assert all(np.array_equal(a, b) for a, b in zip(before, _scores(engine)))
 
 
-def test_engine_failure_mid_sync_rolls_back_to_the_previous_version(synced, monkeypatch):
-    from moe_grpo.rollout.vllm_engine import EngineError
+def test_learner_killed_mid_sync_leaves_the_engine_on_its_version(synced):
+    from moe_grpo.sync.deliver import apply_version
     from moe_grpo.sync.transport import SyncError
 
-    engine, transport, _ = synced
-    seqs = S.make_sequences(engine.spec, n=2, with_routing=False)
-    before, version = engine.score([s.tokens for s in seqs]), engine.policy_version
-    new = {k: v + 0.01 * torch.randn_like(v) for k, v in transport.current.items()}
-    real_rpc = engine.llm.collective_rpc
-    calls = {"n": 0}
-
-    def dying_rpc(method, *a, **k):
-        if method == "moe_grpo_reload_from_file":
-            calls["n"] += 1
-            if calls["n"] == 3:  # the engine dies after two layers were applied
-                raise RuntimeError("engine process died")
-        return real_rpc(method, *a, **k)
-
-    monkeypatch.setattr(engine.llm, "collective_rpc", dying_rpc)
-    with pytest.raises(SyncError, match="rolled back"):
-        transport.push([new], version + 1)
-    monkeypatch.undo()
+    engine, transport, _, _ = synced
+    before, version = _scores(engine), engine.policy_version
+    with pytest.raises(DistributedRunError, match="died"):
+        run_distributed(S.die_while_publishing, 1, str(transport.root), version + 1, 3)
+    with pytest.raises(SyncError, match=rf"version {version + 1} incomplete after 2 s: learner rank\(s\) \[0\] did not finish"):
+        apply_version(engine, transport, version + 1, timeout_s=2)
     assert engine.policy_version == version
-    after = engine.score([s.tokens for s in seqs])
-    assert max(float(np.abs(a - b).max()) for a, b in zip(before, after)) < 1e-6
+    assert all(np.array_equal(a, b) for a, b in zip(before, _scores(engine)))
+
+
+def test_engine_failure_part_way_rolls_back_to_the_previous_version(synced):
+    """A bucket file that is cut short fails the engine's load after earlier buckets were applied."""
+    from moe_grpo.sync.deliver import apply_version
+    from moe_grpo.sync.transport import SyncError
+
+    engine, transport, _, _ = synced
+    before, version = _scores(engine), engine.policy_version
+    slot, plan = _publish_plan(transport, version + 1, engine.spec, fill=0.01)
+    os.truncate(os.path.join(slot, "b00003.bin"), 100)
+    with pytest.raises(SyncError, match=rf"failed part-way .*b00003.bin holds 100 bytes.*rolled back to version {version}"):
+        apply_version(engine, transport, version + 1)
+    assert engine.policy_version == version and engine.broken is None
+    assert max(float(np.abs(a - b).max()) for a, b in zip(before, _scores(engine))) < 1e-6
 
 
 def test_megatron_hf_megatron_is_bit_exact_for_every_parameter(engine_and_learner):
@@ -102,3 +139,14 @@ def test_megatron_hf_megatron_is_bit_exact_for_every_parameter(engine_and_learne
     for m in param_mappings(learner.spec):
         back = to_megatron(m, to_hf(m, state[m.megatron], learner.spec), learner.spec)
         assert torch.equal(back, state[m.megatron]), m.megatron
+
+
+@pytest.mark.multiprocess
+def test_background_sync_publishes_the_weights_from_before_the_next_step(tmp_path):
+    from test_gather import _published
+
+    out = run_distributed(S.background_sync_then_step, 1, str(tmp_path))[0]
+    assert out["in_flight"] and len(out["changed"]) > 50  # the step really changed the weights while the sync was in flight
+    _, got = _published(str(tmp_path), 1)
+    for name, t in out["before"].items():
+        assert torch.equal(got[name], t), name
