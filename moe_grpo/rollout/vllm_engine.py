@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any, Sequence
@@ -33,6 +34,21 @@ EXTENSION = "moe_grpo.rollout.worker_extension.RoutingCaptureExtension"
 
 class EngineError(RuntimeError):
     """The vLLM engine failed (start, generation or weight load); names the step."""
+
+
+def _process_alive(pid: int) -> bool:
+    """False once the process has exited, including as a not yet reaped zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except FileNotFoundError:
+        return False
+    except OSError:  # no procfs: fall back to a signal-0 probe
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
 
 
 def native_routing_to_trace(routed: Any, spec: MoEModelSpec, num_positions: int) -> RoutingTrace:
@@ -81,8 +97,6 @@ class VllmEngine:
         on_gpu = torch.cuda.is_available()
         if not on_gpu:
             _cpu_env(spec, kv_cache_gib)
-        from vllm import LLM
-
         kwargs: dict[str, Any] = dict(
             model=self.model_dir, skip_tokenizer_init=True, trust_remote_code=True, dtype=dtype, enforce_eager=True,
             max_model_len=max_model_len, max_num_seqs=max_num_seqs, enable_prefix_caching=False, seed=seed,
@@ -93,25 +107,41 @@ class VllmEngine:
             # vLLM's own capture (it also needs prefix caching on, and Model Runner V2).
             os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "1")
             kwargs.update(enable_return_routed_experts=True, enable_prefix_caching=True)
-        t0 = time.perf_counter()
-        try:
-            self.llm = LLM(**kwargs)
-            info = self.llm.collective_rpc("moe_grpo_install", args=(capture and not self.native,))[0]
-        except Exception as e:
-            raise EngineError(f"vLLM engine failed to start on {self.model_dir}: {e}") from e
-        self.start_seconds = time.perf_counter() - t0
-        if capture and not self.native and len(info["moe_layers"]) != spec.num_moe_layers:
-            raise EngineError(f"routing capture found {len(info['moe_layers'])} MoE routers, expected "
-                              f"{spec.num_moe_layers} for {spec.name}")
+        self._llm_kwargs, self._capture_hooks = kwargs, capture and not self.native
         self.capture = capture
         self.engine_id = f"vllm-{os.getpid()}-{id(self):x}"
-        self.worker_pid = int(info["pid"])
-        """The process that holds the model (vLLM's engine core)."""
         self.broken: str | None = None
         """Why the engine must not generate (a failed sync it could not roll back), or None."""
         self.weight_source: tuple[str, Any] | None = None
         """Where the served weights can be re-read: (slot, plan) of a sync, or None for the model directory."""
+        self._start()
+
+    def _start(self) -> None:
+        from vllm import LLM
+
+        t0 = time.perf_counter()
+        try:
+            self.llm = LLM(**self._llm_kwargs)
+            info = self.llm.collective_rpc("moe_grpo_install", args=(self._capture_hooks,))[0]
+        except Exception as e:
+            raise EngineError(f"vLLM engine failed to start on {self.model_dir}: {e}") from e
+        self.start_seconds = time.perf_counter() - t0
+        if self._capture_hooks and len(info["moe_layers"]) != self.spec.num_moe_layers:
+            raise EngineError(f"routing capture found {len(info['moe_layers'])} MoE routers, expected "
+                              f"{self.spec.num_moe_layers} for {self.spec.name}")
+        self.worker_pid = int(info["pid"])
+        """The process that holds the model (vLLM's engine core)."""
         self.llm.llm_engine.set_weight_version(str(self.policy_version))
+
+    def restart(self, *, timeout_s: float | None = 120.0) -> None:
+        """Start a new engine process (after the old one died) serving the version the engine served before.
+
+        That version's buffers stay pinned through a failed sync, so they are still there to re-read."""
+        self.shutdown()
+        self._start()
+        if self.weight_source is not None:
+            self._apply_buckets(*self.weight_source, timeout_s)
+        self.broken = None
 
     # ------------------------------------------------------------------ input checks
     def check_prompt(self, prompt: Sequence[int], sampling: SamplingSettings) -> str | None:
@@ -173,8 +203,38 @@ class VllmEngine:
         return result
 
     # ------------------------------------------------------------------ weights
+    def _rpc(self, method: str, args: tuple = (), timeout_s: float | None = 120.0) -> Any:
+        """`collective_rpc` that cannot hang on a dead engine.
+
+        vLLM 0.32 leaves a call pending forever when the engine process dies
+        while it runs; the call runs on a helper thread while this one watches
+        the process and the clock.
+        """
+        if not _process_alive(self.worker_pid):
+            raise EngineError(f"engine process {self.worker_pid} is dead ({method} not sent)")
+        box: dict[str, Any] = {}
+
+        def call() -> None:
+            try:
+                box["result"] = self.llm.collective_rpc(method, args=args)
+            except BaseException as e:  # noqa: BLE001 - re-raised on the caller's thread
+                box["error"] = e
+
+        helper = threading.Thread(target=call, name=f"moe_grpo-rpc-{method}", daemon=True)
+        helper.start()
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while helper.is_alive():
+            helper.join(0.1)
+            if helper.is_alive() and not _process_alive(self.worker_pid):
+                raise EngineError(f"engine process {self.worker_pid} died during {method}")
+            if helper.is_alive() and deadline is not None and time.monotonic() > deadline:
+                raise EngineError(f"{method} did not finish within {timeout_s:.0f} s (engine process {self.worker_pid})")
+        if "error" in box:
+            raise box["error"]
+        return box["result"]
+
     def _reload_file(self, path: str) -> None:
-        self.llm.collective_rpc("moe_grpo_reload_from_file", args=(path,))
+        self._rpc("moe_grpo_reload_from_file", (path,))
 
     def load_weights(self, hf_tensors: dict[str, Any], version: int) -> None:
         """Load full HF-named tensors held in this process, one decoder layer per reload; serve `version`.
@@ -205,8 +265,8 @@ class VllmEngine:
     def _apply_buckets(self, slot: str, plan: Any, timeout_s: float | None) -> None:
         for b in plan.buckets:
             entries = [(e.name, list(e.shape), e.offset) for e in b.entries]
-            self.llm.collective_rpc("moe_grpo_reload_from_shm", timeout=timeout_s,
-                                    args=(os.path.join(slot, f"b{b.index:05d}.bin"), entries, b.nbytes, plan.dtype))
+            self._rpc("moe_grpo_reload_from_shm",
+                      (os.path.join(slot, f"b{b.index:05d}.bin"), entries, b.nbytes, plan.dtype), timeout_s)
 
     def load_published(self, slot: str, plan: Any, version: int, *, timeout_s: float | None = 120.0) -> None:
         """Apply a whole published version (the transport's bucket files, read without a copy) or none of it.

@@ -150,3 +150,44 @@ def test_background_sync_publishes_the_weights_from_before_the_next_step(tmp_pat
     _, got = _published(str(tmp_path), 1)
     for name, t in out["before"].items():
         assert torch.equal(got[name], t), name
+
+
+def test_engine_killed_mid_sync_is_reported_skipped_and_restarts_on_its_previous_version(synced):
+    """A second engine's process is SIGKILLed while it loads a version. The push names it and does not hang,
+    the other engine takes the version, and the restarted engine serves the version it had before."""
+    from moe_grpo.rollout.vllm_engine import EngineError, VllmEngine
+    from moe_grpo.sync.deliver import EngineSyncer, apply_version
+
+    engine, transport, _, _ = synced
+    second = VllmEngine(engine.model_dir, engine.spec, max_model_len=128, max_num_seqs=4)
+    try:
+        v1 = engine.policy_version + 1
+        _publish_plan(transport, v1, engine.spec, fill=0.02)
+        apply_version(second, transport, v1)
+        served = _scores(second)
+        real_rpc, calls = second.llm.collective_rpc, {"n": 0}
+
+        def kill_on_second_bucket(method, *a, **k):
+            if method == "moe_grpo_reload_from_shm":
+                calls["n"] += 1
+                if calls["n"] == 2:
+                    os.kill(second.worker_pid, signal.SIGKILL)
+            return real_rpc(method, *a, **k)
+
+        second.llm.collective_rpc = kill_on_second_bucket
+        v2 = v1 + 1
+        _publish_plan(transport, v2, engine.spec, fill=0.03)
+        syncer = EngineSyncer([engine, second], transport, deadline_s=60)
+        report = syncer.push(v2)
+        syncer.close()
+        assert engine.engine_id in report.applied and engine.policy_version == v2
+        assert second.engine_id in report.skipped and second.engine_id in report.skipped[second.engine_id]
+        assert second.policy_version == v1 and second.broken
+        with pytest.raises(EngineError, match="refuses"):
+            _scores(second)
+        second.restart()
+        assert second.policy_version == v1
+        assert all(np.array_equal(a, b) for a, b in zip(served, _scores(second)))
+    finally:
+        second.shutdown()
+        transport.unpin(second.engine_id)
