@@ -134,7 +134,7 @@ class SharedMemoryTransport:
             pinned = {s for pins in self._pins().values() for s in pins}
             slots = self._slots()
             free = [s for s in slots if s.name not in pinned]
-            if free:  # least recently written first
+            if free and len(slots) >= self.slots:  # least recently written first
                 slot = min(free, key=lambda s: (self._slot_info(s) or {"version": -1})["version"])
             else:
                 slot = self.root / f"slot{len(slots)}"

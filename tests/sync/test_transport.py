@@ -1,0 +1,131 @@
+"""The bucket plan and the shared-memory transport on their own (no learner, no engine)."""
+
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+from layout_scenarios import tiny_spec
+from moe_grpo.models.hf_names import hf_shapes
+from moe_grpo.sync.deliver import EngineSyncer
+from moe_grpo.sync.plan import ALIGN, BucketPlan, check_plan, plan_buckets
+from moe_grpo.sync.transport import SharedMemoryTransport, SyncError
+
+
+def test_plan_covers_every_tensor_once_in_aligned_byte_bounded_buckets_of_whole_layers():
+    spec = tiny_spec()
+    plan = plan_buckets(spec, torch.bfloat16, max_bucket_bytes=300_000)
+    assert plan.shapes() == hf_shapes(spec)
+    for b in plan.buckets:
+        assert all(e.offset % ALIGN == 0 for e in b.entries)
+        layers = {e.name.split(".")[2] for e in b.entries if e.name.startswith("model.layers.")}
+        # a bucket closes at the first layer boundary past the bound
+        assert b.nbytes < 300_000 + max(sum(e.numel * 2 for e in b.entries if f"layers.{i}." in e.name) for i in layers or {0})
+    owner = {}
+    for b in plan.buckets:
+        for e in b.entries:
+            if e.name.startswith("model.layers."):
+                owner.setdefault(e.name.split(".")[2], set()).add(b.index)
+    assert all(len(v) == 1 for v in owner.values())  # no layer is split across buckets
+    assert BucketPlan.from_json(plan.to_json()) == plan
+
+
+def test_plan_errors_name_the_bad_value():
+    with pytest.raises(ValueError, match="sync dtype 'int8'"):
+        plan_buckets(tiny_spec(), "int8")
+    with pytest.raises(ValueError, match="max_bucket_bytes=0"):
+        plan_buckets(tiny_spec(), torch.float32, 0)
+    with pytest.raises(ValueError, match="sync is for model 'other'"):
+        check_plan(plan_buckets(tiny_spec(name="other"), torch.float32), tiny_spec())
+
+
+def _publish(transport, version, plan, world=1, skip_rank=None, counts_off=0):
+    slot = transport.claim(version, plan, 0, world)
+    for rank in range(world):
+        if rank == skip_rank:
+            continue
+        counts = {b.index: sum(e.numel for e in b.entries) // world + (counts_off if rank == 0 else 0)
+                  for b in plan.buckets}
+        with transport.bucket_views(slot, plan.buckets[0], torch.float32) as views:
+            next(iter(views.values())).fill_(float(version))
+        transport.mark_done(slot, version, rank, counts)
+    return slot
+
+
+@pytest.fixture
+def small():
+    return plan_buckets(tiny_spec(), torch.float32, 1 << 20)
+
+
+def test_slots_are_recycled_unless_an_engine_pins_them(tmp_path, small):
+    t = SharedMemoryTransport(str(tmp_path), slots=2)
+    a, b = _publish(t, 1, small), _publish(t, 2, small)
+    assert a != b and _publish(t, 3, small) == a  # the least recently written slot: its pages are warm
+    t.pin("engine-x", {a: 3})
+    assert _publish(t, 4, small) == b  # the only slot nobody pins
+    t.pin("engine-y", {b: 4})
+    c = _publish(t, 5, small)  # every slot pinned: a new one rather than waiting for the engines
+    assert c not in (a, b) and t.latest_complete() == 5
+    t.unpin("engine-x")
+    t.unpin("engine-y")
+    _publish(t, 6, small)
+    assert len(list(tmp_path.glob("slot*"))) == 2  # the extra slot goes once nobody pins it
+
+
+def test_pins_of_dead_processes_do_not_hold_buffers(tmp_path, small):
+    t = SharedMemoryTransport(str(tmp_path), slots=1)
+    slot = _publish(t, 1, small)
+    code = (f"from moe_grpo.sync.transport import SharedMemoryTransport as T; "
+            f"T({str(tmp_path)!r}).pin('gone', {{{slot!r}: 1}})")
+    subprocess.run([sys.executable, "-c", code], check=True)
+    assert _publish(t, 2, small) == slot
+
+
+def test_receiver_names_missing_ranks_and_miscounted_elements(tmp_path, small):
+    t = SharedMemoryTransport(str(tmp_path))
+    _publish(t, 1, small, world=2, skip_rank=1)
+    with pytest.raises(SyncError, match=r"version 1 incomplete after 0 s: learner rank\(s\) \[1\] did not finish"):
+        t.wait_complete(1, timeout_s=0.2)
+    with pytest.raises(SyncError, match="no learner rank started it"):
+        t.wait_complete(9, timeout_s=0.1)
+    _publish(t, 2, small, counts_off=1)
+    with pytest.raises(SyncError, match=r"bucket 0 got \d+ elements .* expected \d+ \(a shard is missing or written twice\)"):
+        t.wait_complete(2, timeout_s=1)
+    with pytest.raises(SyncError, match="version 5 is gone"):
+        t.pin("e", {str(tmp_path / "slot0"): 5})
+
+
+class FakeEngine:
+    """Pure-logic stand-in for the EngineSyncer test: loads take `delay` seconds."""
+
+    def __init__(self, name, delay):
+        self.engine_id, self.spec, self.delay = name, tiny_spec(), delay
+        self.policy_version, self.weight_source = 0, None
+
+    def load_published(self, slot, plan, version, timeout_s=None):
+        time.sleep(self.delay)
+        self.policy_version, self.weight_source = version, (slot, plan)
+
+
+def test_a_slow_engine_is_skipped_and_catches_up_at_a_later_version(tmp_path, small):
+    t = SharedMemoryTransport(str(tmp_path), slots=3)
+    fast, slow = FakeEngine("fast", 0.0), FakeEngine("slow", 1.5)
+    syncer = EngineSyncer([fast, slow], t, deadline_s=0.5)
+    _publish(t, 1, small)
+    t0 = time.monotonic()
+    r1 = syncer.push(1)
+    assert time.monotonic() - t0 < 1.2  # the caller waited for the deadline, not for the slow engine
+    assert "fast" in r1.applied and r1.skipped["slow"].startswith("slow: not done after")
+    _publish(t, 2, small)
+    r2 = syncer.push(2)
+    assert "fast" in r2.applied and r2.skipped["slow"] == "still loading version 1"
+    time.sleep(1.5)
+    _publish(t, 3, small)
+    syncer.deadline_s = 5
+    r3 = syncer.push(3)
+    assert set(r3.applied) == {"fast", "slow"} and slow.policy_version == 3
+    syncer.close()
