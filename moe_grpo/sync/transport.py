@@ -164,15 +164,13 @@ class SharedMemoryTransport:
         try:
             if os.fstat(fd).st_size != bucket.nbytes:
                 os.ftruncate(fd, bucket.nbytes)
-            mm = mmap.mmap(fd, bucket.nbytes)
         finally:
             os.close(fd)
-        views = _views(mm, bucket, dtype)
+        views = _views(_MAPS.get(path, writable=True), bucket, dtype)
         try:
             yield views
         finally:
             views.clear()
-            _close(mm)
 
     def mark_done(self, slot: str, version: int, rank: int, elements: dict[int, int]) -> None:
         """Rank `rank` wrote its shards of every bucket (`elements`: elements written per bucket)."""
@@ -261,14 +259,54 @@ def _views(buffer: object, bucket: Bucket, dtype: torch.dtype) -> dict[str, torc
 @contextlib.contextmanager
 def read_bucket(path: str, bucket: Bucket, dtype: torch.dtype) -> Iterator[dict[str, torch.Tensor]]:
     """Read-only tensors of one bucket file, without a copy (used inside the engine's worker)."""
-    with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        if size != bucket.nbytes:
-            raise SyncError(f"{path} holds {size} bytes, expected {bucket.nbytes}")
-        mm = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ)
-    views = _views(mm, bucket, dtype)
+    size = os.stat(path).st_size
+    if size != bucket.nbytes:
+        raise SyncError(f"{path} holds {size} bytes, expected {bucket.nbytes}")
+    views = _views(_MAPS.get(path, writable=False), bucket, dtype)
     try:
         yield views
     finally:
         views.clear()
-        _close(mm)
+
+
+class _MapCache:
+    """Mappings of bucket files, kept across syncs.
+
+    Slots are recycled, so the same files come back every other version;
+    mapping a 256 MB file afresh costs ~65k page faults (a copy into it then
+    ran at ~3 GB/s instead of ~11 GB/s on our 2-core test machine). A mapping
+    is reused while the path still names the same file (inode and size);
+    otherwise the new file is mapped with MAP_POPULATE (one fault-in call).
+    """
+
+    def __init__(self) -> None:
+        self._maps: dict[tuple[str, bool], tuple[int, int, mmap.mmap]] = {}
+
+    def get(self, path: str, writable: bool) -> mmap.mmap:
+        st = os.stat(path)
+        key = (path, writable)
+        hit = self._maps.get(key)
+        if hit is not None and hit[0] == st.st_ino and hit[1] == st.st_size:
+            return hit[2]
+        if hit is not None:
+            _close(self._maps.pop(key)[2])
+        self._drop_missing()
+        with open(path, "r+b" if writable else "rb") as f:
+            prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+            mm = mmap.mmap(f.fileno(), st.st_size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0), prot=prot)
+        self._maps[key] = (st.st_ino, st.st_size, mm)
+        return mm
+
+    def _drop_missing(self) -> None:
+        """Unmap files that are gone (a dropped slot), so their memory is freed."""
+        for key, (ino, _, mm) in list(self._maps.items()):
+            try:
+                alive = os.stat(key[0]).st_ino == ino
+            except FileNotFoundError:
+                alive = False
+            if not alive:
+                _close(mm)
+                del self._maps[key]
+
+
+_MAPS = _MapCache()
