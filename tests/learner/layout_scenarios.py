@@ -149,12 +149,14 @@ def background_sync_then_step(root: str) -> dict:
             time.sleep(0.5)
             return super().bucket_views(slot, bucket, dtype)
 
-    handle = WeightSync(learner, Slow(root), max_bucket_bytes=1 << 16).sync(1, background=True)
+    sync = WeightSync(learner, Slow(root), max_bucket_bytes=1 << 16)
+    handle = sync.sync(1, background=True)
     in_flight = not handle.done()
     learner.train_step(make_sequences(spec, n=4), replay=True)
     after = hf_state_from_megatron(spec, dict(learner.module.state_dict()))
     handle.wait(60)
-    return {"before": before, "in_flight": in_flight,
+    sync.sync(2)  # the same placements, now reading the updated weights
+    return {"before": before, "after": after, "in_flight": in_flight,
             "changed": sorted(k for k in before if not torch.equal(before[k], after[k]))}
 
 

@@ -23,3 +23,21 @@ def test_learner_replays_routing_on_cuda():
     metrics = learner.train_step(seqs, replay=True)
     assert metrics["replay/applied"] == 1.0 and metrics["grad_norm"] > 0
     torch.cuda.synchronize()
+
+
+def test_weight_sync_publishes_cuda_weights(tmp_path):
+    """The sync copies CUDA shards into the host's shared-memory buckets (device -> host in the copy)."""
+    import torch
+
+    from layout_scenarios import tiny_spec
+    from moe_grpo.learner.megatron_learner import LearnerConfig, MegatronLearner
+    from moe_grpo.rollout.export import hf_state_from_megatron
+    from moe_grpo.sync.transport import SharedMemoryTransport
+    from moe_grpo.sync.weight_sync import WeightSync
+    from test_gather import _published
+
+    learner = MegatronLearner(tiny_spec(), config=LearnerConfig(micro_batch_size=2))
+    WeightSync(learner, SharedMemoryTransport(str(tmp_path)), max_bucket_bytes=1 << 16).sync(1)
+    _, got = _published(str(tmp_path), 1)
+    for name, t in hf_state_from_megatron(learner.spec, dict(learner.module.state_dict())).items():
+        assert torch.equal(got[name], t), name

@@ -150,6 +150,9 @@ def test_background_sync_publishes_the_weights_from_before_the_next_step(tmp_pat
     _, got = _published(str(tmp_path), 1)
     for name, t in out["before"].items():
         assert torch.equal(got[name], t), name
+    _, got = _published(str(tmp_path), 2)
+    for name, t in out["after"].items():
+        assert torch.equal(got[name], t), name
 
 
 def test_engine_killed_mid_sync_is_reported_skipped_and_restarts_on_its_previous_version(synced):
