@@ -53,6 +53,15 @@ class WeightTransport(Protocol):
 
     def wait_complete(self, version: int, timeout_s: float) -> tuple[str, BucketPlan]: ...
 
+    def read_version(self, version: int, timeout_s: float = 60.0) -> dict[str, torch.Tensor]:
+        """Copies of every tensor of a published version (to inspect or save what engines receive)."""
+        slot, plan = self.wait_complete(version, timeout_s)
+        out: dict[str, torch.Tensor] = {}
+        for b in plan.buckets:
+            with read_bucket(os.path.join(slot, f"b{b.index:05d}.bin"), b, plan.torch_dtype) as views:
+                out.update({k: v.clone() for k, v in views.items()})
+        return out
+
     def pin(self, engine_id: str, slots: dict[str, int]) -> None: ...
 
 
@@ -219,6 +228,15 @@ class SharedMemoryTransport:
                 raise SyncError(f"sync of version {version}: bucket {b.index} got {written.get(b.index, 0)} elements "
                                 f"from the learner ranks, expected {expected} (a shard is missing or written twice)")
         return slot, plan
+
+    def read_version(self, version: int, timeout_s: float = 60.0) -> dict[str, torch.Tensor]:
+        """Copies of every tensor of a published version (to inspect or save what engines receive)."""
+        slot, plan = self.wait_complete(version, timeout_s)
+        out: dict[str, torch.Tensor] = {}
+        for b in plan.buckets:
+            with read_bucket(os.path.join(slot, f"b{b.index:05d}.bin"), b, plan.torch_dtype) as views:
+                out.update({k: v.clone() for k, v in views.items()})
+        return out
 
     def pin(self, engine_id: str, slots: dict[str, int]) -> None:
         """Keep these slots (slot path -> version) from being rewritten while engine `engine_id` needs them.

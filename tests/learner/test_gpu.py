@@ -34,10 +34,9 @@ def test_weight_sync_publishes_cuda_weights(tmp_path):
     from moe_grpo.rollout.export import hf_state_from_megatron
     from moe_grpo.sync.transport import SharedMemoryTransport
     from moe_grpo.sync.weight_sync import WeightSync
-    from test_gather import _published
 
     learner = MegatronLearner(tiny_spec(), config=LearnerConfig(micro_batch_size=2))
     WeightSync(learner, SharedMemoryTransport(str(tmp_path)), max_bucket_bytes=1 << 16).sync(1)
-    _, got = _published(str(tmp_path), 1)
+    got = SharedMemoryTransport(str(tmp_path)).read_version(1)
     for name, t in hf_state_from_megatron(learner.spec, dict(learner.module.state_dict())).items():
         assert torch.equal(got[name], t), name

@@ -13,17 +13,6 @@ V3 = dict(architecture="DeepseekV3ForCausalLM", q_lora_rank=32, kv_lora_rank=32,
           group_top_k=1, normalize_top_k=True, routed_scaling_factor=2.5)
 
 
-def _published(root, version):
-    from moe_grpo.sync.transport import SharedMemoryTransport, read_bucket
-
-    slot, plan = SharedMemoryTransport(root).wait_complete(version, timeout_s=5)
-    out = {}
-    for b in plan.buckets:
-        with read_bucket(f"{slot}/b{b.index:05d}.bin", b, plan.torch_dtype) as views:
-            out.update({k: v.clone() for k, v in views.items()})
-    return plan, out
-
-
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("family,layout", [
     ("deepseek", (2, 1, 1)), ("qwen3", (2, 1, 1)), ("qwen3", (1, 2, 2)), ("deepseek_v3", (2, 1, 2)),
@@ -36,7 +25,10 @@ def test_published_tensors_equal_megatrons_resharded_checkpoint(family, layout, 
     tp, ep, pp = layout
     root, ckpt = str(tmp_path / "shm"), str(tmp_path / "ckpt")
     run_distributed(S.sync_and_save, tp * ep * pp, tp, ep, pp, changes, 7, root, ckpt)
-    plan, got = _published(root, 7)
+    from moe_grpo.sync.transport import SharedMemoryTransport
+
+    transport = SharedMemoryTransport(root)
+    plan, got = transport.wait_complete(7, timeout_s=5)[1], transport.read_version(7)
     megatron_to_hf(ckpt, tmp_path / "hf", progress=False)
     want = load_dir(str(tmp_path / "hf"))
     assert set(got) == set(want)

@@ -143,14 +143,14 @@ def test_megatron_hf_megatron_is_bit_exact_for_every_parameter(engine_and_learne
 
 @pytest.mark.multiprocess
 def test_background_sync_publishes_the_weights_from_before_the_next_step(tmp_path):
-    from test_gather import _published
+    from moe_grpo.sync.transport import SharedMemoryTransport
 
     out = run_distributed(S.background_sync_then_step, 1, str(tmp_path))[0]
     assert out["in_flight"] and len(out["changed"]) > 50  # the step really changed the weights while the sync was in flight
-    _, got = _published(str(tmp_path), 1)
+    got = SharedMemoryTransport(str(tmp_path)).read_version(1)
     for name, t in out["before"].items():
         assert torch.equal(got[name], t), name
-    _, got = _published(str(tmp_path), 2)
+    got = SharedMemoryTransport(str(tmp_path)).read_version(2)
     for name, t in out["after"].items():
         assert torch.equal(got[name], t), name
 
