@@ -35,7 +35,7 @@ def receiver(root: str, versions: list[int], queue: "mp.Queue") -> None:
     """The engine's side: map each published version and copy it into this process's own tensors."""
     import torch
 
-    from moe_grpo.sync.transport import SharedMemoryTransport, read_bucket
+    from moe_grpo.sync.transport import SharedMemoryTransport, bucket_path, read_bucket
 
     transport = SharedMemoryTransport(root)
     weights: dict[str, torch.Tensor] = {}
@@ -44,7 +44,7 @@ def receiver(root: str, versions: list[int], queue: "mp.Queue") -> None:
         transport.pin("bench-receiver", {slot: version})
         t0 = time.perf_counter()
         for b in plan.buckets:
-            with read_bucket(os.path.join(slot, f"b{b.index:05d}.bin"), b, plan.torch_dtype) as views:
+            with read_bucket(bucket_path(slot, b.index), b, plan.torch_dtype) as views:
                 for name, t in views.items():
                     if name not in weights:
                         weights[name] = torch.empty_like(t)

@@ -263,10 +263,12 @@ class VllmEngine:
         self.llm.llm_engine.set_weight_version(str(self.policy_version))
 
     def _apply_buckets(self, slot: str, plan: Any, timeout_s: float | None) -> None:
+        from moe_grpo.sync.transport import bucket_path
+
         for b in plan.buckets:
             entries = [(e.name, list(e.shape), e.offset) for e in b.entries]
             self._rpc("moe_grpo_reload_from_shm",
-                      (os.path.join(slot, f"b{b.index:05d}.bin"), entries, b.nbytes, plan.dtype), timeout_s)
+                      (bucket_path(slot, b.index), entries, b.nbytes, plan.dtype), timeout_s)
 
     def load_published(self, slot: str, plan: Any, version: int, *, timeout_s: float | None = 120.0) -> None:
         """Apply a whole published version (the transport's bucket files, read without a copy) or none of it.

@@ -53,16 +53,14 @@ class WeightTransport(Protocol):
 
     def wait_complete(self, version: int, timeout_s: float) -> tuple[str, BucketPlan]: ...
 
-    def read_version(self, version: int, timeout_s: float = 60.0) -> dict[str, torch.Tensor]:
-        """Copies of every tensor of a published version (to inspect or save what engines receive)."""
-        slot, plan = self.wait_complete(version, timeout_s)
-        out: dict[str, torch.Tensor] = {}
-        for b in plan.buckets:
-            with read_bucket(os.path.join(slot, f"b{b.index:05d}.bin"), b, plan.torch_dtype) as views:
-                out.update({k: v.clone() for k, v in views.items()})
-        return out
-
     def pin(self, engine_id: str, slots: dict[str, int]) -> None: ...
+
+    def unpin(self, engine_id: str) -> None: ...
+
+
+def bucket_path(slot: str, index: int) -> str:
+    """The file of bucket `index` inside a slot."""
+    return os.path.join(slot, f"b{index:05d}.bin")
 
 
 def default_root() -> str:
@@ -168,7 +166,7 @@ class SharedMemoryTransport:
     @contextlib.contextmanager
     def bucket_views(self, slot: str, bucket: Bucket, dtype: torch.dtype) -> Iterator[dict[str, torch.Tensor]]:
         """Writable full-tensor views of one bucket (HF names); every rank fills its part."""
-        path = os.path.join(slot, f"b{bucket.index:05d}.bin")
+        path = bucket_path(slot, bucket.index)
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
             if os.fstat(fd).st_size != bucket.nbytes:
@@ -234,7 +232,7 @@ class SharedMemoryTransport:
         slot, plan = self.wait_complete(version, timeout_s)
         out: dict[str, torch.Tensor] = {}
         for b in plan.buckets:
-            with read_bucket(os.path.join(slot, f"b{b.index:05d}.bin"), b, plan.torch_dtype) as views:
+            with read_bucket(bucket_path(slot, b.index), b, plan.torch_dtype) as views:
                 out.update({k: v.clone() for k, v in views.items()})
         return out
 
