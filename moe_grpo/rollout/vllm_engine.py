@@ -112,8 +112,9 @@ class VllmEngine:
         self.engine_id = f"vllm-{os.getpid()}-{id(self):x}"
         self.broken: str | None = None
         """Why the engine must not generate (a failed sync it could not roll back), or None."""
-        self.weight_source: tuple[str, Any] | None = None
-        """Where the served weights can be re-read: (slot, plan) of a sync, or None for the model directory."""
+        self.weight_source: tuple[str, Any] | str | None = "model_dir"
+        """Where the served weights can be re-read for a rollback or restart: (slot, plan) of a sync,
+        'model_dir', or None after `load_weights` from memory (nothing to re-read)."""
         self._start()
 
     def _start(self) -> None:
@@ -139,7 +140,10 @@ class VllmEngine:
         That version's buffers stay pinned through a failed sync, so they are still there to re-read."""
         self.shutdown()
         self._start()
-        if self.weight_source is not None:
+        if self.weight_source is None:
+            self.broken = f"restarted on the model directory, not on version {self.policy_version} (loaded from memory)"
+            raise EngineError(self.broken)
+        if isinstance(self.weight_source, tuple):
             self._apply_buckets(*self.weight_source, timeout_s)
         self.broken = None
 
@@ -257,7 +261,7 @@ class VllmEngine:
                 os.unlink(path)
         self._set_version(version, source=None)
 
-    def _set_version(self, version: int, source: tuple[str, Any] | None) -> None:
+    def _set_version(self, version: int, source: tuple[str, Any] | str | None) -> None:
         self.policy_version = int(version)
         self.weight_source = source
         self.llm.llm_engine.set_weight_version(str(self.policy_version))
@@ -294,13 +298,16 @@ class VllmEngine:
         self._set_version(version, source=(slot, plan))
 
     def _restore(self, timeout_s: float | None) -> None:
-        if self.weight_source is not None:
+        if self.weight_source is None:
+            raise EngineError(f"no copy of version {self.policy_version} to roll back to (it was loaded from memory)")
+        if isinstance(self.weight_source, tuple):
             self._apply_buckets(*self.weight_source, timeout_s)
             return
         from moe_grpo.checkpoint.hf_io import SafetensorsDir
 
         files = SafetensorsDir(self.model_dir)
         self.load_weights({n: files.get(n) for n in hf_names(self.spec)}, self.policy_version)
+        self.weight_source = "model_dir"
 
     def shutdown(self) -> None:
         llm = getattr(self, "llm", None)

@@ -33,7 +33,7 @@ def apply_version(engine: Any, transport: SharedMemoryTransport, version: int, *
         check_plan(plan, engine.spec)
     except ValueError as e:
         raise SyncError(f"{who} refused version {version}: {e}") from e
-    serving = {engine.weight_source[0]: engine.policy_version} if engine.weight_source else {}
+    serving = {engine.weight_source[0]: engine.policy_version} if isinstance(engine.weight_source, tuple) else {}
     transport.pin(engine.engine_id, {**serving, slot: version})
     try:
         engine.load_published(slot, plan, version, timeout_s=timeout_s)

@@ -163,9 +163,7 @@ class SharedMemoryTransport:
                 shutil.rmtree(slot, ignore_errors=True)
                 slots.remove(slot)
 
-    @contextlib.contextmanager
-    def bucket_views(self, slot: str, bucket: Bucket, dtype: torch.dtype) -> Iterator[dict[str, torch.Tensor]]:
-        """Writable full-tensor views of one bucket (HF names); every rank fills its part."""
+    def _bucket_file(self, slot: str, bucket: Bucket) -> str:
         path = bucket_path(slot, bucket.index)
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
@@ -173,11 +171,28 @@ class SharedMemoryTransport:
                 os.ftruncate(fd, bucket.nbytes)
         finally:
             os.close(fd)
-        views = _views(_MAPS.get(path, writable=True), bucket, dtype)
+        return path
+
+    @contextlib.contextmanager
+    def bucket_views(self, slot: str, bucket: Bucket, dtype: torch.dtype) -> Iterator[dict[str, torch.Tensor]]:
+        """Writable full-tensor views of one bucket (HF names); every rank fills its part."""
+        views = _views(_MAPS.get(self._bucket_file(slot, bucket), writable=True), bucket, dtype)
         try:
             yield views
         finally:
             views.clear()
+
+    @contextlib.contextmanager
+    def raw_bucket(self, slot: str, bucket: Bucket, writable: bool) -> Iterator[torch.Tensor]:
+        """The whole bucket as one uint8 tensor (what a relay sends or receives)."""
+        path = self._bucket_file(slot, bucket) if writable else bucket_path(slot, bucket.index)
+        with warnings.catch_warnings():  # read-only map on the sending side, which only reads it
+            warnings.simplefilter("ignore", UserWarning)
+            raw = torch.frombuffer(_MAPS.get(path, writable=writable), dtype=torch.uint8)
+        try:
+            yield raw
+        finally:
+            del raw
 
     def mark_done(self, slot: str, version: int, rank: int, elements: dict[int, int]) -> None:
         """Rank `rank` wrote its shards of every bucket (`elements`: elements written per bucket)."""

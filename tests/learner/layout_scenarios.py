@@ -180,3 +180,29 @@ def die_while_publishing(root: str, version: int, after_buckets: int) -> None:
 
     learner = MegatronLearner(tiny_spec(), config=LearnerConfig())
     WeightSync(learner, Dying(root), max_bucket_bytes=1 << 16).sync(version)
+
+
+def relay_receive(host: str, port: int, world: int, rank: int, root: str, die_after_buckets: int = -1) -> list:
+    """A relay receiver on an 'engine host': returns the versions it got until the sender closed.
+
+    With die_after_buckets >= 0 it is killed (SIGKILL) after receiving that many buckets."""
+    import os
+    import signal
+
+    from moe_grpo.sync.relay import RelayGroup, RelayReceiver
+    from moe_grpo.sync.transport import SharedMemoryTransport
+
+    class Dying(SharedMemoryTransport):
+        got = 0
+
+        def raw_bucket(self, slot, bucket, writable):
+            if self.got == die_after_buckets:
+                os.kill(os.getpid(), signal.SIGKILL)
+            self.got += 1
+            return super().raw_bucket(slot, bucket, writable)
+
+    receiver = RelayReceiver(Dying(root), RelayGroup(host, port, world, timeout_s=30), rank)
+    versions = []
+    while (v := receiver.receive()) is not None:
+        versions.append(v)
+    return versions

@@ -194,3 +194,36 @@ def test_engine_killed_mid_sync_is_reported_skipped_and_restarts_on_its_previous
     finally:
         second.shutdown()
         transport.unpin(second.engine_id)
+
+
+@pytest.mark.multiprocess
+def test_engine_on_another_host_matches_the_learner_through_the_relay(synced, tmp_path):
+    """Learner -> its host's shared memory -> gloo relay -> the engine host's shared memory -> engine."""
+    import multiprocessing as mp
+
+    from moe_grpo.learner.spawn import free_port
+    from moe_grpo.sync.deliver import apply_version
+    from moe_grpo.sync.relay import RelayGroup, RelaySender
+    from moe_grpo.sync.transport import SharedMemoryTransport
+
+    engine, transport, ckpt, _ = synced
+    version = engine.policy_version + 1
+    learner_lp = run_distributed(S.train_and_sync, 2, 1, 2, 1, ckpt, version, str(transport.root))[0]
+    port, engine_host = free_port(), str(tmp_path / "engine_host")
+    receiver = mp.get_context("spawn").Process(target=S.relay_receive, args=("127.0.0.1", port, 2, 1, engine_host))
+    receiver.start()
+    sender = RelaySender(transport, RelayGroup("127.0.0.1", port, 2, timeout_s=60))
+    sender.send(version)
+    sender.close()
+    receiver.join(60)
+    remote = SharedMemoryTransport(engine_host)
+    try:
+        apply_version(engine, remote, version)
+        got = _scores(engine)
+        assert max(float(np.abs(got[i] - learner_lp[i]).max()) for i in range(len(got))) < 1e-4
+    finally:
+        # serve the same version from the fixture's transport, which outlives this test's directory
+        slot, plan = transport.wait_complete(version)
+        transport.pin(engine.engine_id, {slot: version})
+        engine.load_published(slot, plan, version)
+        remote.unpin(engine.engine_id)
