@@ -14,7 +14,10 @@ The first syncs touch fresh shared-memory pages (`first_sync_seconds`);
 later ones reuse the transport's two slots, which is the steady state of a
 training run, and their median is the figure compared with memcpy.
 
-    .venv/bin/python tools/bench_sync.py [--mb 600] [--rounds 5]
+    .venv/bin/python tools/bench_sync.py [--mb 600] [--rounds 5] [--relay]
+
+With --relay it also times the gloo relay (`sync/relay.py`) of the last
+versions to a receiver process over loopback TCP (`relay_bytes_per_s`).
 
 Last line: one JSON object with `sync_vs_memcpy_ratio` and `projected_deepseek_v3_seconds`
 (DeepSeek-V3's bf16 bytes at the measured sync rate on this machine).
@@ -53,11 +56,39 @@ def receiver(root: str, versions: list[int], queue: "mp.Queue") -> None:
         transport.unpin("bench-receiver")
 
 
+def relay_receiver(port: int, root: str) -> None:
+    """Another 'host': receives versions over the relay into its own transport until the sender closes."""
+    from moe_grpo.sync.relay import RelayGroup, RelayReceiver
+    from moe_grpo.sync.transport import SharedMemoryTransport
+
+    receiver = RelayReceiver(SharedMemoryTransport(root), RelayGroup("127.0.0.1", port, 2, timeout_s=600), 1)
+    while receiver.receive() is not None:
+        pass
+    SharedMemoryTransport(root).close()
+
+
+def measure_relay(transport: object, versions: list[int]) -> float:
+    """Median seconds to relay a version to one receiver over loopback TCP (gloo), after a warm-up."""
+    from moe_grpo.learner.spawn import free_port
+    from moe_grpo.sync.relay import RelayGroup, RelaySender
+
+    port = free_port()
+    root = tempfile.mkdtemp(prefix="bench_relay_", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    proc = mp.get_context("spawn").Process(target=relay_receiver, args=(port, root))
+    proc.start()
+    sender = RelaySender(transport, RelayGroup("127.0.0.1", port, 2, timeout_s=600))
+    seconds = [sender.send(v)["relay/seconds"] for v in versions]
+    sender.close()
+    proc.join(60)
+    return statistics.median(seconds[1:] if len(seconds) > 1 else seconds)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--mb", type=float, default=600.0, help="model size to sync, in MB (fp32)")
     ap.add_argument("--rounds", type=int, default=5, help="timed syncs after the two warm-up syncs")
     ap.add_argument("--bucket-mb", type=float, default=256.0, help="bucket bound, MB")
+    ap.add_argument("--relay", action="store_true", help="also time the gloo relay to another process (loopback TCP)")
     args = ap.parse_args()
     import warnings
 
@@ -89,6 +120,7 @@ def main() -> None:
             got_v, seconds = queue.get(timeout=600)
             assert got_v == v
             deliver_s.append(seconds)
+        t_relay = measure_relay(transport, versions[-2:]) if args.relay else None
     finally:
         proc.join(60)
         transport.close()
@@ -115,6 +147,7 @@ def main() -> None:
         "sync_vs_memcpy_ratio": round(rate / memcpy, 4),
         "sync_and_deliver_vs_memcpy_ratio": round(nbytes / (t_sync + t_deliver) / memcpy, 4),
         "projected_deepseek_v3_seconds": round(v3_bytes / rate, 1),
+        **({"relay_seconds": round(t_relay, 3), "relay_bytes_per_s": round(nbytes / t_relay)} if t_relay else {}),
         "note": "one learner process, CPU, shared-memory transport; deliver = a second process copying every "
                 "tensor out of the mapped buckets",
     }))
