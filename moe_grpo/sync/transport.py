@@ -140,7 +140,10 @@ class SharedMemoryTransport:
         with self._lock():
             pinned = {s for pins in self._pins().values() for s in pins}
             slots = self._slots()
-            free = [s for s in slots if s.name not in pinned]
+            # A slot whose version some rank is still writing is not free either (a slow rank's late
+            # writes would land in the new version).
+            free = [s for s in slots if s.name not in pinned
+                    and ((info := self._slot_info(s)) is None or not self._missing(s, info))]
             if free and len(slots) >= self.slots:  # least recently written first
                 slot = min(free, key=lambda s: (self._slot_info(s) or {"version": -1})["version"])
             else:

@@ -129,3 +129,11 @@ def test_a_slow_engine_is_skipped_and_catches_up_at_a_later_version(tmp_path, sm
     r3 = syncer.push(3)
     assert set(r3.applied) == {"fast", "slow"} and slow.policy_version == 3
     syncer.close()
+
+
+def test_a_slot_still_being_written_is_not_reused(tmp_path, small):
+    t = SharedMemoryTransport(str(tmp_path), slots=2)
+    a = _publish(t, 1, small)
+    b = _publish(t, 2, small, world=2, skip_rank=1)  # rank 1 has not finished version 2 yet
+    assert _publish(t, 3, small) == a and _publish(t, 4, small) == a  # b is skipped while it is being written
+    assert t.find(2) == b
