@@ -65,6 +65,7 @@ def test_engine_matches_the_learner_after_a_sync_from_each_layout(synced, layout
     assert engine.policy_version == version
     got = _scores(engine)
     diff = max(float(np.abs(got[i] - learner_lp[i]).max()) for i in range(len(got)))
+    print(f"sync from {layout}: max |logprob(vLLM) - logprob(learner)| = {diff:.2e}")
     # fp32 on both sides; differences come from summation order in different kernels (~1e-6 measured).
     assert diff < 1e-4, f"{layout}: max |logprob(vLLM) - logprob(learner)| = {diff}"
     # Every layout took the same step from the same weights: the engine completes greedily the same way.
