@@ -34,6 +34,10 @@ class SyncReport:
     """From the call until this rank's shards were written and marked done."""
     slot: str
 
+    def metrics(self) -> dict[str, float]:
+        """The run record's keys (DESIGN.md): `sync/seconds`, `sync/bytes`."""
+        return {"sync/seconds": self.seconds, "sync/bytes": float(self.bytes_written)}
+
 
 class SyncHandle:
     """One rank's part of a sync in flight; `wait()` returns its report or raises its error."""

@@ -154,9 +154,9 @@ def background_sync_then_step(root: str) -> dict:
     in_flight = not handle.done()
     learner.train_step(make_sequences(spec, n=4), replay=True)
     after = hf_state_from_megatron(spec, dict(learner.module.state_dict()))
-    handle.wait(60)
+    metrics = handle.wait(60).metrics()
     sync.sync(2)  # the same placements, now reading the updated weights
-    return {"before": before, "after": after, "in_flight": in_flight,
+    return {"before": before, "after": after, "in_flight": in_flight, "metrics": metrics,
             "changed": sorted(k for k in before if not torch.equal(before[k], after[k]))}
 
 

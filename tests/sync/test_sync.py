@@ -147,6 +147,7 @@ def test_background_sync_publishes_the_weights_from_before_the_next_step(tmp_pat
     from moe_grpo.sync.transport import SharedMemoryTransport
 
     out = run_distributed(S.background_sync_then_step, 1, str(tmp_path))[0]
+    assert out["metrics"]["sync/bytes"] > 4e6 and out["metrics"]["sync/seconds"] > 0
     assert out["in_flight"] and len(out["changed"]) > 50  # the step really changed the weights while the sync was in flight
     got = SharedMemoryTransport(str(tmp_path)).read_version(1)
     for name, t in out["before"].items():
