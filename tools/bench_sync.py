@@ -67,8 +67,8 @@ def relay_receiver(port: int, root: str) -> None:
     SharedMemoryTransport(root).close()
 
 
-def measure_relay(transport: object, versions: list[int]) -> float:
-    """Median seconds to relay a version to one receiver over loopback TCP (gloo), after a warm-up."""
+def measure_relay(transport: object, publish: object, first_version: int, rounds: int = 4) -> float:
+    """Median seconds to relay a version to one receiver over loopback TCP (gloo), once both sides' slots are warm."""
     from moe_grpo.learner.spawn import free_port
     from moe_grpo.sync.relay import RelayGroup, RelaySender
 
@@ -77,10 +77,13 @@ def measure_relay(transport: object, versions: list[int]) -> float:
     proc = mp.get_context("spawn").Process(target=relay_receiver, args=(port, root))
     proc.start()
     sender = RelaySender(transport, RelayGroup("127.0.0.1", port, 2, timeout_s=600))
-    seconds = [sender.send(v)["relay/seconds"] for v in versions]
+    seconds = []
+    for v in range(first_version, first_version + rounds):
+        publish(v)
+        seconds.append(sender.send(v)["relay/seconds"])
     sender.close()
     proc.join(60)
-    return statistics.median(seconds[1:] if len(seconds) > 1 else seconds)
+    return statistics.median(seconds[2:])
 
 
 def main() -> None:
@@ -120,9 +123,11 @@ def main() -> None:
             got_v, seconds = queue.get(timeout=600)
             assert got_v == v
             deliver_s.append(seconds)
-        t_relay = measure_relay(transport, versions[-2:]) if args.relay else None
     finally:
         proc.join(60)
+    try:
+        t_relay = measure_relay(transport, lambda v: sync.sync(v).wait(), versions[-1] + 1) if args.relay else None
+    finally:
         transport.close()
     nbytes = sync.plan.total_bytes
 
