@@ -14,9 +14,9 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig
 
 NOT_BUILT = (
-    "moe_grpo: stopping here. The Megatron learner, routing replay and the vLLM rollout engine are built and "
-    "checked above; the reward tasks and the asynchronous GRPO loop are not built yet (README, 'Status'). "
-    "Nothing was trained; exit status 2."
+    "moe_grpo: stopping here. The Megatron learner, routing replay, the vLLM rollout engine and the weight sync "
+    "are built and checked above; the reward tasks and the asynchronous GRPO loop are not built yet (README, 'Status'). "
+    "The one learner step used random advantages; nothing was trained toward a reward. Exit status 2."
 )
 _exit_code = 0
 
