@@ -38,7 +38,10 @@ def apply_version(engine: Any, transport: SharedMemoryTransport, version: int, *
     try:
         engine.load_published(slot, plan, version, timeout_s=timeout_s)
     except Exception as e:
-        transport.pin(engine.engine_id, serving) if serving else transport.unpin(engine.engine_id)
+        if serving:
+            transport.pin(engine.engine_id, serving)
+        else:
+            transport.unpin(engine.engine_id)
         raise SyncError(f"{who} failed to load version {version}: {e}") from e
     transport.pin(engine.engine_id, {slot: version})  # its rollback source from now on
     return time.perf_counter() - t0

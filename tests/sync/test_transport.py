@@ -1,9 +1,7 @@
 """The bucket plan and the shared-memory transport on their own (no learner, no engine)."""
 
-import os
 import subprocess
 import sys
-import threading
 import time
 
 import pytest
