@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import tempfile
 import time
+
+from interleave import interleaved_medians  # tools/ is sys.path[0] when a bench runs
 
 
 def main() -> None:
@@ -57,14 +58,7 @@ def main() -> None:
             assert all(c.routing is not None for g in out for c in g)
         return tokens / dt
 
-    run(True), run(False)  # warm-up
-    with_c, without_c = [], []
-    for i in range(args.rounds):
-        if i % 2:
-            without_c.append(run(False)); with_c.append(run(True))
-        else:
-            with_c.append(run(True)); without_c.append(run(False))
-    a, b = statistics.median(with_c), statistics.median(without_c)
+    a, b = interleaved_medians(lambda: run(True), lambda: run(False), args.rounds, warmup=1)
     engine.shutdown()
     print(json.dumps({
         "bench": "capture", "model": spec.name, "prompts": args.prompts, "prompt_len": args.prompt_len,

@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 import warnings
+
+from interleave import interleaved_medians  # tools/ is sys.path[0] when a bench runs
 
 
 def main() -> None:
@@ -52,16 +53,7 @@ def main() -> None:
         learner.forward_backward(seqs, replay=replay)
         return time.perf_counter() - t0
 
-    for _ in range(args.warmup):
-        timed(False), timed(True)
-    plain, replayed = [], []
-    for i in range(args.rounds):
-        # Alternate which arm goes first so drift on a shared machine hits both.
-        if i % 2:
-            replayed.append(timed(True)); plain.append(timed(False))
-        else:
-            plain.append(timed(False)); replayed.append(timed(True))
-    t_plain, t_replay = statistics.median(plain), statistics.median(replayed)
+    t_plain, t_replay = interleaved_medians(lambda: timed(False), lambda: timed(True), args.rounds, args.warmup)
     tokens = args.batch * (args.seq - 1)
     result = {
         "bench": "replay",
