@@ -145,8 +145,6 @@ def read_spec(megatron_dir: str | Path) -> MoEModelSpec:
     return spec_from_mapping(json.loads(path.read_text()))
 
 
-
-
 def megatron_to_hf(megatron_dir: str | Path, out_dir: str | Path, *, spec: MoEModelSpec | None = None,
                    progress: bool = True) -> MoEModelSpec:
     """Megatron distributed checkpoint -> HF safetensors directory (one file per decoder layer)."""

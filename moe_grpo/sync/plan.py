@@ -11,6 +11,7 @@ layer larger than the bound gets a bucket of its own.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,10 +35,7 @@ class BucketEntry:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n
+        return math.prod(self.shape)
 
 
 @dataclass(frozen=True)
@@ -102,10 +100,7 @@ def plan_buckets(spec: MoEModelSpec, dtype: torch.dtype | str, max_bucket_bytes:
         for m in group:
             for hf in m.hf:
                 entries.append(BucketEntry(hf, shapes[hf], size))
-                n = 1
-                for s in shapes[hf]:
-                    n *= s
-                size = _align(size + n * item)
+                size = _align(size + entries[-1].numel * item)
         if size >= max_bucket_bytes:
             buckets.append(Bucket(len(buckets), tuple(entries), size))
             entries, size = [], 0

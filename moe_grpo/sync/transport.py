@@ -131,10 +131,9 @@ class SharedMemoryTransport:
         if rank != 0:
             deadline = time.monotonic() + timeout_s
             while time.monotonic() < deadline:
-                for slot in self._slots():
-                    info = self._slot_info(slot)
-                    if info and info["version"] == version:
-                        return str(slot)
+                slot = self.find(version)
+                if slot is not None:
+                    return slot
                 time.sleep(0.002)
             raise SyncError(f"sync of version {version}: learner rank 0 claimed no buffer within {timeout_s:.0f} s")
         with self._lock():
