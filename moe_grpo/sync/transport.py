@@ -17,6 +17,13 @@ pages do not. An engine pins the slot it is applying and the one it serves
 (its rollback source); when every slot is pinned, the sender opens an extra
 slot rather than wait, so a slow engine never stalls the learner, and
 extra slots are removed once nobody pins them.
+
+Whoever can write under the root can hand the engines their own weights, so
+the root is private: created 0700 (missing parents too), and an existing one
+is refused if it is a symlink, owned by another user, writable by group or
+others, or sits in a directory where another user could replace it (writable
+by others without the sticky bit, or owned by another non-root user). Every
+file and directory the transport creates is 0600 / 0700 whatever the umask.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ import json
 import mmap
 import os
 import shutil
+import stat
 import tempfile
 import time
 import warnings
@@ -40,6 +48,10 @@ from moe_grpo.sync.plan import Bucket, BucketPlan
 
 class SyncError(RuntimeError):
     """A weight sync was refused or failed; names the part (rank, engine, tensor) and the version."""
+
+
+class UnsafeRootError(SyncError):
+    """A transport root another local user could write to or replace; names the path and what is wrong."""
 
 
 class WeightTransport(Protocol):
@@ -64,7 +76,84 @@ def bucket_path(slot: str, index: int) -> str:
 
 
 def default_root() -> str:
+    """`/dev/shm/moe_grpo_sync_<uid>` (the temp directory where there is no /dev/shm)."""
     return os.path.join("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir(), f"moe_grpo_sync_{os.getuid()}")
+
+
+_DIR_MODE, _FILE_MODE = 0o700, 0o600
+
+
+def _mkdir_private(path: Path) -> None:
+    """Create `path` as a 0700 directory (umask cannot widen it; an explicit chmod fixes an odd umask)."""
+    os.mkdir(path, _DIR_MODE)
+    os.chmod(path, _DIR_MODE)
+
+
+def _open_private(path: Path | str, flags: int) -> int:
+    """Open (creating if missing) a file with mode 0600, never through a symlink; a wider mode is narrowed."""
+    fd = os.open(path, flags | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), _FILE_MODE)
+    try:
+        if stat.S_IMODE(os.fstat(fd).st_mode) != _FILE_MODE:
+            os.fchmod(fd, _FILE_MODE)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _check_parent(root: Path) -> None:
+    """Refuse a root inside a directory where another user could rename it away and put their own in its place."""
+    parent = root.parent
+    st = os.stat(parent)
+    me = os.geteuid()
+    if st.st_uid not in (0, me):
+        raise UnsafeRootError(f"weight-sync root {root}: its parent directory {parent} is owned by uid {st.st_uid}, "
+                              f"expected uid {me} (this process) or 0, since its owner could replace the root")
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not st.st_mode & stat.S_ISVTX:
+        raise UnsafeRootError(f"weight-sync root {root}: its parent directory {parent} has mode "
+                              f"{oct(stat.S_IMODE(st.st_mode))}, writable by group or others without the sticky bit, "
+                              f"so another user could replace the root; use a private directory or one like /dev/shm (1777)")
+
+
+def secure_root(root: str | os.PathLike[str]) -> Path:
+    """Make `root` a private directory for weight buffers, or refuse it with UnsafeRootError.
+
+    A missing root (and its missing parents) is created 0700. An existing one
+    must be a real directory (not a symlink), owned by this process's user, and
+    not writable by group or others; read bits for group/others are removed.
+    """
+    root = Path(os.path.abspath(root))
+    missing = [p for p in [root, *root.parents] if not os.path.lexists(p)]
+    for p in reversed(missing):
+        try:
+            _mkdir_private(p)
+        except FileExistsError:  # another process of the run created it first; checked below like any existing root
+            pass
+    _check_parent(root)
+    if os.path.islink(root):
+        raise UnsafeRootError(f"weight-sync root {root} is a symlink (to {os.readlink(root)}), expected a real directory "
+                              f"owned by uid {os.geteuid()}: whoever controls the target could hand the engines weights")
+    try:
+        fd = os.open(root, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_NOFOLLOW", 0))
+    except OSError as e:
+        raise UnsafeRootError(f"weight-sync root {root} cannot be opened as a directory without following a symlink: {e}") from e
+    try:
+        st = os.fstat(fd)
+        me = os.geteuid()
+        if not stat.S_ISDIR(st.st_mode):
+            raise UnsafeRootError(f"weight-sync root {root} is not a directory (mode {oct(st.st_mode)})")
+        if st.st_uid != me:
+            raise UnsafeRootError(f"weight-sync root {root} is owned by uid {st.st_uid}, expected uid {me} (this "
+                                  f"process's user): another user could hand the engines weights through it")
+        if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+            who = " and ".join(w for w, bit in (("group", stat.S_IWGRP), ("others", stat.S_IWOTH)) if st.st_mode & bit)
+            raise UnsafeRootError(f"weight-sync root {root} has mode {oct(stat.S_IMODE(st.st_mode))}, writable by {who}; "
+                                  f"expected 0700 (remove it, or chmod 700 it if every file in it is yours)")
+        if stat.S_IMODE(st.st_mode) != _DIR_MODE:
+            os.fchmod(fd, _DIR_MODE)  # ours and not writable by others: only narrow who can read the weights
+    finally:
+        os.close(fd)
+    return root
 
 
 def _pid_alive(pid: int) -> bool:
@@ -78,8 +167,11 @@ def _pid_alive(pid: int) -> bool:
 
 
 def _write_json(path: Path, value: object) -> None:
+    """Write `value` to `path` atomically (a 0600 temporary file renamed into place)."""
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps(value))
+    fd = _open_private(tmp, os.O_WRONLY | os.O_TRUNC)
+    with os.fdopen(fd, "w") as f:
+        f.write(json.dumps(value))
     os.replace(tmp, path)
 
 
@@ -89,13 +181,16 @@ class SharedMemoryTransport:
     def __init__(self, root: str | None = None, slots: int = 2) -> None:
         if slots < 1:
             raise ValueError(f"slots={slots}, expected at least 1")
-        self.root, self.slots = Path(root or default_root()), slots
-        (self.root / "pins").mkdir(parents=True, exist_ok=True)
+        self.root, self.slots = secure_root(root or default_root()), slots
+        try:
+            _mkdir_private(self.root / "pins")
+        except FileExistsError:
+            pass
 
     # ------------------------------------------------------------------ bookkeeping
     @contextlib.contextmanager
     def _lock(self) -> Iterator[None]:
-        with open(self.root / ".lock", "a") as f:
+        with os.fdopen(_open_private(self.root / ".lock", os.O_RDWR), "r+b") as f:
             fcntl.flock(f, fcntl.LOCK_EX)
             try:
                 yield
@@ -149,7 +244,7 @@ class SharedMemoryTransport:
                 slot = self.root / f"slot{len(slots)}"
                 while slot.exists():
                     slot = slot.with_name(slot.name + "x")
-                slot.mkdir()
+                _mkdir_private(slot)
             for marker in slot.glob("done.*"):
                 marker.unlink()
             _write_json(slot / "version.json", {"version": version, "world": world, "plan": plan.to_json()})
@@ -167,7 +262,7 @@ class SharedMemoryTransport:
 
     def _bucket_file(self, slot: str, bucket: Bucket) -> str:
         path = bucket_path(slot, bucket.index)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        fd = _open_private(path, os.O_RDWR)
         try:
             if os.fstat(fd).st_size != bucket.nbytes:
                 os.ftruncate(fd, bucket.nbytes)

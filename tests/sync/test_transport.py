@@ -1,5 +1,7 @@
 """The bucket plan and the shared-memory transport on their own (no learner, no engine)."""
 
+import os
+import stat
 import subprocess
 import sys
 import time
@@ -11,7 +13,7 @@ from layout_scenarios import tiny_spec
 from moe_grpo.models.hf_names import hf_shapes
 from moe_grpo.sync.deliver import EngineSyncer
 from moe_grpo.sync.plan import ALIGN, BucketPlan, check_plan, plan_buckets
-from moe_grpo.sync.transport import SharedMemoryTransport, SyncError
+from moe_grpo.sync.transport import SharedMemoryTransport, SyncError, UnsafeRootError
 
 
 def test_plan_covers_every_tensor_once_in_aligned_byte_bounded_buckets_of_whole_layers():
@@ -135,3 +137,79 @@ def test_a_slot_still_being_written_is_not_reused(tmp_path, small):
     b = _publish(t, 2, small, world=2, skip_rank=1)  # rank 1 has not finished version 2 yet
     assert _publish(t, 3, small) == a and _publish(t, 4, small) == a  # b is skipped while it is being written
     assert t.find(2) == b
+
+
+# ---------------------------------------------------------------------- a private root (another local user must not
+# be able to write, plant or swap the buffers the engines load)
+
+
+@pytest.mark.parametrize("mode,who", [(0o777, "group and others"), (0o770, "group"), (0o757, "others")],
+                         ids=["world-writable", "group-writable", "other-writable"])
+def test_a_root_writable_by_group_or_others_is_refused(tmp_path, mode, who):
+    root = tmp_path / "shared"
+    root.mkdir()
+    os.chmod(root, mode)
+    with pytest.raises(UnsafeRootError, match=rf"root {root} has mode {oct(mode)}, writable by {who}; expected 0700"):
+        SharedMemoryTransport(str(root))
+    assert not (root / "pins").exists()  # refused before anything was written into it
+
+
+def test_a_symlinked_root_is_refused_even_when_its_target_looks_private(tmp_path):
+    target = tmp_path / "elsewhere"
+    target.mkdir(mode=0o700)
+    link = tmp_path / "root"
+    link.symlink_to(target)
+    with pytest.raises(UnsafeRootError, match=rf"root {link} is a symlink \(to {target}\), expected a real directory"):
+        SharedMemoryTransport(str(link))
+    open_target = tmp_path / "world"
+    open_target.mkdir()
+    os.chmod(open_target, 0o777)
+    (tmp_path / "root2").symlink_to(open_target)
+    with pytest.raises(UnsafeRootError, match="is a symlink"):
+        SharedMemoryTransport(str(tmp_path / "root2"))
+    assert list(target.iterdir()) == [] and list(open_target.iterdir()) == []
+
+
+def test_a_root_owned_by_another_user_is_refused(tmp_path):
+    root = tmp_path / "theirs"
+    root.mkdir(mode=0o700)
+    os.chown(root, 65534, 65534)  # the tests run as root; 65534 is "nobody"
+    with pytest.raises(UnsafeRootError, match=rf"root {root} is owned by uid 65534, expected uid {os.geteuid()}"):
+        SharedMemoryTransport(str(root))
+
+
+def test_a_root_whose_parent_another_user_can_write_is_refused(tmp_path):
+    parent = tmp_path / "open"
+    parent.mkdir()
+    os.chmod(parent, 0o777)  # no sticky bit: anyone could rename the root away and put theirs in its place
+    with pytest.raises(UnsafeRootError, match=rf"parent directory {parent} has mode 0o777, writable by group or others "
+                                              r"without the sticky bit"):
+        SharedMemoryTransport(str(parent / "root"))
+    os.chmod(parent, 0o1777)  # like /dev/shm: others cannot touch what is ours
+    t = SharedMemoryTransport(str(parent / "root"))
+    assert stat.S_IMODE(os.stat(t.root).st_mode) == 0o700
+
+
+def test_everything_the_transport_creates_is_private_even_under_umask_000(tmp_path, small):
+    old = os.umask(0)
+    try:
+        t = SharedMemoryTransport(str(tmp_path / "made" / "here"), slots=1)
+        slot = _publish(t, 1, small)
+        t.pin("engine-x", {slot: 1})
+        _publish(t, 2, small)  # every slot pinned: an extra slot is created
+        with t.raw_bucket(slot, small.buckets[-1], writable=True):
+            pass
+    finally:
+        os.umask(old)
+    made = [tmp_path / "made", *(tmp_path / "made").rglob("*")]
+    assert len([p for p in made if p.is_file()]) >= 6  # lock, pin, versions, done markers, buckets
+    modes = {str(p.relative_to(tmp_path)): oct(stat.S_IMODE(os.lstat(p).st_mode)) for p in made}
+    assert modes == {k: ("0o700" if (tmp_path / k).is_dir() else "0o600") for k in modes}
+
+
+def test_an_existing_root_of_ours_is_narrowed_to_0700(tmp_path):
+    root = tmp_path / "old"
+    root.mkdir()
+    os.chmod(root, 0o755)  # what earlier versions created
+    SharedMemoryTransport(str(root))
+    assert stat.S_IMODE(os.stat(root).st_mode) == 0o700
