@@ -55,7 +55,9 @@ class Completion:
     finish_reason: str = ""
     """'stop', 'length', 'abort' or 'error'."""
     error: str | None = None
-    """Why this request was refused (bad input); the other requests were served."""
+    """Why this request failed (bad input, routing capture); the other requests were served."""
+    resubmits: int = 0
+    """Times a weight update aborted this completion and it was resubmitted (`on_update=abort`)."""
 
     @property
     def ok(self) -> bool:

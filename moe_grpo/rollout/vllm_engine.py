@@ -1,4 +1,11 @@
-"""The rollout engine on vLLM: token ids in, completions with log-probs and routing traces out.
+"""The rollout engine on vLLM's AsyncLLM: token ids in, completions with log-probs, versions and routing out.
+
+One class, `VllmEngine`, owns one AsyncLLM on a private event loop (a
+daemon thread), so it serves both kinds of callers:
+- blocking calls from any thread (`generate`, `score`, `load_published`),
+  each under a timeout that also watches the engine process;
+- many requests in flight at once (`submit` returns a future per prompt),
+  which is how the orchestrator keeps the engine busy.
 
 Routing comes from one of two paths with one output format:
 - vLLM's native `enable_return_routed_experts` (Model Runner V2; GPU only:
@@ -8,19 +15,34 @@ Routing comes from one of two paths with one output format:
 Either way each completion carries a `RoutingTrace` of `prompt + generated - 1`
 rows over the MoE layers only.
 
+Weights change between forward passes, with requests in flight:
+- `on_update="keep"` (default): pause the scheduler keeping requests and their
+  KV cache, reload, stamp the new version, resume. vLLM labels each engine
+  step's tokens with the version it ran under, so a completion that spans an
+  update reports both versions, and its trace stays complete.
+- `on_update="abort"` (AReaL's way): abort the requests in flight and resubmit
+  prompt + tokens so far under the new weights; the completion joins both
+  segments' tokens, log-probs, versions and routing (rows for positions the
+  first segment computed come from it, the rest from the second).
+
 Bad requests (empty prompt, ids outside the vocabulary, longer than the
 context) are refused one by one, with the reason on their completions; the
-rest of the batch is served.
+rest is served. A request the worker could not capture routing for fails
+alone (`finish_reason="error"`); the engine serves on. Routing buffers of
+every request are freed when it ends, however it ends.
 """
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
+import itertools
 import os
 import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Awaitable, Sequence
 
 import numpy as np
 
@@ -30,10 +52,11 @@ from moe_grpo.rollout.types import Completion, SamplingSettings
 from moe_grpo.routing.trace import RoutingTrace
 
 EXTENSION = "moe_grpo.rollout.worker_extension.RoutingCaptureExtension"
+_ENGINE_IDS = itertools.count()
 
 
 class EngineError(RuntimeError):
-    """The vLLM engine failed (start, generation or weight load); names the step."""
+    """The vLLM engine failed (start, generation, weight load, dead or hung); names the engine and the step."""
 
 
 def _process_alive(pid: int) -> bool:
@@ -78,74 +101,172 @@ def _cpu_env(spec: MoEModelSpec, kv_cache_gib: int) -> None:
         os.environ["VLLM_MLA_DISABLE"] = "1"
 
 
+def versions_from_spans(spans: Any, num_tokens: int, fallback: int) -> np.ndarray:
+    """vLLM's per-completion `weight_versions` spans -> one policy version per generated token."""
+    out = np.full(num_tokens, fallback, np.int64)
+    for span in spans or ():
+        try:
+            out[span.start : span.end] = int(span.version)
+        except ValueError as e:
+            raise EngineError(f"weight version {span.version!r} is not an integer policy version") from e
+    return out
+
+
+def join_segments(first: Completion, second: Completion) -> Completion:
+    """One completion from a request aborted by a weight update and its resubmission (prompt + tokens so far).
+
+    Positions the first segment ran through keep its routing rows; the rest
+    come from the second segment's forward passes under the new weights.
+    """
+    n1 = len(first.token_ids)
+    if len(second.prompt_ids) != len(first.prompt_ids) + n1:
+        raise EngineError(f"resubmitted prompt has {len(second.prompt_ids)} tokens, expected "
+                          f"{len(first.prompt_ids)} + {n1}")
+    routing = second.routing
+    if n1 and first.routing is not None and second.routing is not None:
+        keep = first.num_positions
+        rows = np.concatenate([first.routing.expert_ids[:keep], second.routing.expert_ids[keep:]])
+        routing = RoutingTrace.from_array(rows, first.routing.num_experts)
+    return Completion(first.prompt_ids, np.concatenate([first.token_ids, second.token_ids]),
+                      np.concatenate([first.logprobs, second.logprobs]), routing,
+                      np.concatenate([first.versions, second.versions]), second.finish_reason, second.error,
+                      resubmits=first.resubmits + 1)
+
+
 class VllmEngine:
-    """A synchronous vLLM engine (`vllm.LLM`) with per-token routing capture."""
+    """A vLLM AsyncLLM engine with per-token routing capture and in-flight weight updates."""
 
     def __init__(self, model_dir: str | Path, spec: MoEModelSpec, *, max_model_len: int = 512, max_num_seqs: int = 16,
-                 kv_cache_gib: int = 1, capture: bool = True, seed: int = 0,
-                 max_num_batched_tokens: int | None = None, dtype: str = "float32",
-                 routing_source: str = "auto") -> None:
+                 kv_cache_gib: int = 1, capture: bool = True, extension: bool = True, seed: int = 0,
+                 max_num_batched_tokens: int | None = None, dtype: str = "float32", routing_source: str = "auto",
+                 on_update: str = "keep", request_timeout_s: float = 600.0, name: str | None = None) -> None:
         """`routing_source`: 'extension' (router hooks, any platform), 'native' (vLLM's
-        enable_return_routed_experts: Model Runner V2, GPU only) or 'auto' (native on GPU)."""
+        enable_return_routed_experts: Model Runner V2, GPU only) or 'auto' (native on GPU).
+        `extension=False` starts vLLM without the worker extension at all (no capture, no weight
+        loads: the baseline of bench_capture). `request_timeout_s` bounds every call into vLLM."""
         import torch
 
-        self.spec, self.model_dir, self.max_model_len = spec, str(model_dir), max_model_len
         if routing_source not in ("auto", "extension", "native"):
             raise ValueError(f"routing_source={routing_source!r}, expected 'auto', 'extension' or 'native'")
+        if on_update not in ("keep", "abort"):
+            raise ValueError(f"on_update={on_update!r}, expected 'keep' (pause, load, resume) or 'abort' (resubmit)")
+        if capture and not extension and routing_source != "native":
+            raise ValueError("capture=True needs the worker extension (extension=True) or routing_source='native'")
+        self.spec, self.model_dir, self.max_model_len = spec, str(model_dir), max_model_len
         self.native = capture and (routing_source == "native" or (routing_source == "auto" and torch.cuda.is_available()))
+        self.capture, self.extension, self.on_update = capture, extension, on_update
+        self.request_timeout_s = request_timeout_s
         self.policy_version = 0
-        on_gpu = torch.cuda.is_available()
-        if not on_gpu:
-            _cpu_env(spec, kv_cache_gib)
-        kwargs: dict[str, Any] = dict(
-            model=self.model_dir, skip_tokenizer_init=True, trust_remote_code=True, dtype=dtype, enforce_eager=True,
-            max_model_len=max_model_len, max_num_seqs=max_num_seqs, enable_prefix_caching=False, seed=seed,
-            worker_extension_cls=EXTENSION)
-        if max_num_batched_tokens is not None:
-            kwargs.update(max_num_batched_tokens=max_num_batched_tokens, enable_chunked_prefill=True)
-        if self.native:
-            # vLLM's own capture (it also needs prefix caching on, and Model Runner V2).
-            os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "1")
-            kwargs.update(enable_return_routed_experts=True, enable_prefix_caching=True)
-        self._llm_kwargs, self._capture_hooks = kwargs, capture and not self.native
-        self.capture = capture
-        self.engine_id = f"vllm-{os.getpid()}-{id(self):x}"
+        self.engine_id = name or f"vllm-{os.getpid()}-{next(_ENGINE_IDS)}"
         self.broken: str | None = None
         """Why the engine must not generate (a failed sync it could not roll back), or None."""
         self.weight_source: tuple[str, Any] | str | None = "model_dir"
         """Where the served weights can be re-read for a rollback or restart: (slot, plan) of a sync,
         'model_dir', or None after `load_weights` from memory (nothing to re-read)."""
+        self.stats = {"requests": 0, "resubmitted": 0, "capture_errors": 0, "restarts": 0}
+        if not torch.cuda.is_available():
+            _cpu_env(spec, kv_cache_gib)
+        self._engine_args: dict[str, Any] = dict(
+            model=self.model_dir, skip_tokenizer_init=True, trust_remote_code=True, dtype=dtype, enforce_eager=True,
+            max_model_len=max_model_len, max_num_seqs=max_num_seqs, enable_prefix_caching=False, seed=seed,
+            disable_log_stats=True)
+        if extension:
+            self._engine_args["worker_extension_cls"] = EXTENSION
+        if max_num_batched_tokens is not None:
+            self._engine_args.update(max_num_batched_tokens=max_num_batched_tokens, enable_chunked_prefill=True)
+        if self.native:
+            # vLLM's own capture (it also needs prefix caching on, and Model Runner V2).
+            os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "1")
+            self._engine_args.update(enable_return_routed_experts=True, enable_prefix_caching=True)
+        self._ids = itertools.count()
+        self._inflight: dict[str, asyncio.Task] = {}
+        self._updating: asyncio.Event | None = None  # set while no update is in progress
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name=f"moe_grpo-{self.engine_id}", daemon=True)
+        self._thread.start()
+        self.llm: Any = None
         self._start()
 
-    def _start(self) -> None:
-        from vllm import LLM
+    # ------------------------------------------------------------------ plumbing
+    def _call(self, coro: Awaitable[Any], what: str, timeout_s: float | None = None) -> Any:
+        """Run `coro` on the engine's loop and wait for it, watching the clock and the engine process."""
+        timeout_s = self.request_timeout_s if timeout_s is None else timeout_s
+        future = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            try:
+                return future.result(0.1)
+            except concurrent.futures.TimeoutError:
+                pass
+            pid = getattr(self, "worker_pid", None)
+            if pid is not None and not _process_alive(pid):
+                future.cancel()
+                raise EngineError(f"engine {self.engine_id}: process {pid} died during {what}")
+            if deadline is not None and time.monotonic() > deadline:
+                future.cancel()
+                raise EngineError(f"engine {self.engine_id}: {what} did not finish within {timeout_s:.0f} s "
+                                  f"(engine process {pid})")
 
+    async def _collective_rpc(self, method: str, args: tuple = ()) -> Any:
+        """Every call into the workers goes through here (tests wrap it to inject faults)."""
+        return await self.llm.collective_rpc(method, args=args)
+
+    def _rpc(self, method: str, args: tuple = (), timeout_s: float | None = 120.0) -> Any:
+        """A worker call that cannot hang on a dead engine (vLLM 0.32 leaves it pending forever)."""
+        if not _process_alive(self.worker_pid):
+            raise EngineError(f"engine {self.engine_id}: process {self.worker_pid} is dead ({method} not sent)")
+        return self._call(self._collective_rpc(method, args), method, timeout_s)
+
+    def _start(self) -> None:
         t0 = time.perf_counter()
+        self.worker_pid: int | None = None
         try:
-            self.llm = LLM(**self._llm_kwargs)
-            info = self.llm.collective_rpc("moe_grpo_install", args=(self._capture_hooks,))[0]
+            info = self._call(self._astart(), "start", timeout_s=max(self.request_timeout_s, 300.0))
         except Exception as e:
-            raise EngineError(f"vLLM engine failed to start on {self.model_dir}: {e}") from e
+            raise EngineError(f"engine {self.engine_id}: vLLM failed to start on {self.model_dir}: {e}") from e
         self.start_seconds = time.perf_counter() - t0
-        if self._capture_hooks and len(info["moe_layers"]) != self.spec.num_moe_layers:
-            raise EngineError(f"routing capture found {len(info['moe_layers'])} MoE routers, expected "
-                              f"{self.spec.num_moe_layers} for {self.spec.name}")
-        self.worker_pid = int(info["pid"])
-        """The process that holds the model (vLLM's engine core)."""
-        self.llm.llm_engine.set_weight_version(str(self.policy_version))
+        if info is not None and self.capture and not self.native and len(info["moe_layers"]) != self.spec.num_moe_layers:
+            raise EngineError(f"engine {self.engine_id}: routing capture found {len(info['moe_layers'])} MoE routers, "
+                              f"expected {self.spec.num_moe_layers} for {self.spec.name}")
+        if info is not None:
+            self.worker_pid = int(info["pid"])  # the process that holds the model (vLLM's engine core)
+
+    async def _astart(self) -> dict[str, Any] | None:
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        self._updating = asyncio.Event()
+        self._updating.set()
+        self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**self._engine_args))
+        await self.llm.update_weight_version(str(self.policy_version))
+        if not self.extension:
+            self.worker_pid = self._engine_core_pid()
+            return None
+        return (await self._collective_rpc("moe_grpo_install", (self.capture and not self.native,)))[0]
+
+    def _engine_core_pid(self) -> int:
+        procs = getattr(getattr(getattr(self.llm.engine_core, "resources", None), "engine_manager", None), "processes", None)
+        if not procs:
+            raise EngineError(f"engine {self.engine_id}: cannot find vLLM's engine-core process")
+        return int(procs[0].pid)
 
     def restart(self, *, timeout_s: float | None = 120.0) -> None:
         """Start a new engine process (after the old one died) serving the version the engine served before.
 
         That version's buffers stay pinned through a failed sync, so they are still there to re-read."""
-        self.shutdown()
+        self.shutdown(stop_loop=False)
         self._start()
+        self.stats["restarts"] += 1
+        version = self.policy_version
         if self.weight_source is None:
-            self.broken = f"restarted on the model directory, not on version {self.policy_version} (loaded from memory)"
+            self.broken = f"restarted on the model directory, not on version {version} (loaded from memory)"
             raise EngineError(self.broken)
         if isinstance(self.weight_source, tuple):
-            self._apply_buckets(*self.weight_source, timeout_s)
+            self._call(self._load(self._bucket_rpcs(*self.weight_source), version, None), "restore", timeout_s)
         self.broken = None
+
+    def alive(self) -> bool:
+        return self.llm is not None and _process_alive(self.worker_pid)
 
     # ------------------------------------------------------------------ input checks
     def check_prompt(self, prompt: Sequence[int], sampling: SamplingSettings) -> str | None:
@@ -165,80 +286,168 @@ class VllmEngine:
 
     # ------------------------------------------------------------------ generation
     def set_capture(self, on: bool) -> None:
-        self.llm.collective_rpc("moe_grpo_set_capture", args=(on,))
+        self._rpc("moe_grpo_set_capture", (on,))
         self.capture = on
 
-    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingSettings) -> list[list[Completion]]:
-        results, good = _refuse_bad(self, prompts, sampling)
-        if not good:
-            return results
-        params = [_params(self, prompts[i], sampling) for i in good]
+    async def agenerate(self, prompt: Sequence[int], sampling: SamplingSettings) -> list[Completion]:
+        """The `n` completions of one prompt (on the engine's loop); many may run at once."""
+        if self.broken:
+            raise EngineError(f"engine {self.engine_id} refuses to generate: {self.broken}")
+        why = self.check_prompt(prompt, sampling)
+        if why is not None:
+            ids = np.asarray(prompt, dtype=np.int64) if len(prompt) else np.zeros(0, np.int64)
+            return [Completion(ids, finish_reason="error", error=why) for _ in range(sampling.n)]
+        # One request per sample: each can be aborted and resubmitted on its own.
+        return list(await asyncio.gather(*(self._sample(list(map(int, prompt)), sampling, k)
+                                           for k in range(sampling.n))))
+
+    async def _sample(self, prompt: list[int], sampling: SamplingSettings, k: int) -> Completion:
+        done: Completion | None = None
+        while True:
+            await self._updating.wait()  # no new request starts while weights change
+            room = min(sampling.max_tokens - (len(done.token_ids) if done else 0),
+                       self.max_model_len - len(prompt) - (len(done.token_ids) if done else 0))
+            ids = prompt + ([int(t) for t in done.token_ids] if done else [])
+            part = await self._request(ids, sampling, room)
+            done = part if done is None else join_segments(done, part)
+            if part.finish_reason != "abort" or self.on_update != "abort" or room - len(part.token_ids) <= 0:
+                break
+            self.stats["resubmitted"] += 1
+        return done
+
+    async def _request(self, prompt: list[int], sampling: SamplingSettings, max_tokens: int) -> Completion:
+        from vllm import SamplingParams
+
+        request_id = f"mg{next(self._ids)}"
+        params = SamplingParams(n=1, temperature=sampling.temperature, top_p=sampling.top_p, max_tokens=max_tokens,
+                                logprobs=0, stop_token_ids=list(sampling.stop_token_ids))
+        final, task = None, asyncio.current_task()
+        self._inflight[request_id] = task
+        self.stats["requests"] += 1
         try:
-            outputs = self.llm.generate([{"prompt_token_ids": [int(t) for t in prompts[i]]} for i in good], params,
-                                        use_tqdm=False)
+            async for out in self.llm.generate({"prompt_token_ids": prompt}, params, request_id=request_id):
+                final = out
+        except asyncio.CancelledError:
+            final = None
         except Exception as e:
-            raise EngineError(f"vLLM generation failed: {e}") from e
-        routing = {}
-        if self.capture and not self.native:
-            routing = _decode_routing(self.llm.collective_rpc("moe_grpo_pop_routing",
-                                                              args=(_prefixes(outputs, sampling.n),))[0])
-        for i, out in zip(good, outputs):
-            results[i] = _completions(self, prompts[i], out, routing, sampling.n)
-        return results
+            raise EngineError(f"engine {self.engine_id}: generation of request {request_id} failed: {e}") from e
+        finally:
+            self._inflight.pop(request_id, None)
+            routing = await self._pop_routing([f"{request_id}-"])  # freed however the request ended
+        ids = np.asarray(prompt, np.int64)
+        if final is None or not final.outputs:
+            return Completion(ids, finish_reason="abort")
+        c = final.outputs[0]
+        tokens = np.asarray(c.token_ids, dtype=np.int64)
+        lps = np.asarray([c.logprobs[j][int(t)].logprob for j, t in enumerate(tokens)], dtype=np.float32)
+        versions = versions_from_spans(getattr(c, "weight_versions", None), len(tokens), self.policy_version)
+        finish = str(c.finish_reason or "")
+        n_pos = len(ids) + len(tokens) - 1
+        trace, error = None, None
+        if self.capture and self.native and len(tokens):
+            trace = native_routing_to_trace(c.routed_experts, self.spec, n_pos)
+        elif self.capture and len(tokens):
+            rows = routing.get("rows")
+            if "error" in routing:
+                error = f"routing capture failed in the worker: {routing['error']}"
+                self.stats["capture_errors"] += 1
+            elif rows is None or rows.shape[0] < n_pos or (rows[:n_pos] < 0).any():
+                error = f"routing capture is missing rows for request {request_id} ({n_pos} positions expected)"
+                self.stats["capture_errors"] += 1
+            else:
+                trace = RoutingTrace.from_array(rows[:n_pos], self.spec.num_experts)
+        return Completion(ids, tokens, lps, trace, versions, "error" if error else finish, error)
+
+    async def _pop_routing(self, prefixes: list[str]) -> dict[str, Any]:
+        if not (self.capture and not self.native and self.extension):
+            return {}
+        try:
+            packed = (await self._collective_rpc("moe_grpo_pop_routing", (prefixes,)))[0]
+        except Exception as e:  # noqa: BLE001 - a dead engine is reported by the caller's watchdog
+            return {"error": f"could not fetch routing: {e}"}
+        out: dict[str, Any] = {}
+        for rid, value in packed.items():
+            if value[0] == "error":
+                out["error"] = value[1]
+            else:
+                dtype, shape, data = value
+                out["rows"] = np.frombuffer(data, dtype=np.dtype(dtype)).reshape(shape)
+        return out
+
+    def submit(self, prompt: Sequence[int], sampling: SamplingSettings) -> concurrent.futures.Future:
+        """Start generating `n` completions of `prompt`; returns a future (usable from any thread)."""
+        return asyncio.run_coroutine_threadsafe(self.agenerate(prompt, sampling), self._loop)
+
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingSettings) -> list[list[Completion]]:
+        """`n` completions for each prompt, blocking; a bad prompt yields completions with `error` set."""
+        if self.broken:
+            raise EngineError(f"engine {self.engine_id} refuses to generate: {self.broken}")
+
+        async def all_prompts() -> list[list[Completion]]:
+            return list(await asyncio.gather(*(self.agenerate(p, sampling) for p in prompts)))
+
+        return self._call(all_prompts(), f"generation of {len(prompts)} prompts")
 
     def score(self, sequences: Sequence[Sequence[int]]) -> list[np.ndarray]:
         """Log-prob of every token after the first under the engine's current weights (prompt_logprobs)."""
         from vllm import SamplingParams
 
         if self.broken:
-            raise EngineError(f"engine refuses to score: {self.broken}")
+            raise EngineError(f"engine {self.engine_id} refuses to score: {self.broken}")
         params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0)
+
+        async def one(seq: Sequence[int]) -> np.ndarray:
+            request_id = f"mg{next(self._ids)}"
+            final = None
+            try:
+                async for out in self.llm.generate({"prompt_token_ids": [int(t) for t in seq]}, params,
+                                                   request_id=request_id):
+                    final = out
+            finally:
+                await self._pop_routing([f"{request_id}-"])  # scoring must not leave routing buffers behind
+            lps = final.prompt_logprobs[1:]
+            return np.asarray([lp[int(t)].logprob for lp, t in zip(lps, seq[1:])], dtype=np.float32)
+
+        async def all_seqs() -> list[np.ndarray]:
+            return list(await asyncio.gather(*(one(s) for s in sequences)))
+
         try:
-            outputs = self.llm.generate([{"prompt_token_ids": [int(t) for t in s]} for s in sequences], params,
-                                        use_tqdm=False)
+            return self._call(all_seqs(), f"scoring of {len(sequences)} sequences")
+        except EngineError:
+            raise
         except Exception as e:
-            raise EngineError(f"vLLM scoring failed: {e}") from e
-        if self.capture:  # scoring requests must not leave routing buffers behind
-            self.llm.collective_rpc("moe_grpo_pop_routing", args=(_prefixes(outputs, 1),))
-        result = []
-        for seq, out in zip(sequences, outputs):
-            lps = out.prompt_logprobs[1:]
-            result.append(np.asarray([lp[int(t)].logprob for lp, t in zip(lps, seq[1:])], dtype=np.float32))
-        return result
+            raise EngineError(f"engine {self.engine_id}: vLLM scoring failed: {e}") from e
+
+    def num_routing_buffers(self) -> int:
+        """Routing buffers the worker holds (requests not yet finished); 0 when idle."""
+        return int(self._rpc("moe_grpo_num_routing_buffers")[0])
 
     # ------------------------------------------------------------------ weights
-    def _rpc(self, method: str, args: tuple = (), timeout_s: float | None = 120.0) -> Any:
-        """`collective_rpc` that cannot hang on a dead engine.
+    async def _load(self, rpcs: list[tuple[str, tuple]], version: int, source: Any) -> None:
+        """Pause between forward passes, run the reload calls, stamp `version`, resume.
 
-        vLLM 0.32 leaves a call pending forever when the engine process dies
-        while it runs; the call runs on a helper thread while this one watches
-        the process and the clock.
+        "keep" freezes requests (with their KV cache) and resumes them on the new
+        weights; "abort" aborts them, and `_sample` resubmits each one's tokens so far.
         """
-        if not _process_alive(self.worker_pid):
-            raise EngineError(f"engine process {self.worker_pid} is dead ({method} not sent)")
-        box: dict[str, Any] = {}
-
-        def call() -> None:
+        self._updating.clear()
+        try:
+            await self.llm.pause_generation(mode="keep" if self.on_update == "keep" else "abort", clear_cache=False)
             try:
-                box["result"] = self.llm.collective_rpc(method, args=args)
-            except BaseException as e:  # noqa: BLE001 - re-raised on the caller's thread
-                box["error"] = e
+                for method, args in rpcs:
+                    await self._collective_rpc(method, args)
+                await self.llm.update_weight_version(str(int(version)))
+                self.policy_version, self.weight_source = int(version), source
+            finally:
+                await self.llm.resume_generation()
+        finally:
+            self._updating.set()
 
-        helper = threading.Thread(target=call, name=f"moe_grpo-rpc-{method}", daemon=True)
-        helper.start()
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        while helper.is_alive():
-            helper.join(0.1)
-            if helper.is_alive() and not _process_alive(self.worker_pid):
-                raise EngineError(f"engine process {self.worker_pid} died during {method}")
-            if helper.is_alive() and deadline is not None and time.monotonic() > deadline:
-                raise EngineError(f"{method} did not finish within {timeout_s:.0f} s (engine process {self.worker_pid})")
-        if "error" in box:
-            raise box["error"]
-        return box["result"]
+    def _bucket_rpcs(self, slot: str, plan: Any) -> list[tuple[str, tuple]]:
+        from moe_grpo.sync.transport import bucket_path
 
-    def _reload_file(self, path: str) -> None:
-        self._rpc("moe_grpo_reload_from_file", (path,))
+        return [("moe_grpo_reload_from_shm", (bucket_path(slot, b.index), [(e.name, list(e.shape), e.offset)
+                                                                         for e in b.entries], b.nbytes, plan.dtype))
+                for b in plan.buckets]
 
     def load_weights(self, hf_tensors: dict[str, Any], version: int) -> None:
         """Load full HF-named tensors held in this process, one decoder layer per reload; serve `version`.
@@ -249,59 +458,55 @@ class VllmEngine:
         from moe_grpo.rollout.export import weight_buckets
 
         shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
-        for bucket in weight_buckets(self.spec, hf_tensors):
-            with tempfile.NamedTemporaryFile(suffix=".safetensors", dir=shm, delete=False) as f:
-                path = f.name
-            try:
-                save_file({k: v.contiguous() for k, v in bucket.items()}, path)
-                self._reload_file(path)
-            except Exception as e:
-                raise EngineError(f"loading weights into the engine failed: {e}") from e
-            finally:
-                os.unlink(path)
-        self._set_version(version, source=None)
-
-    def _set_version(self, version: int, source: tuple[str, Any] | str | None) -> None:
-        self.policy_version = int(version)
-        self.weight_source = source
-        self.llm.llm_engine.set_weight_version(str(self.policy_version))
-
-    def _apply_buckets(self, slot: str, plan: Any, timeout_s: float | None) -> None:
-        from moe_grpo.sync.transport import bucket_path
-
-        for b in plan.buckets:
-            entries = [(e.name, list(e.shape), e.offset) for e in b.entries]
-            self._rpc("moe_grpo_reload_from_shm",
-                      (bucket_path(slot, b.index), entries, b.nbytes, plan.dtype), timeout_s)
+        paths = []
+        try:
+            for bucket in weight_buckets(self.spec, hf_tensors):
+                with tempfile.NamedTemporaryFile(suffix=".safetensors", dir=shm, delete=False) as f:
+                    paths.append(f.name)
+                save_file({k: v.contiguous() for k, v in bucket.items()}, paths[-1])
+            self._call(self._load([("moe_grpo_reload_from_file", (p,)) for p in paths], version, None),
+                       f"load of version {version}")
+        except EngineError:
+            raise
+        except Exception as e:
+            raise EngineError(f"engine {self.engine_id}: loading weights failed: {e}") from e
+        finally:
+            for p in paths:
+                os.unlink(p)
 
     def load_published(self, slot: str, plan: Any, version: int, *, timeout_s: float | None = 120.0) -> None:
         """Apply a whole published version (the transport's bucket files, read without a copy) or none of it.
 
-        Every bucket is reloaded in turn; if one fails, the engine re-applies the
+        Requests in flight are paused (or aborted and resubmitted, `on_update`)
+        while every bucket is reloaded; if one fails, the engine re-applies the
         weights it served before (the previous version's buckets, which the sync
         keeps pinned, or its model directory) and raises EngineError. If even that
         fails, the engine refuses to generate until a sync succeeds.
         """
         if self.broken:
             self.broken = None  # a full version is about to replace whatever is loaded
+        if not _process_alive(self.worker_pid):
+            raise EngineError(f"engine {self.engine_id}: process {self.worker_pid} is dead (version {version} not sent)")
         try:
-            self._apply_buckets(slot, plan, timeout_s)
+            self._call(self._load(self._bucket_rpcs(slot, plan), version, (slot, plan)), f"load of version {version}",
+                       timeout_s)
         except Exception as e:
             try:
                 self._restore(timeout_s)
             except Exception as e2:
                 self.broken = (f"engine holds part of version {version} and could not restore version "
                                f"{self.policy_version} ({e2}); sync a full version before generating")
-                raise EngineError(f"loading version {version} failed ({e}); restoring failed too: {e2}") from e
-            raise EngineError(f"loading version {version} failed part-way ({e}); rolled back to version "
-                              f"{self.policy_version}") from e
-        self._set_version(version, source=(slot, plan))
+                raise EngineError(f"engine {self.engine_id}: loading version {version} failed ({e}); "
+                                  f"restoring failed too: {e2}") from e
+            raise EngineError(f"engine {self.engine_id}: loading version {version} failed part-way ({e}); rolled "
+                              f"back to version {self.policy_version}") from e
 
     def _restore(self, timeout_s: float | None) -> None:
         if self.weight_source is None:
             raise EngineError(f"no copy of version {self.policy_version} to roll back to (it was loaded from memory)")
         if isinstance(self.weight_source, tuple):
-            self._apply_buckets(*self.weight_source, timeout_s)
+            self._call(self._load(self._bucket_rpcs(*self.weight_source), self.policy_version, self.weight_source),
+                       "rollback", timeout_s)
             return
         from moe_grpo.checkpoint.hf_io import SafetensorsDir
 
@@ -309,141 +514,14 @@ class VllmEngine:
         self.load_weights({n: files.get(n) for n in hf_names(self.spec)}, self.policy_version)
         self.weight_source = "model_dir"
 
-    def shutdown(self) -> None:
-        llm = getattr(self, "llm", None)
+    def shutdown(self, *, stop_loop: bool = True) -> None:
+        llm, self.llm = self.llm, None
+        for task in list(self._inflight.values()):
+            self._loop.call_soon_threadsafe(task.cancel)
         if llm is not None:
             try:
-                llm.llm_engine.engine_core.shutdown()
+                llm.shutdown(timeout=10)
             except Exception:
                 pass
-            self.llm = None
-
-
-# ---------------------------------------------------------------------- shared by both engines
-
-
-def _refuse_bad(engine: Any, prompts: Sequence[Sequence[int]], sampling: SamplingSettings
-                ) -> tuple[list[list[Completion]], list[int]]:
-    if getattr(engine, "broken", None):
-        raise EngineError(f"engine refuses to generate: {engine.broken}")
-    results: list[list[Completion]] = [[] for _ in prompts]
-    good: list[int] = []
-    for i, p in enumerate(prompts):
-        why = engine.check_prompt(p, sampling)
-        if why is None:
-            good.append(i)
-        else:
-            ids = np.asarray(p, dtype=np.int64) if len(p) else np.zeros(0, np.int64)
-            results[i] = [Completion(ids, finish_reason="error", error=why) for _ in range(sampling.n)]
-    return results, good
-
-
-def _params(engine: Any, prompt: Sequence[int], sampling: SamplingSettings) -> Any:
-    from vllm import SamplingParams
-
-    room = engine.max_model_len - len(prompt)
-    return SamplingParams(n=sampling.n, temperature=sampling.temperature, top_p=sampling.top_p,
-                          max_tokens=min(sampling.max_tokens, room), logprobs=0,
-                          stop_token_ids=list(sampling.stop_token_ids))
-
-
-def _prefixes(outputs: Any, n: int) -> list[str]:
-    """Worker-side request ids are '<id>-<suffix>' ('<index>_<id>-<suffix>' for n > 1 children)."""
-    return [f"{c.index}_{out.request_id}-" if n > 1 else f"{out.request_id}-" for out in outputs for c in out.outputs]
-
-
-def _decode_routing(packed: dict[str, tuple[str, list[int], bytes]]) -> dict[str, np.ndarray]:
-    return {rid: np.frombuffer(data, dtype=np.dtype(dtype)).reshape(shape) for rid, (dtype, shape, data) in packed.items()}
-
-
-def _completions(engine: Any, prompt: Sequence[int], out: Any, routing: dict[str, np.ndarray], n: int) -> list[Completion]:
-    prompt_ids = np.asarray(prompt, dtype=np.int64)
-    result = []
-    for c in sorted(out.outputs, key=lambda c: c.index):
-        tokens = np.asarray(c.token_ids, dtype=np.int64)
-        lps = np.asarray([c.logprobs[j][int(t)].logprob for j, t in enumerate(tokens)], dtype=np.float32)
-        trace = None
-        if engine.capture and getattr(engine, "native", False):
-            trace = native_routing_to_trace(c.routed_experts, engine.spec, len(prompt_ids) + len(tokens) - 1)
-        elif engine.capture:
-            prefix = f"{c.index}_{out.request_id}-" if n > 1 else f"{out.request_id}-"
-            rows = next((a for rid, a in routing.items() if rid.startswith(prefix)), None)
-            n_pos = len(prompt_ids) + len(tokens) - 1
-            if rows is None or rows.shape[0] < n_pos or (rows[:n_pos] < 0).any():
-                raise EngineError(f"routing capture is missing rows for request {out.request_id} "
-                                  f"completion {c.index} ({n_pos} positions expected)")
-            trace = RoutingTrace.from_array(rows[:n_pos], engine.spec.num_experts)
-        result.append(Completion(prompt_ids, tokens, lps, trace, np.full(len(tokens), engine.policy_version, np.int64),
-                                 str(c.finish_reason or "")))
-    return result
-
-
-class AsyncVllmEngine:
-    """The same engine on vLLM's AsyncLLM, for an orchestrator that keeps many requests in flight.
-
-    Create it inside a running event loop with `await AsyncVllmEngine.create(...)`.
-    """
-
-    def __init__(self) -> None:
-        raise TypeError("use `await AsyncVllmEngine.create(model_dir, spec, ...)`")
-
-    @classmethod
-    async def create(cls, model_dir: str | Path, spec: MoEModelSpec, *, max_model_len: int = 512,
-                     max_num_seqs: int = 16, kv_cache_gib: int = 1, capture: bool = True, seed: int = 0,
-                     dtype: str = "float32") -> "AsyncVllmEngine":
-        import torch
-
-        self = object.__new__(cls)
-        self.spec, self.model_dir, self.max_model_len = spec, str(model_dir), max_model_len
-        self.policy_version, self.capture, self._next_id = 0, capture, 0
-        if not torch.cuda.is_available():
-            _cpu_env(spec, kv_cache_gib)
-        from vllm.engine.arg_utils import AsyncEngineArgs
-        from vllm.v1.engine.async_llm import AsyncLLM
-
-        t0 = time.perf_counter()
-        try:
-            self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(
-                model=self.model_dir, skip_tokenizer_init=True, trust_remote_code=True, dtype=dtype,
-                enforce_eager=True, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-                enable_prefix_caching=False, seed=seed, worker_extension_cls=EXTENSION))
-            info = (await self.llm.collective_rpc("moe_grpo_install", args=(capture,)))[0]
-        except Exception as e:
-            raise EngineError(f"vLLM AsyncLLM failed to start on {self.model_dir}: {e}") from e
-        self.start_seconds = time.perf_counter() - t0
-        if capture and len(info["moe_layers"]) != spec.num_moe_layers:
-            raise EngineError(f"routing capture found {len(info['moe_layers'])} MoE routers, expected {spec.num_moe_layers}")
-        return self
-
-    check_prompt = VllmEngine.check_prompt
-
-    async def generate_one(self, prompt: Sequence[int], sampling: SamplingSettings) -> list[Completion]:
-        """The `n` completions of one prompt; many calls may run concurrently."""
-        results, good = _refuse_bad(self, [prompt], sampling)
-        if not good:
-            return results[0]
-        self._next_id += 1
-        request_id = f"mg{self._next_id}"
-        final = None
-        try:
-            async for out in self.llm.generate({"prompt_token_ids": [int(t) for t in prompt]},
-                                               _params(self, prompt, sampling), request_id=request_id):
-                final = out
-        except Exception as e:
-            raise EngineError(f"vLLM generation of request {request_id} failed: {e}") from e
-        routing = {}
-        if self.capture:
-            packed = (await self.llm.collective_rpc("moe_grpo_pop_routing", args=(_prefixes([final], sampling.n),)))[0]
-            routing = _decode_routing(packed)
-        return _completions(self, prompt, final, routing, sampling.n)
-
-    async def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingSettings) -> list[list[Completion]]:
-        import asyncio
-
-        return list(await asyncio.gather(*(self.generate_one(p, sampling) for p in prompts)))
-
-    def shutdown(self) -> None:
-        llm = getattr(self, "llm", None)
-        if llm is not None:
-            llm.shutdown()
-            self.llm = None
+        if stop_loop and self._loop.is_running():
+            self._loop.call_soon_threadsafe(self._loop.stop)

@@ -51,6 +51,7 @@ class RoutingCaptureExtension:
         self._mg_capture = capture
         self._mg_step: dict[str, Any] | None = None
         self._mg_buffers: dict[str, np.ndarray] = {}
+        self._mg_errors: dict[str, str] = {}
         self._mg_hook_seconds = 0.0
         if not getattr(runner, "_mg_wrapped", False):
             prepare, execute = runner._prepare_inputs, runner.execute_model
@@ -90,10 +91,20 @@ class RoutingCaptureExtension:
         step["ids"][layer_id] = topk_ids[: step["total"]].to("cpu").numpy().astype(np.int16, copy=True)
 
     def _mg_flush(self) -> None:
+        """File the step's rows under each request. A failure here fails the step's requests, not the engine."""
         step, self._mg_step = self._mg_step, None
         if step is None or not step["ids"]:
             return
         t0 = time.perf_counter()
+        try:
+            self._mg_store(step)
+        except Exception as e:  # noqa: BLE001 - reported on each affected request's completion
+            for rid in step["req_ids"]:
+                self._mg_errors.setdefault(rid, f"{type(e).__name__}: {e}")
+                self._mg_buffers.pop(rid, None)
+        self._mg_hook_seconds += time.perf_counter() - t0
+
+    def _mg_store(self, step: dict[str, Any]) -> None:
         if len(step["ids"]) != len(self._mg_layers):
             missing = sorted(set(self._mg_layers) - set(step["ids"]))
             raise RuntimeError(f"routing capture: MoE layers {missing} reported no routing in this step")
@@ -101,6 +112,9 @@ class RoutingCaptureExtension:
         offset = 0
         for rid, n, start in zip(step["req_ids"], step["num_tokens"], step["start"]):
             end = start + n
+            if rid in self._mg_errors:
+                offset += n
+                continue
             buf = self._mg_buffers.get(rid)
             if buf is None or buf.shape[0] < end:
                 grown = np.full((max(end, 2 * (0 if buf is None else buf.shape[0])),) + ids.shape[1:], -1, np.int16)
@@ -110,23 +124,32 @@ class RoutingCaptureExtension:
                 self._mg_buffers[rid] = buf
             buf[start:end] = ids[offset : offset + n]
             offset += n
-        self._mg_hook_seconds += time.perf_counter() - t0
 
-    def moe_grpo_pop_routing(self, prefixes: list[str]) -> dict[str, tuple[str, list[int], bytes]]:
+    def moe_grpo_pop_routing(self, prefixes: list[str]) -> dict[str, tuple]:
         """Routing of the requests whose worker id starts with one of `prefixes`, then forget them.
 
         Arrays travel as (dtype, shape, bytes): collective_rpc does not carry numpy arrays.
+        A request whose capture failed comes back as ("error", message).
         """
-        out = {}
-        for rid in list(self._mg_buffers):
+        out: dict[str, tuple] = {}
+        for rid in list(self._mg_buffers) + list(self._mg_errors):
             if any(rid.startswith(p) for p in prefixes):
-                a = self._mg_buffers.pop(rid)
-                out[rid] = (a.dtype.str, list(a.shape), a.tobytes())
+                if rid in self._mg_errors:
+                    out[rid] = ("error", self._mg_errors.pop(rid))
+                    self._mg_buffers.pop(rid, None)
+                elif rid in self._mg_buffers:
+                    a = self._mg_buffers.pop(rid)
+                    out[rid] = (a.dtype.str, list(a.shape), a.tobytes())
         return out
 
+    def moe_grpo_num_routing_buffers(self) -> int:
+        """Requests whose routing the worker still holds (in flight, or never popped: a leak)."""
+        return len(self._mg_buffers) + len(self._mg_errors)
+
     def moe_grpo_drop_routing(self) -> int:
-        n = len(self._mg_buffers)
+        n = len(self._mg_buffers) + len(self._mg_errors)
         self._mg_buffers.clear()
+        self._mg_errors.clear()
         return n
 
     def moe_grpo_set_reload_patch(self, on: bool) -> bool:
