@@ -1,3 +1,4 @@
+import functools
 import os
 import sys
 import warnings
@@ -27,21 +28,47 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
 
 
+def in_ci() -> bool:
+    """Whether the suite runs as CI (`CI` set to true, as GitHub Actions, GitLab and .ci/run's callers do)."""
+    return os.environ.get("CI", "").strip().lower() in ("true", "1", "yes")
 
 
-def _vllm_available() -> bool:
+@functools.lru_cache(maxsize=1)
+def _vllm_import_error() -> str | None:
+    """Why `import vllm` fails here, or None if it works (checked once per run)."""
     try:
         import vllm  # noqa: F401
-    except Exception:
-        return False
-    return True
+    except Exception as e:  # an ImportError, or a broken install failing at import time
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def require_vllm() -> None:
+    """The one rule for tests that need vLLM: without it they skip, except under CI, where they fail.
+
+    Under CI a skipped engine test would let the suite pass without ever starting
+    an engine, so a missing or broken vLLM is a failure there."""
+    error = _vllm_import_error()
+    if error is None:
+        return
+    if in_ci():
+        pytest.fail(f"vLLM is required when CI={os.environ.get('CI')!r} (the engine tests must run, not skip), "
+                    f"but `import vllm` failed: {error}; install it with `bash tools/install.sh engine`",
+                    pytrace=False)
+    pytest.skip(f"vLLM is not installed ({error}; bash tools/install.sh engine)")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    """Tests marked `vllm` go through `require_vllm` before any of their fixtures start."""
+    if item.get_closest_marker("vllm") is not None:
+        require_vllm()
 
 
 @pytest.fixture(scope="session")
 def engine_and_learner(tmp_path_factory):
     """One Megatron learner and one vLLM engine on the same weights, started once per test run."""
-    if not _vllm_available():
-        pytest.skip("vLLM is not installed (bash tools/install.sh engine)")
+    require_vllm()
     from layout_scenarios import tiny_spec
     from moe_grpo.learner.megatron_learner import LearnerConfig, MegatronLearner
     from moe_grpo.rollout.export import export_learner

@@ -1,0 +1,73 @@
+"""The suite's own rule for vLLM: engine tests skip where vLLM is missing, but fail under CI.
+
+Each case runs pytest in a subprocess with this suite's conftest on a tiny test
+file, with a fake `vllm` package first on the path, so the rule is tested
+against a missing vLLM without uninstalling the real one.
+"""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+TESTS = Path(__file__).resolve().parent
+
+TINY = '''
+import pytest
+
+@pytest.mark.vllm
+def test_marked():
+    pass
+
+def test_through_the_engine_fixture(engine_and_learner):
+    pass
+'''
+
+
+def _run(tmp_path: Path, vllm_init: str, ci: str | None, *args: str) -> subprocess.CompletedProcess:
+    """pytest on TINY with tests/conftest.py as a plugin and `vllm` being the fake whose __init__ is `vllm_init`."""
+    fake = tmp_path / "fake_site"
+    (fake / "vllm").mkdir(parents=True)
+    (fake / "vllm" / "__init__.py").write_text(vllm_init)
+    (tmp_path / "test_tiny.py").write_text(TINY)
+    env = {k: v for k, v in os.environ.items() if k != "CI"}
+    env["PYTHONPATH"] = os.pathsep.join([str(fake), str(TESTS), env.get("PYTHONPATH", "")])
+    if ci is not None:
+        env["CI"] = ci
+    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-rA", "-p", "conftest", "-p", "no:cacheprovider",
+                           "-o", "markers=vllm: needs vLLM", *args, str(tmp_path / "test_tiny.py")],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+
+
+MISSING = 'raise ImportError("No module named vllm (fake, for the test)")\n'
+
+
+def test_without_ci_engine_tests_skip_when_vllm_is_missing(tmp_path):
+    out = _run(tmp_path, MISSING, ci=None)
+    text = out.stdout + out.stderr
+    assert out.returncode == 0, text
+    assert "2 skipped" in text and "vLLM is not installed (ImportError: No module named vllm (fake" in text, text
+
+
+@pytest.mark.parametrize("ci", ["true", "TRUE", "1"])
+def test_under_ci_engine_tests_fail_when_vllm_is_missing(tmp_path, ci):
+    out = _run(tmp_path, MISSING, ci=ci)
+    text = out.stdout + out.stderr
+    assert out.returncode == 1, text
+    assert "2 error" in text and "skipped" not in text, text
+    assert f"vLLM is required when CI='{ci}'" in text and "ImportError: No module named vllm (fake" in text, text
+
+
+def test_under_ci_a_marked_test_runs_when_vllm_imports(tmp_path):
+    """The control: the rule fails only a missing vLLM (here a fake that imports), not every marked test under CI."""
+    out = _run(tmp_path, "", "true", "-k", "test_marked")  # the fixture would start a real engine
+    text = out.stdout + out.stderr
+    assert out.returncode == 0 and "1 passed" in text, text
+    assert "PASSED" in text and "test_marked" in text and "vLLM is required" not in text, text
+
+
+def test_ci_set_to_something_else_is_not_ci(tmp_path):
+    out = _run(tmp_path, MISSING, ci="false")
+    assert out.returncode == 0 and "2 skipped" in out.stdout, out.stdout + out.stderr
