@@ -1,10 +1,11 @@
 """The routing trace: which experts each MoE layer chose for every position.
 
-Contract (DESIGN.md): an integer array `[positions, moe_layers, topk]` of
-logical expert ids, one row per position that went through the model during
-rollout (every prompt token and every generated token except the last), MoE
-layers only, in model order. uint8 when the model has at most 256 routed
-experts, else int16 (ids up to 32767; no published MoE has more experts).
+Contract (README.md, section "Contracts"): an integer array
+`[positions, moe_layers, topk]` of logical expert ids, one row per position
+that went through the model during rollout (every prompt token and every
+generated token except the last), MoE layers only, in model order. uint8 when
+the model has at most 256 routed experts, else int16 (ids up to 32767; no
+published MoE has more experts).
 """
 
 from __future__ import annotations

@@ -35,7 +35,7 @@ class SyncReport:
     slot: str
 
     def metrics(self) -> dict[str, float]:
-        """The run record's keys (DESIGN.md): `sync/seconds`, `sync/bytes`."""
+        """The run record's keys (README.md, section "Contracts"): `sync/seconds`, `sync/bytes`."""
         return {"sync/seconds": self.seconds, "sync/bytes": float(self.bytes_written)}
 
 
