@@ -14,10 +14,13 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Mapping
 
+from moe_grpo.algo.config import AlgoConfig
+from moe_grpo.data.tasks import TaskConfig
 from moe_grpo.learner.config import LearnerConfig
 from moe_grpo.learner.parallel import ParallelLayout
 from moe_grpo.models.options import MegatronOptions
 from moe_grpo.models.spec import MoEModelSpec, spec_from_mapping
+from moe_grpo.orchestrator.config import ClusterConfig, RolloutConfig
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 
@@ -34,12 +37,46 @@ class RunConfig:
     """Optimisation, batching and the seed (learner/megatron_learner.py)."""
     megatron: MegatronOptions = field(default_factory=MegatronOptions)
     """How the Megatron model is built (models/megatron.py)."""
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    """The RL algorithm: group size, batch, clipping, corrections, staleness (algo/config.py)."""
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """How the engines sample (orchestrator/config.py)."""
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    """Ray, engines, learner ranks and their resources (orchestrator/config.py)."""
+    task: TaskConfig = field(default_factory=TaskConfig)
+    """The built-in task and its held-out set (data/tasks.py)."""
     replay: bool = True
     """Replay rollout routing in the learner (R3)."""
+    steps: int = 200
+    """Optimizer steps the run takes."""
+    mode: str = "async"
+    """'async': engines generate while the learner trains; 'sync': generate, train, sync in turn (the baseline)."""
+    warm_start_steps: int = 30
+    """Supervised steps on task examples before RL, mostly to teach the answer format; part of the run."""
+    eval_every: int = 20
+    """Score the held-out set greedily every this many steps (and at step 0 and the last step); 0 = never."""
 
     def __post_init__(self) -> None:
         if self.replay and not self.megatron.routing_replay:
             raise ValueError("replay=True needs megatron.routing_replay=True (no RouterReplay hooks would be built)")
+        if self.steps < 1:
+            raise ValueError(f"steps={self.steps}, expected >= 1")
+        if self.mode not in ("sync", "async"):
+            raise ValueError(f"mode={self.mode!r}, expected 'async' or 'sync'")
+        if self.mode == "async" and self.algo.max_staleness < self.algo.sync_every:
+            raise ValueError(
+                f"mode=async with algo.max_staleness={self.algo.max_staleness} < algo.sync_every={self.algo.sync_every}: "
+                "a batch is sampled before the weights it trains are published, so async needs max_staleness >= "
+                "sync_every (or use mode=sync)")
+        if self.mode == "sync" and self.algo.max_staleness < self.algo.sync_every - 1:
+            raise ValueError(f"mode=sync with algo.sync_every={self.algo.sync_every} samples up to "
+                             f"{self.algo.sync_every - 1} versions behind; algo.max_staleness={self.algo.max_staleness} "
+                             "would drop them all")
+        if self.warm_start_steps < 0 or self.eval_every < 0:
+            raise ValueError(f"warm_start_steps={self.warm_start_steps}, eval_every={self.eval_every}: expected >= 0")
+
+    def learner_world_size(self) -> int:
+        return self.cluster.learner_ranks or self.parallel.world_size()
 
     @property
     def seed(self) -> int:
@@ -52,7 +89,8 @@ class RunConfig:
         return self.megatron
 
 
-_SECTIONS = {"parallel": ParallelLayout, "learner": LearnerConfig, "megatron": MegatronOptions}
+_SECTIONS = {"parallel": ParallelLayout, "learner": LearnerConfig, "megatron": MegatronOptions, "algo": AlgoConfig,
+             "rollout": RolloutConfig, "cluster": ClusterConfig, "task": TaskConfig}
 
 
 def defaults_tree() -> dict[str, Any]:

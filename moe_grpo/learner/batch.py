@@ -35,6 +35,8 @@ class LearnerSequence:
     """Advantage of this completion (same for all its tokens)."""
     old_logprobs: np.ndarray | None = None
     """Sampling log-probs of the response tokens, `[len(tokens)-prompt_len]`."""
+    versions: np.ndarray | None = None
+    """Policy version that sampled each response token, `[len(tokens)-prompt_len]`; None = version 0."""
 
     def __post_init__(self) -> None:
         self.tokens = np.asarray(self.tokens, dtype=np.int64)
@@ -50,6 +52,10 @@ class LearnerSequence:
                     f"old_logprobs has shape {self.old_logprobs.shape}, expected ({n - self.prompt_len},) "
                     "(one per response token)"
                 )
+        if self.versions is not None:
+            self.versions = np.asarray(self.versions, dtype=np.int64)
+            if self.versions.shape != (n - self.prompt_len,):
+                raise ValueError(f"versions has shape {self.versions.shape}, expected ({n - self.prompt_len},)")
 
     @property
     def num_positions(self) -> int:
@@ -66,6 +72,8 @@ class Microbatch:
     """1.0 on response-token targets."""
     advantages: torch.Tensor
     old_logprobs: torch.Tensor
+    versions: torch.Tensor
+    """Policy version that sampled each response-token target (0 elsewhere)."""
     routing: torch.Tensor | None
     """`[rows, seq, moe_layers, topk]` int64, padding filled with ids 0..k-1."""
     attention_mask: torch.Tensor | None
@@ -77,7 +85,7 @@ class Microbatch:
         """The same microbatch with every tensor on `device` (a no-op on CPU)."""
         move = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
         return Microbatch(move(self.input_ids), move(self.labels), move(self.loss_mask),
-                          move(self.advantages), move(self.old_logprobs), move(self.routing),
+                          move(self.advantages), move(self.old_logprobs), move(self.versions), move(self.routing),
                           move(self.attention_mask), self.spans)
 
 
@@ -145,6 +153,7 @@ def _collate(seqs, indices, rows, width, packed, with_routing, moe_layers, top_k
     loss_mask = torch.zeros((rows, width), dtype=torch.float32)
     adv = torch.zeros((rows, width), dtype=torch.float32)
     old = torch.zeros((rows, width), dtype=torch.float32)
+    versions = torch.zeros((rows, width), dtype=torch.float32)
     routing = None
     if with_routing:
         # Padding positions still pass through the routers; any distinct ids will do.
@@ -166,6 +175,8 @@ def _collate(seqs, indices, rows, width, packed, with_routing, moe_layers, top_k
         adv[row, start:end] = float(s.advantage)
         if s.old_logprobs is not None:
             old[row, resp_from:end] = torch.from_numpy(s.old_logprobs)
+        if s.versions is not None:
+            versions[row, resp_from:end] = torch.from_numpy(s.versions.astype(np.float32))
         if routing is not None:
             routing[row, start:end] = torch.from_numpy(s.routing.expert_ids.astype(np.int64))
         if packed:
@@ -177,4 +188,4 @@ def _collate(seqs, indices, rows, width, packed, with_routing, moe_layers, top_k
         pad = torch.arange(cursor, width)
         allowed[pad, pad] = True
         attention_mask = (~allowed).view(1, 1, width, width)
-    return Microbatch(input_ids, labels, loss_mask, adv, old, routing, attention_mask, spans)
+    return Microbatch(input_ids, labels, loss_mask, adv, old, versions, routing, attention_mask, spans)

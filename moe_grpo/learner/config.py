@@ -10,8 +10,8 @@ from dataclasses import dataclass
 class LearnerConfig:
     """Optimisation and batching settings of the learner."""
 
-    lr: float = 1e-5
-    """Adam learning rate."""
+    lr: float = 5e-4
+    """Adam learning rate. Suits the embedded tiny model; real checkpoints want ~1e-6."""
     weight_decay: float = 0.0
     """Decoupled weight decay."""
     adam_beta1: float = 0.9
@@ -20,14 +20,12 @@ class LearnerConfig:
     """Adam beta2."""
     clip_grad: float = 1.0
     """Global gradient-norm clip (0 disables)."""
-    micro_batch_size: int = 4
+    micro_batch_size: int = 64
     """Sequences per microbatch (padded mode)."""
     packed: bool = False
     """Pack several sequences per row behind a block-diagonal mask instead of padding."""
     packed_seq_len: int | None = None
     """Positions per packed row; None = the longest sequence in the batch."""
-    clip_eps: float = 0.2
-    """PPO/GRPO ratio clip."""
     seed: int = 1234
     """Seed for weight init and any sampling inside the learner."""
 
@@ -36,5 +34,3 @@ class LearnerConfig:
             raise ValueError(f"lr={self.lr}, expected a positive finite number")
         if self.micro_batch_size < 1:
             raise ValueError(f"micro_batch_size={self.micro_batch_size}, expected >= 1")
-        if not 0 < self.clip_eps < 1:
-            raise ValueError(f"clip_eps={self.clip_eps}, expected 0 < clip_eps < 1")

@@ -17,7 +17,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
-from moe_grpo.algo.losses import clipped_policy_gradient_loss
+from moe_grpo.algo.losses import GRPOLoss, TokenLoss
 from moe_grpo.learner.batch import LearnerSequence, Microbatch, make_microbatches
 from moe_grpo.learner.config import LearnerConfig
 from moe_grpo.learner.parallel import ParallelLayout, init_distributed, ranks, seed_everything
@@ -46,8 +46,8 @@ class MegatronLearner:
         init_distributed(layout)
         seed_everything(config.seed)
         from megatron.core import parallel_state as ps
-        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
-        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        from moe_grpo.learner.optimizer import build_ddp_and_optimizer
 
         self.spec, self.layout, self.config, self.options = spec, layout, config, options
         if (not torch.cuda.is_available() and layout.tensor_parallel > 1 and layout.expert_parallel > 1
@@ -56,7 +56,8 @@ class MegatronLearner:
                 f"TP={layout.tensor_parallel} x EP={layout.expert_parallel} on gloo needs the allgather dispatcher "
                 "(gloo's all_gather refuses the alltoall dispatcher's uneven sizes); set megatron.token_dispatcher=allgather"
             )
-        self.mconfig = transformer_config(spec, options, layout.megatron_kwargs(spec.num_layers, spec.num_experts))
+        self.mconfig = transformer_config(spec, options, layout.megatron_kwargs(spec.num_layers, spec.num_experts,
+                                                                                 options.dtype))
         if options.routing_replay:
             check_replay_supported(self.mconfig)
         self.rank = ranks()
@@ -65,27 +66,7 @@ class MegatronLearner:
         module = build_gpt_model(
             spec, self.mconfig, pre_process=self.is_first_stage, post_process=self.is_last_stage, pp_rank=self.rank["pp"]
         )
-        self.model = DistributedDataParallel(
-            self.mconfig,
-            DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False),
-            module,
-        )
-        self.mconfig.finalize_model_grads_func = finalize_model_grads
-        self.mconfig.no_sync_func = self.model.no_sync
-        self.optimizer = get_megatron_optimizer(
-            OptimizerConfig(
-                optimizer="adam",
-                lr=config.lr,
-                weight_decay=config.weight_decay,
-                adam_beta1=config.adam_beta1,
-                adam_beta2=config.adam_beta2,
-                clip_grad=config.clip_grad,
-                bf16=options.dtype == torch.bfloat16,
-                params_dtype=options.dtype,
-                use_distributed_optimizer=False,
-            ),
-            [self.model],
-        )
+        self.model, self.optimizer = build_ddp_and_optimizer(module, self.mconfig, config, options)
         self.replayer = RoutingReplayer(module, spec.moe_layer_pattern, recompute=options.recompute) if options.routing_replay else None
         self.step_count = 0
         self.before_update: list[Callable[[], None]] = []
@@ -101,7 +82,8 @@ class MegatronLearner:
     def device(self) -> torch.device:
         return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
-    def _microbatches(self, seqs: Sequence[LearnerSequence], replay: bool) -> list[Microbatch]:
+    def _microbatches(self, seqs: Sequence[LearnerSequence], replay: bool,
+                      routing: bool | None = None) -> list[Microbatch]:
         tp = self.layout.tensor_parallel
         n = len(seqs)
         if n == 0:
@@ -124,7 +106,7 @@ class MegatronLearner:
             micro_batch_size=min(mbs, n),
             pad_multiple=tp,
             packed=self.config.packed,
-            with_routing=replay,
+            with_routing=replay if routing is None else (replay or routing),
             moe_layers=self.spec.num_moe_layers,
             top_k=self.spec.top_k,
             seq_len=self.config.packed_seq_len,
@@ -249,10 +231,12 @@ class MegatronLearner:
         return out
 
     def train_step(self, seqs: Sequence[LearnerSequence], *, replay: bool = True,
-                   global_num_tokens: int | None = None) -> dict[str, float]:
+                   global_num_tokens: int | None = None, loss_fn: TokenLoss | None = None,
+                   policy_version: int = 0) -> dict[str, float]:
         """Zero gradients, `forward_backward` on this DP rank's sequences, `optimizer_step`."""
         self.zero_grad()
-        metrics = self.forward_backward(seqs, replay=replay, global_num_tokens=global_num_tokens)
+        metrics = self.forward_backward(seqs, replay=replay, global_num_tokens=global_num_tokens, loss_fn=loss_fn,
+                                        policy_version=policy_version)
         metrics.update(self.optimizer_step())
         return metrics
 
@@ -261,18 +245,29 @@ class MegatronLearner:
         self.optimizer.zero_grad()
 
     def forward_backward(self, seqs: Sequence[LearnerSequence], *, replay: bool = True,
-                         global_num_tokens: int | None = None) -> dict[str, float]:
-        """Accumulate gradients of the clipped policy-gradient loss; no optimizer step.
+                         global_num_tokens: int | None = None, loss_fn: TokenLoss | None = None,
+                         policy_version: int = 0) -> dict[str, float]:
+        """Accumulate gradients of the token-level policy loss; no optimizer step.
 
-        The loss is a token-level mean over `global_num_tokens`, the response
-        tokens of the whole step across DP ranks (all-reduced when None), so
-        gradients do not depend on how sequences are split into microbatches,
-        ranks or calls.
+        The loss (`loss_fn`, default `GRPOLoss()`) is a token-level mean over
+        `global_num_tokens`, the response tokens of the whole step across DP
+        ranks (all-reduced when None), so gradients do not depend on how
+        sequences are split into microbatches, ranks or calls. Sequences without
+        rollout log-probs are trained on as their own sampling policy (ratio 1:
+        with advantage 1 that is supervised fine-tuning). `policy_version` is the
+        version these weights will publish; with each sequence's `versions` it
+        gives the loss every token's staleness.
+
+        When every sequence carries its rollout trace, the routers' own top-k
+        choices are recorded in the same forward (replayed or not) and compared
+        with the trace: `mismatch/router_disagreement`.
         """
         from megatron.core import parallel_state as ps
 
         self.model.train()
-        mbs = self._microbatches(seqs, replay)
+        loss_fn = loss_fn if loss_fn is not None else GRPOLoss()
+        have_traces = all(s.routing is not None for s in seqs)
+        mbs = self._microbatches(seqs, replay, routing=have_traces)
         dp_size = ps.get_data_parallel_world_size()
         if global_num_tokens is None:
             local = torch.tensor([sum(float(mb.loss_mask.sum()) for mb in mbs)], dtype=torch.float64, device=self.device)
@@ -282,42 +277,73 @@ class MegatronLearner:
             raise ValueError("forward_backward got no response tokens to train on (every loss mask is empty)")
         have_old = all(s.old_logprobs is not None for s in seqs)
         scale = len(mbs) * dp_size / global_num_tokens
-        clip_eps = self.config.clip_eps
+        stat_keys = tuple(loss_fn.stat_keys)
 
-        def loss_fn(mb: Microbatch, output: torch.Tensor) -> Any:
+        def loss(mb: Microbatch, output: torch.Tensor) -> Any:
             logp = -output.float()
             old = mb.old_logprobs if have_old else logp.detach()
-            pg_sum, stats = clipped_policy_gradient_loss(logp, old, mb.advantages, mb.loss_mask, clip_eps=clip_eps)
-            mismatch = torch.zeros(())
+            staleness = (float(policy_version) - mb.versions) * mb.loss_mask
+            pg_sum, stats = loss_fn(logp, old, mb.advantages, mb.loss_mask, staleness)
+            mismatch = torch.zeros((), dtype=torch.float64, device=logp.device)
             if have_old:  # k3 estimator of KL(rollout || learner) on response tokens
                 # float64: for |log r| ~ 1e-7 the float32 k3 terms round to exactly zero.
                 log_r = (logp.detach().double() - mb.old_logprobs.double()) * mb.loss_mask
                 mismatch = ((torch.expm1(log_r) - log_r) * mb.loss_mask).sum()
-            return pg_sum * scale, {"pg_sum": pg_sum.detach(), "clipped": stats["clipped_tokens"], "k3_sum": mismatch}
+            nll = -(logp.detach().double() * mb.loss_mask).sum()
+            return pg_sum * scale, {"pg_sum": pg_sum.detach(), "k3_sum": mismatch, "nll_sum": nll,
+                                    **{k: stats[k].detach() for k in stat_keys}}
 
-        store = self._run(mbs, replay=replay, forward_only=False, loss_fn=loss_fn)
-        local = torch.zeros(5, dtype=torch.float64, device=self.device)
+        store = self._run(mbs, replay=replay, forward_only=False, loss_fn=loss, record_free=have_traces)
+        keys = ("pg_sum", "k3_sum", "nll_sum") + stat_keys
+        local = torch.zeros(len(keys) + 4, dtype=torch.float64, device=self.device)
         if self.is_last_stage and self.rank["tp"] == 0:
             for rec in store:
-                local[:3] += torch.tensor([float(rec["pg_sum"]), float(rec["clipped"]), float(rec["k3_sum"])],
-                                          dtype=torch.float64, device=self.device)
-        if self.replayer is not None and self.rank["tp"] == 0:
-            local[3:] += torch.tensor([self.replayer.calls, self.replayer.replayed_calls], dtype=torch.float64,
-                                      device=self.device)
+                local[: len(keys)] += torch.tensor([float(rec[k]) for k in keys], dtype=torch.float64, device=self.device)
+        if self.replayer is not None:
+            if self.rank["tp"] == 0:
+                local[len(keys) : len(keys) + 2] += torch.tensor(
+                    [self.replayer.calls, self.replayer.replayed_calls], dtype=torch.float64, device=self.device)
+            if have_traces:
+                local[len(keys) + 2 :] += torch.tensor(self._router_disagreement(mbs), dtype=torch.float64,
+                                                       device=self.device)
         torch.distributed.all_reduce(local)
-        pg_sum, clipped, k3, calls, replayed = local.tolist()
+        sums = dict(zip(keys, local.tolist()))
+        calls, replayed, differ, decisions = local[len(keys) :].tolist()
         metrics = {
-            "loss": pg_sum / global_num_tokens,
+            "loss": sums["pg_sum"] / global_num_tokens,
             "tokens": float(global_num_tokens),
-            "clip_fraction": clipped / global_num_tokens,
+            "nll": sums["nll_sum"] / global_num_tokens,
             "replay/applied": replayed / calls if calls else 0.0,
+            **{k: sums[k] / global_num_tokens for k in stat_keys},
         }
+        if decisions:
+            metrics["mismatch/router_disagreement"] = differ / decisions
         if have_old:
-            metrics["mismatch/kl"] = k3 / global_num_tokens
-        if not math.isfinite(pg_sum):
+            metrics["mismatch/kl"] = sums["k3_sum"] / global_num_tokens
+        if not math.isfinite(sums["pg_sum"]):
             self.zero_grad()
             raise NonFiniteError(f"step {self.step_count + 1}: loss={metrics['loss']}; gradients dropped, no update")
         return metrics
+
+    def _router_disagreement(self, mbs: list[Microbatch]) -> tuple[float, float]:
+        """(differing, all) (token, MoE layer) decisions of this rank: the routers' free top-k set vs the trace."""
+        assert self.replayer is not None
+        sp_size = self.layout.tensor_parallel if self.layout.sequence_parallel else 1
+        differ = total = 0.0
+        for i, mb in enumerate(mbs):
+            valid = torch.zeros(mb.input_ids.shape, dtype=torch.int64)
+            for _, row, start, end in mb.spans:
+                valid[row, start:end] = 1
+            valid = megatron_token_order(valid[:, :, None, None], sp_rank=self.rank["tp"], sp_size=sp_size)[:, 0, 0]
+            want = megatron_token_order(mb.routing.cpu(), sp_rank=self.rank["tp"], sp_size=sp_size)
+            for slot in self.replayer.slots:
+                if i >= len(slot.free):
+                    continue
+                free = torch.sort(slot.free[i].to(torch.int64), -1).values
+                same = (free == torch.sort(want[:, slot.moe_index], -1).values).all(-1)
+                differ += float(((~same) & (valid > 0)).sum())
+                total += float(valid.sum())
+        return differ, total
 
     def optimizer_step(self) -> dict[str, float]:
         """Apply the accumulated gradients, unless any is NaN/inf on any rank (then raise, weights unchanged)."""

@@ -516,8 +516,19 @@ class VllmEngine:
 
     def shutdown(self, *, stop_loop: bool = True) -> None:
         llm, self.llm = self.llm, None
-        for task in list(self._inflight.values()):
-            self._loop.call_soon_threadsafe(task.cancel)
+        if llm is not None and self._loop.is_running():
+            async def quiesce() -> None:
+                # Stop our requests and vLLM's output handler before the engine process goes,
+                # or the handler logs the dying engine as an error with a traceback.
+                tasks = list(self._inflight.values()) + [t for t in [getattr(llm, "output_handler", None)] if t]
+                for task in tasks:
+                    task.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+
+            try:
+                asyncio.run_coroutine_threadsafe(quiesce(), self._loop).result(10)
+            except Exception:
+                pass
         if llm is not None:
             try:
                 llm.shutdown(timeout=10)

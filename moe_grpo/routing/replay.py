@@ -96,7 +96,9 @@ class RoutingReplayer:
 
         def get_replay_topk(scores, topk, num_groups=None, group_topk=None, default_compute_topk=None):  # type: ignore[no-untyped-def]
             slot.calls += 1
-            if self.record_free and replay.router_replay_action in (actions.REPLAY_FORWARD, actions.REPLAY_BACKWARD):
+            # Free choices are recorded once per forward (not again during activation recompute).
+            record_free = self.record_free and not _in_autograd_backward()
+            if record_free and replay.router_replay_action in (actions.REPLAY_FORWARD, actions.REPLAY_BACKWARD):
                 with torch.no_grad():
                     slot.free.append(default_compute_topk(scores.detach(), topk, num_groups, group_topk)[1].cpu())
             if replay.router_replay_action == actions.REPLAY_FORWARD and _in_autograd_backward():
@@ -109,7 +111,7 @@ class RoutingReplayer:
                 probs, idx = original(scores, topk, num_groups, group_topk, default_compute_topk)
             if replay.router_replay_action in (actions.REPLAY_FORWARD, actions.REPLAY_BACKWARD):
                 slot.replayed_calls += 1
-            if self.record_free and replay.router_replay_action is None:
+            if record_free and replay.router_replay_action is None:
                 slot.free.append(idx.detach().cpu())
             if self.record_used:
                 slot.used.append(idx.detach().cpu())

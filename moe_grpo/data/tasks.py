@@ -1,0 +1,125 @@
+"""Built-in tasks the embedded model can learn on a CPU: the answer is a function of the prompt.
+
+`reverse` (default), `copy` and `sort` take a short string of letters and ask
+for it reversed, copied or sorted. The prompt is the letters followed by the
+task's marker (`<`, `=`, `^`), the answer ends with <eos>. A model that never
+reads the prompt cannot score: the letters are drawn fresh for every prompt,
+and the held-out set is drawn from a separate seed (and checked disjoint from
+nothing the training stream could repeat: 10 letters, lengths 3-5 give 111k
+strings).
+
+Reward (`score`): the fraction of answer positions right, over the longer of
+the answer and the completion, so extra or missing letters cost; in [0, 1].
+The reward follows the user-reward signature
+`fn(prompts, completions, **row_fields) -> list[float]`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from moe_grpo.data.tokenizer import ByteTokenizer
+
+MARKERS = {"reverse": "<", "copy": "=", "sort": "^"}
+
+
+@dataclass(frozen=True)
+class TaskConfig:
+    """The built-in task (config group `task`)."""
+
+    name: str = "reverse"
+    """'reverse', 'copy' or 'sort' the letters the prompt holds."""
+    alphabet: str = "abcdefghij"
+    """Letters the prompts are drawn from."""
+    min_len: int = 3
+    """Shortest string of letters in a prompt."""
+    max_len: int = 5
+    """Longest string of letters in a prompt."""
+    eval_size: int = 64
+    """Held-out prompts, scored greedily at every evaluation."""
+    eval_seed: int = 987654
+    """Seed of the held-out set (training prompts come from the run's seed)."""
+
+    def __post_init__(self) -> None:
+        if self.name not in MARKERS:
+            raise ValueError(f"task.name={self.name!r}, expected one of {sorted(MARKERS)}")
+        if len(set(self.alphabet)) < 2 or any(not c.isalpha() or not c.isascii() for c in self.alphabet):
+            raise ValueError(f"task.alphabet={self.alphabet!r}, expected at least 2 distinct ASCII letters")
+        if not 1 <= self.min_len <= self.max_len:
+            raise ValueError(f"task.min_len={self.min_len}, task.max_len={self.max_len}: expected 1 <= min_len <= max_len")
+        if self.eval_size < 1:
+            raise ValueError(f"task.eval_size={self.eval_size}, expected >= 1")
+
+    @property
+    def max_answer_tokens(self) -> int:
+        """Longest answer in tokens (letters + <eos>)."""
+        return self.max_len + 1
+
+
+@dataclass(frozen=True)
+class Example:
+    """One prompt of a task and what a right answer is."""
+
+    prompt: str
+    """Prompt text (letters + marker)."""
+    prompt_ids: tuple[int, ...]
+    """Prompt token ids, <bos> first."""
+    answer: str
+    """The right completion text (without <eos>)."""
+
+
+def solve(name: str, letters: str) -> str:
+    if name == "reverse":
+        return letters[::-1]
+    if name == "sort":
+        return "".join(sorted(letters))
+    return letters
+
+
+def make_examples(cfg: TaskConfig, tokenizer: ByteTokenizer, rng: np.random.Generator, n: int) -> list[Example]:
+    """`n` fresh prompts of the task."""
+    out = []
+    letters = np.array(list(cfg.alphabet))
+    for _ in range(n):
+        length = int(rng.integers(cfg.min_len, cfg.max_len + 1))
+        s = "".join(rng.choice(letters, size=length))
+        prompt = s + MARKERS[cfg.name]
+        out.append(Example(prompt, tuple(tokenizer.encode(prompt)), solve(cfg.name, s)))
+    return out
+
+
+def eval_examples(cfg: TaskConfig, tokenizer: ByteTokenizer) -> list[Example]:
+    """The held-out set: the same for every run of the same task config."""
+    return make_examples(cfg, tokenizer, np.random.default_rng(cfg.eval_seed), cfg.eval_size)
+
+
+def score(prompts: Sequence[str], completions: Sequence[str], answer: Sequence[str]) -> list[float]:
+    """Fraction of answer positions right, over max(len(answer), len(completion)); 1.0 only for an exact answer."""
+    del prompts  # the answer already says what the prompt asked
+    out = []
+    for completion, want in zip(completions, answer):
+        longest = max(len(want), len(completion))
+        if longest == 0:
+            out.append(1.0)
+            continue
+        right = sum(a == b for a, b in zip(completion, want))
+        out.append(right / longest)
+    return out
+
+
+def completion_text(tokenizer: ByteTokenizer, token_ids: Sequence[int]) -> str:
+    """The completion up to (not including) its first <eos>."""
+    ids = list(token_ids)
+    if tokenizer.eos_id in ids:
+        ids = ids[: ids.index(tokenizer.eos_id)]
+    return tokenizer.decode(ids)
+
+
+def supervised_sequences(examples: Sequence[Example], tokenizer: ByteTokenizer) -> list[tuple[list[int], int]]:
+    """(prompt + answer + <eos> token ids, prompt length) per example: the warm start's data."""
+    return [(list(e.prompt_ids) + tokenizer.encode(e.answer, bos=False) + [tokenizer.eos_id], len(e.prompt_ids))
+            for e in examples]
+

@@ -1,0 +1,89 @@
+"""One Ray actor per Megatron learner rank; together they form one torch.distributed world."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any, Sequence
+
+
+class LearnerWorker:
+    """Holds this rank's `MegatronLearner` and its `WeightSync`; every rank gets the same calls in the same order."""
+
+    def __init__(self, rank: int, world_size: int, master_addr: str, master_port: int, run: Any, sync_root: str,
+                 cpus: list[int] | None = None) -> None:
+        from moe_grpo.orchestrator.logs import quiet_libraries
+
+        quiet_libraries()
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                          MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
+        import torch
+
+        if cpus:
+            os.sched_setaffinity(0, cpus)
+        torch.set_num_threads(max(1, len(cpus) if cpus else int(run.cluster.learner_cpus)))
+        from moe_grpo.learner.megatron_learner import MegatronLearner
+        from moe_grpo.learner.parallel import ranks
+        from moe_grpo.sync.transport import SharedMemoryTransport
+        from moe_grpo.sync.weight_sync import WeightSync
+
+        self.run = run
+        self.learner = MegatronLearner(run.model, run.parallel, run.learner, run.megatron)
+        self.sync = WeightSync(self.learner, SharedMemoryTransport(sync_root))
+        self.loss = run.algo.token_loss()
+        self.ranks = ranks()
+        self.rank = rank
+        self._handle: Any = None
+        self._last_report: dict[str, float] = {"sync/seconds": 0.0, "sync/bytes": 0.0}
+
+    def info(self) -> dict[str, Any]:
+        return {**self.ranks, "parameters": sum(p.numel() for p in self.learner.module.parameters()), "pid": os.getpid()}
+
+    def warm_start(self, batches: Sequence[Sequence[Any]]) -> list[float]:
+        """Supervised steps (advantage 1, no rollout log-probs: the ratio is 1, the gradient is the NLL's).
+
+        Returns each step's mean NLL of the answer tokens."""
+        losses = []
+        for seqs in batches:
+            metrics = self.learner.train_step(list(seqs), replay=False, loss_fn=self.loss)
+            losses.append(float(metrics["nll"]))
+        return losses
+
+    def train(self, seqs: Sequence[Any], policy_version: int, replay: bool) -> dict[str, float]:
+        """One optimizer step on this data-parallel rank's share of the batch."""
+        from moe_grpo.learner.megatron_learner import NonFiniteError
+
+        t0 = time.perf_counter()
+        try:
+            metrics = self.learner.train_step(list(seqs), replay=replay, loss_fn=self.loss,
+                                              policy_version=policy_version)
+        except NonFiniteError as e:
+            return {"skipped": 1.0, "error": str(e), "train_seconds": time.perf_counter() - t0}
+        metrics["train_seconds"] = time.perf_counter() - t0
+        return metrics
+
+    def publish(self, version: int, background: bool) -> None:
+        """Write this rank's shards as `version` (in the background: overlapped with the next step)."""
+        self._collect()
+        self._handle = self.sync.sync(version, background=background)
+        if not background:
+            self._collect()
+
+    def _collect(self) -> None:
+        if self._handle is not None and self._handle.done():
+            self._last_report = self._handle.wait().metrics()
+            self._handle = None
+
+    def sync_metrics(self) -> dict[str, float]:
+        """`sync/seconds`, `sync/bytes` of the latest finished sync on this rank."""
+        self._collect()
+        return dict(self._last_report)
+
+    def export_version(self, version: int, directory: str) -> str:
+        """Rank 0: write a published version as a model directory an engine starts from."""
+        from moe_grpo.rollout.export import export_model_dir
+
+        if self._handle is not None:
+            self._handle.wait()
+        tensors = self.sync.transport.read_version(version, timeout_s=self.run.cluster.start_timeout_s)
+        return str(export_model_dir(self.run.model, tensors, directory))

@@ -1,0 +1,69 @@
+"""Readable logs: vLLM, Ray and Megatron chatter at warning level on the console, in full in the run directory.
+
+vLLM configures its loggers from `VLLM_LOGGING_CONFIG_PATH` in every process it
+starts (engine core, workers), so one config file written into the run
+directory sends INFO and up to `engine.log` there and only warnings to the
+console. Set before vLLM is imported (inside the engine actor).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import warnings
+from pathlib import Path
+
+
+def vllm_logging_config(run_dir: str | Path) -> Path:
+    """Write the vLLM logging config for this run; returns its path."""
+    path = Path(run_dir) / "vllm_logging.json"
+    fmt = "%(asctime)s %(levelname)s [%(process)d %(filename)s:%(lineno)d] %(message)s"
+    config = {
+        "version": 1,
+        "disable_existing_loggers": False,
+        "formatters": {"plain": {"format": fmt}},
+        "filters": {"known_noise": {"()": "moe_grpo.orchestrator.logs.KnownNoise"}},
+        "handlers": {
+            "console": {"class": "logging.StreamHandler", "level": "WARNING", "formatter": "plain",
+                        "stream": "ext://sys.stderr", "filters": ["known_noise"]},
+            "file": {"class": "logging.FileHandler", "level": "DEBUG", "formatter": "plain",
+                     "filename": str(Path(run_dir).resolve() / "engine.log"), "mode": "a"},
+        },
+        "loggers": {"vllm": {"level": "INFO", "handlers": ["console", "file"], "propagate": False}},
+    }
+    path.write_text(json.dumps(config, indent=2))
+    return path
+
+
+class KnownNoise(logging.Filter):
+    """Console filter for vLLM warnings that say nothing a user can act on in this setup (kept in engine.log)."""
+
+    PATTERNS = (
+        "Failed to load weights",  # partial reloads: the sync loads one decoder layer per call, by design
+        "were not loaded from checkpoint",  # the same, listed per call
+        "Model Runner V2 requires Triton", "Triton is not installed", "LD_PRELOAD", "Enforce eager set",
+        "Inductor compilation was disabled", "Passing raw prompts to InputProcessor",
+        "Using None for EOS token id because tokenizer is not initialized",  # we pass stop_token_ids
+    )
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        msg = record.getMessage()
+        return not any(p in msg for p in self.PATTERNS)
+
+
+def quiet_vllm(run_dir: str | Path) -> None:
+    """Route this process's (and its children's) vLLM logs as described above."""
+    os.environ["VLLM_LOGGING_CONFIG_PATH"] = str(vllm_logging_config(run_dir))
+    os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "1")
+    os.environ.setdefault("TQDM_DISABLE", "1")  # vLLM's checkpoint-loading bars
+    os.environ.setdefault("PYTHONWARNINGS", "ignore::FutureWarning,ignore::DeprecationWarning")
+
+
+def quiet_libraries() -> None:
+    """Drop the warnings every CPU run of megatron-core and torch repeats and nobody can act on."""
+    warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex).*not installed.*")
+    warnings.filterwarnings("ignore", message=r".*full scope is deprecated.*")
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    warnings.filterwarnings("ignore", category=DeprecationWarning)
+    logging.getLogger("megatron").setLevel(logging.WARNING)

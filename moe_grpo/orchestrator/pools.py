@@ -1,0 +1,126 @@
+"""Ray and the two pools: placement groups reserve each pool's resources, one actor per engine and per learner rank."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass
+class Pools:
+    engines: list[tuple[str, Any]]
+    """(name, actor handle) per vLLM engine."""
+    learners: list[Any]
+    """Actor handle per learner rank, rank order."""
+    infos: list[dict[str, Any]]
+    """Per learner rank: its Megatron coordinates (dp, dp_size, ...)."""
+    placement_group: Any
+
+    @property
+    def dp_size(self) -> int:
+        return int(self.infos[0]["dp_size"])
+
+
+def start_ray(cluster: Any, run_dir: str) -> None:
+    """Join `cluster.ray_address`, or start a local Ray that logs warnings only to the console."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    kwargs: dict[str, Any] = dict(logging_level=logging.WARNING, include_dashboard=False, log_to_driver=True)
+    if cluster.ray_address:
+        ray.init(address=cluster.ray_address, **kwargs)
+    else:
+        ray.init(num_cpus=os.cpu_count() or 2, **kwargs)
+    try:  # Ray's own logs stay in its session directory; point at them from the run directory
+        session = ray._private.worker._global_node.get_session_dir_path()  # noqa: SLF001 - no public accessor
+        link = os.path.join(run_dir, "ray_logs")
+        if not os.path.lexists(link):
+            os.symlink(os.path.join(session, "logs"), link)
+    except Exception:
+        pass
+
+
+def _cores(cluster: Any, index: int, per: float, offset: int) -> list[int] | None:
+    if not cluster.pin_cpus:
+        return None
+    n = max(1, int(per))
+    first = offset + index * n
+    available = sorted(os.sched_getaffinity(0))
+    if first + n > len(available):
+        raise ValueError(f"cluster.pin_cpus: actor {index} needs cores {first}..{first + n - 1}, "
+                         f"but this host has {len(available)}")
+    return available[first : first + n]
+
+
+def _rendezvous() -> tuple[str, int]:
+    import ray
+
+    from moe_grpo.learner.spawn import free_port
+
+    return ray.util.get_node_ip_address(), free_port()
+
+
+def start_pools(run: Any, run_dir: str, sync_root: str, model_dir_fn: Any) -> Pools:
+    """Learner ranks first (they build the initial weights), then engines on `model_dir_fn(learners)`."""
+    import ray
+    from ray.util.placement_group import placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    from moe_grpo.orchestrator.engine_actor import EngineWorker
+    from moe_grpo.orchestrator.learner_actor import LearnerWorker
+
+    c = run.cluster
+    world = run.learner_world_size()
+    bundles = ([{"CPU": c.engine_cpus, **({"GPU": c.engine_gpus} if c.engine_gpus else {})}] * c.num_engines
+               + [{"CPU": c.learner_cpus, **({"GPU": c.learner_gpus} if c.learner_gpus else {})}] * world)
+    pg = placement_group(bundles, strategy="PACK")
+    if not pg.wait(timeout_seconds=c.start_timeout_s):
+        raise RuntimeError(f"Ray could not reserve {bundles} within {c.start_timeout_s:.0f} s "
+                           f"(cluster has {ray.cluster_resources()}); lower cluster.* resources or add nodes")
+
+    def at(i: int) -> Any:
+        return PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=i)
+
+    addr, port = ray.get(ray.remote(num_cpus=0)(_rendezvous).options(scheduling_strategy=at(c.num_engines)).remote())
+    learner_cls = ray.remote(LearnerWorker)
+    learners = [learner_cls.options(num_cpus=c.learner_cpus, num_gpus=c.learner_gpus, scheduling_strategy=at(c.num_engines + r),
+                                    name=None).remote(r, world, addr, port, run, sync_root,
+                                                      _cores(c, r, c.learner_cpus, int(c.engine_cpus) * c.num_engines))
+                for r in range(world)]
+    try:
+        infos = ray.get([a.info.remote() for a in learners], timeout=c.start_timeout_s)
+    except ray.exceptions.GetTimeoutError as e:
+        raise RuntimeError(f"learner ranks did not start within {c.start_timeout_s:.0f} s "
+                           f"(rendezvous {addr}:{port}, world size {world})") from e
+    model_dir = model_dir_fn(learners)
+    engine_cls = ray.remote(EngineWorker)
+    engines = []
+    for i in range(c.num_engines):
+        name = f"engine{i}"
+        handle = engine_cls.options(num_cpus=c.engine_cpus, num_gpus=c.engine_gpus, scheduling_strategy=at(i),
+                                    max_concurrency=10_000).remote(
+            name, model_dir, run.model, run.rollout, run_dir, sync_root, _cores(c, i, c.engine_cpus, 0), run.seed + i)
+        engines.append((name, handle))
+    t0 = time.perf_counter()
+    for name, handle in engines:
+        try:
+            ray.get(handle.pid.remote(), timeout=max(1.0, c.start_timeout_s - (time.perf_counter() - t0)))
+        except ray.exceptions.GetTimeoutError as e:
+            raise RuntimeError(f"{name} (vLLM) did not start within {c.start_timeout_s:.0f} s") from e
+    return Pools(engines, learners, infos, pg)
+
+
+def stop_pools(pools: Pools | None) -> None:
+    import ray
+
+    if pools is not None:
+        for _, handle in pools.engines:
+            try:
+                ray.get(handle.shutdown.remote(), timeout=30)
+            except Exception:
+                pass
+    ray.shutdown()
