@@ -6,6 +6,9 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+LOSS_NAMES = ("grpo",)
+"""Names `algo.loss` accepts: the keys of `algo.losses.LOSSES` (kept here so configs load without torch)."""
+
 
 @dataclass(frozen=True)
 class AlgoConfig:
@@ -32,10 +35,8 @@ class AlgoConfig:
     """Optimizer steps between weight syncs to the engines (a new policy version each time)."""
 
     def __post_init__(self) -> None:
-        from moe_grpo.algo.losses import LOSSES
-
-        if self.loss not in LOSSES:
-            raise ValueError(f"algo.loss={self.loss!r}, expected one of {sorted(LOSSES)}")
+        if self.loss not in LOSS_NAMES:
+            raise ValueError(f"algo.loss={self.loss!r}, expected one of {sorted(LOSS_NAMES)}")
         if self.group_size < 2:
             raise ValueError(f"algo.group_size={self.group_size}, expected >= 2 (advantages are relative to the group)")
         if self.prompts_per_step < 1:

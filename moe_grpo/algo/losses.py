@@ -42,10 +42,11 @@ class GRPOLoss:
 
         loss = -min(r_tis * A, clip(r, 1 - clip_ratio_low, 1 + clip_ratio_high) * A)
 
-    The clip is PPO's trust region around the sampling policy. `r_tis` equals
-    r but its gradient weight is truncated at `tis_clip` (TIS): a token the
-    learner finds far likelier than the engine did (the train-inference gap, or
-    a stale sample in async mode) cannot dominate a negative-advantage update.
+    The clip is PPO's trust region around the sampling policy. `r_tis` is r
+    truncated at `tis_clip` (TIS: min(r, tis_clip), in value and gradient): a
+    token the learner finds far likelier than the engine did (the
+    train-inference gap, or a stale sample in async mode) cannot dominate a
+    negative-advantage update, where the clip alone does not bound r.
     `tis_clip=0` turns the truncation off.
     """
 

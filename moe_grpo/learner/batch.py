@@ -39,14 +39,14 @@ class LearnerSequence:
     """Policy version that sampled each response token, `[len(tokens)-prompt_len]`; None = version 0."""
 
     def __post_init__(self) -> None:
-        self.tokens = np.asarray(self.tokens, dtype=np.int64)
+        self.tokens = np.array(self.tokens, dtype=np.int64)  # a copy: arrays from Ray are read-only
         n = len(self.tokens)
         if n < 2:
             raise ValueError(f"sequence has {n} tokens, expected at least 2 (a prompt token and one more)")
         if not 1 <= self.prompt_len < n:
             raise ValueError(f"prompt_len={self.prompt_len}, expected 1 <= prompt_len < len(tokens)={n}")
         if self.old_logprobs is not None:
-            self.old_logprobs = np.asarray(self.old_logprobs, dtype=np.float32)
+            self.old_logprobs = np.array(self.old_logprobs, dtype=np.float32)
             if self.old_logprobs.shape != (n - self.prompt_len,):
                 raise ValueError(
                     f"old_logprobs has shape {self.old_logprobs.shape}, expected ({n - self.prompt_len},) "

@@ -126,8 +126,10 @@ def _warm_start(run: Any, pools: Any, tokenizer: Any, rng: np.random.Generator) 
     return ray.get([a.warm_start.remote(s) for a, s in zip(pools.learners, shares)])[0]
 
 
-def train(run: Any, run_dir: str | Path) -> dict[str, Any]:
-    """Run `run.steps` optimizer steps; returns a summary (eval at start and end, time)."""
+def train(run: Any, run_dir: str | Path, *, learner_cls: type | None = None) -> dict[str, Any]:
+    """Run `run.steps` optimizer steps; returns a summary (eval at start and end, time).
+
+    `learner_cls`: a `LearnerWorker` subclass to run instead (tests use a deliberately slow one)."""
     import ray
 
     from moe_grpo.data.tasks import eval_examples, make_examples
@@ -165,7 +167,7 @@ def train(run: Any, run_dir: str | Path) -> dict[str, Any]:
             return ray.get(learners[0].export_version.remote(0, os.path.join(run_dir, "model_v0")))
 
         t0 = time.perf_counter()
-        pools = start_pools(run, run_dir, sync_root, initial_weights)
+        pools = start_pools(run, run_dir, sync_root, initial_weights, learner_cls)
         log.info("pools up in %.0fs: %d engine(s), %d learner rank(s) (%.2fM parameters on rank 0)",
                  time.perf_counter() - t0, len(pools.engines), len(pools.learners), pools.infos[0]["parameters"] / 1e6)
         held_out = eval_examples(run.task, tokenizer)
@@ -278,7 +280,10 @@ def _loop(run: Any, pools: Any, record: Any, state: _State, tokenizer: Any, rng:
                 t_train = time.perf_counter()
                 train_refs = [a.train.remote(seqs[i["dp"]::i["dp_size"]], trained_version, run.replay)
                               for a, i in zip(pools.learners, pools.infos)]
-        ready, _ = ray.wait(list(in_flight) + train_refs, num_returns=1, timeout=1.0)
+        # Wake on whatever finishes first: a group, the training step, or an engine taking a version
+        # (which opens admission for the next groups).
+        loads = [ref for _, ref in applying.values()]
+        ready, _ = ray.wait(list(in_flight) + train_refs + loads, num_returns=1, timeout=1.0)
         for ref in ready:
             if ref in in_flight:
                 pending = in_flight.pop(ref)
@@ -374,4 +379,5 @@ def _row(run: Any, state: _State, metrics: dict[str, float], groups: list[Any], 
         "faults/sync_failures": float(state.sync_failures),
         "rollout/resubmitted": float(sum(s.get("resubmitted", 0.0) for s in stats.values())),
         "time/step_seconds": interval,
+        "time/train_seconds": train_seconds,
     }

@@ -64,8 +64,10 @@ def _rendezvous() -> tuple[str, int]:
     return ray.util.get_node_ip_address(), free_port()
 
 
-def start_pools(run: Any, run_dir: str, sync_root: str, model_dir_fn: Any) -> Pools:
-    """Learner ranks first (they build the initial weights), then engines on `model_dir_fn(learners)`."""
+def start_pools(run: Any, run_dir: str, sync_root: str, model_dir_fn: Any, learner_cls: type | None = None) -> Pools:
+    """Learner ranks first (they build the initial weights), then engines on `model_dir_fn(learners)`.
+
+    `learner_cls` replaces `LearnerWorker` (a subclass; tests slow it down on purpose)."""
     import ray
     from ray.util.placement_group import placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -86,7 +88,7 @@ def start_pools(run: Any, run_dir: str, sync_root: str, model_dir_fn: Any) -> Po
         return PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=i)
 
     addr, port = ray.get(ray.remote(num_cpus=0)(_rendezvous).options(scheduling_strategy=at(c.num_engines)).remote())
-    learner_cls = ray.remote(LearnerWorker)
+    learner_cls = ray.remote(learner_cls or LearnerWorker)
     learners = [learner_cls.options(num_cpus=c.learner_cpus, num_gpus=c.learner_gpus, scheduling_strategy=at(c.num_engines + r),
                                     name=None).remote(r, world, addr, port, run, sync_root,
                                                       _cores(c, r, c.learner_cpus, int(c.engine_cpus) * c.num_engines))

@@ -30,7 +30,8 @@ def test_every_completion_has_a_full_trace_in_the_contract_format(engine_and_lea
             t.validate(num_positions=prompt_len + len(c.token_ids) - 1, num_moe_layers=spec.num_moe_layers,
                        top_k=spec.top_k, num_experts=spec.num_experts)
             assert c.logprobs.shape == c.token_ids.shape and np.all(c.logprobs <= 0)
-            assert np.all(c.versions == engine.policy_version)
+            assert c.versions.shape == c.token_ids.shape
+    assert engine.num_routing_buffers() == 0, "every finished request's routing buffer is freed"
 
 
 def test_a_request_routes_the_same_alone_and_in_a_crowd(engine_and_learner):
@@ -102,7 +103,7 @@ def test_loaded_weights_change_the_engine_and_match_the_learner(engine_and_learn
     assert diff < 1e-4, f"after the load, vLLM and the learner should agree: max |dlogp| = {diff}"
 
     # Without the CPU MoE reload patch the same load leaves vLLM's experts stale.
-    engine.llm.collective_rpc("moe_grpo_set_reload_patch", args=(False,))
+    engine._rpc("moe_grpo_set_reload_patch", (False,))
     try:
         learner.train_step(new_seqs, replay=True)
         engine.load_weights(hf_state_from_megatron(learner.spec, dict(learner.module.state_dict())), version=2)
@@ -111,30 +112,99 @@ def test_loaded_weights_change_the_engine_and_match_the_learner(engine_and_learn
         stale_diff = max(float(np.abs(l[s.prompt_len - 1:] - s.old_logprobs).max()) for l, s in zip(lp, stale))
         assert stale_diff > 1e-3, f"expected stale experts without the patch, got max |dlogp| = {stale_diff}"
     finally:
-        engine.llm.collective_rpc("moe_grpo_set_reload_patch", args=(True,))
+        engine._rpc("moe_grpo_set_reload_patch", (True,))
         engine.load_weights(hf_state_from_megatron(learner.spec, dict(learner.module.state_dict())), version=3)
 
 
-def test_async_engine_serves_concurrent_requests_with_traces(engine_and_learner):
-    import asyncio
-
-    from moe_grpo.rollout.vllm_engine import AsyncVllmEngine
-
-    engine, learner = engine_and_learner
+def test_many_requests_in_flight_from_other_threads_route_as_when_served_alone(engine_and_learner):
+    engine, _ = engine_and_learner
     greedy = SamplingSettings(n=1, max_tokens=8, temperature=0.0)
-    prompts = prompts_of_lengths([5, 23, 47, 11], seed=21) + [[]]
-    expected = engine.generate(prompts[:4], greedy)
-
-    async def run():
-        aengine = await AsyncVllmEngine.create(engine.model_dir, learner.spec, max_model_len=256)
-        try:
-            return await aengine.generate(prompts, greedy)
-        finally:
-            aengine.shutdown()
-
-    got = asyncio.run(run())
+    prompts = prompts_of_lengths([5, 23, 47, 11], seed=21)
+    expected = [engine.generate([p], greedy)[0] for p in prompts]
+    futures = [engine.submit(p, greedy) for p in prompts] + [engine.submit([], greedy)]
+    got = [f.result(120) for f in futures]
     assert "empty prompt" in got[4][0].error
     for want, have in zip(expected, got[:4]):
-        for w, h in zip(want, have):
-            np.testing.assert_array_equal(w.token_ids, h.token_ids)
-            np.testing.assert_array_equal(np.sort(w.routing.expert_ids, -1), np.sort(h.routing.expert_ids, -1))
+        np.testing.assert_array_equal(want[0].token_ids, have[0].token_ids)
+        np.testing.assert_array_equal(np.sort(want[0].routing.expert_ids, -1), np.sort(have[0].routing.expert_ids, -1))
+
+
+def _current_hf_state(learner):
+    from moe_grpo.rollout.export import hf_state_from_megatron
+
+    return hf_state_from_megatron(learner.spec, dict(learner.module.state_dict()))
+
+
+@pytest.mark.parametrize("on_update", ["keep", "abort"])
+def test_a_weight_update_mid_completion_keeps_every_token_both_versions_and_a_complete_trace(engine_and_learner,
+                                                                                              on_update):
+    import time
+
+    engine, learner = engine_and_learner
+    spec = learner.spec
+    engine.on_update = on_update
+    try:
+        before = engine.policy_version
+        long = SamplingSettings(n=2, max_tokens=120, stop_token_ids=())  # no early stop: every request spans the load
+        futures = [engine.submit(p, long) for p in prompts_of_lengths([6, 15, 30], seed=31)]
+        time.sleep(0.5)
+        assert not any(f.done() for f in futures), "requests should still be generating when the update lands"
+        engine.load_weights(_current_hf_state(learner), version=before + 1)
+        completions = [c for f in futures for c in f.result(300)]
+    finally:
+        engine.on_update = "keep"
+    for c in completions:
+        assert c.ok and len(c.token_ids) == 120 and c.finish_reason == "length", "nothing was dropped"
+        assert set(np.unique(c.versions)) == {before, before + 1}, c.versions
+        assert np.all(np.diff(c.versions) >= 0), "versions only move forward along a completion"
+        c.routing.validate(num_positions=c.num_positions, num_moe_layers=spec.num_moe_layers, top_k=spec.top_k,
+                           num_experts=spec.num_experts)
+        assert (c.resubmits >= 1) == (on_update == "abort")
+    assert engine.num_routing_buffers() == 0, "aborted and finished requests leave no routing buffer behind"
+
+
+def test_the_trace_follows_the_weights_the_engine_serves_not_the_learners(engine_and_learner):
+    """The engine serves perturbed weights: its traces match a learner holding those weights, not the learner's own."""
+    import torch
+
+    from moe_grpo.rollout.export import hf_state_from_megatron
+    from moe_grpo.routing.metrics import agreement
+
+    engine, learner = engine_and_learner
+    original = {k: v.clone() for k, v in learner.module.state_dict().items() if isinstance(v, torch.Tensor)}
+    gen = torch.Generator().manual_seed(5)
+    perturbed = {k: (v + 0.5 * v.std() * torch.randn(v.shape, generator=gen) if v.is_floating_point() and v.numel() > 1
+                     else v) for k, v in original.items()}
+    engine.load_weights(hf_state_from_megatron(learner.spec, perturbed), version=engine.policy_version + 1)
+    try:
+        seqs = to_sequences(engine.generate(prompts_of_lengths([12, 25, 40], seed=41), SamplingSettings(n=2, max_tokens=16)))
+        rollout = [s.routing for s in seqs]
+        own = agreement(rollout, learner.routing_traces(seqs)["free"])["set_agreement"]
+        learner.module.load_state_dict(perturbed, strict=False)
+        served = agreement(rollout, learner.routing_traces(seqs)["free"])["set_agreement"]
+    finally:
+        learner.module.load_state_dict(original, strict=False)
+        engine.load_weights(_current_hf_state(learner), version=engine.policy_version + 1)
+    assert served == 1.0, "a learner holding the engine's weights routes exactly as the trace says"
+    assert own < 0.9, f"the learner's own weights route differently ({own:.3f} agreement)"
+
+
+def test_a_capture_error_in_the_worker_fails_that_request_and_the_engine_serves_on(engine_and_learner):
+    engine, _ = engine_and_learner
+
+    def break_capture(worker):  # runs inside the vLLM worker: a layer that never reports routing
+        worker._mg_layers = worker._mg_layers + [999]
+
+    def fix_capture(worker):
+        worker._mg_layers = [layer for layer in worker._mg_layers if layer != 999]
+
+    settings = SamplingSettings(n=1, max_tokens=6)
+    engine._rpc(break_capture)
+    try:
+        failed = engine.generate(prompts_of_lengths([9]), settings)[0][0]
+    finally:
+        engine._rpc(fix_capture)
+    assert failed.finish_reason == "error" and "routing capture failed" in failed.error and "999" in failed.error
+    ok = engine.generate(prompts_of_lengths([9]), settings)[0][0]
+    assert ok.ok and ok.routing is not None
+    assert engine.num_routing_buffers() == 0

@@ -1,0 +1,75 @@
+"""Asynchronous vs synchronous schedule, side by side in one run, each pool held to one core.
+
+Runs the same training (model, batch, steps, seed) twice through the one
+driver: `mode=sync` (generate, train, sync in turn) then `mode=async`. The
+engine actor (with vLLM's processes) is pinned to core 0 and the learner rank
+to core 1 (`cluster.pin_cpus`). Both runs train the same number of samples.
+
+From the sync run's phase times (median generate phase = step time minus
+train time; median train time) the ideal overlap speedup is
+(gen + train) / max(gen, train); `async_vs_ideal_ratio` is the measured
+speedup over that. `train_busy` is the learner's busy fraction in async mode.
+
+    .venv/bin/python tools/bench_async.py [--steps 30] [--prompts 32] [--group 8]
+
+Last line: one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import tempfile
+
+
+def run_mode(mode: str, args: argparse.Namespace) -> list[dict]:
+    from moe_grpo.config import from_hydra, load_model_spec
+    from moe_grpo.orchestrator.loop import train
+
+    tree = {"model": dataclasses.asdict(load_model_spec("deepseek_moe")), "mode": mode, "steps": args.steps,
+            "warm_start_steps": 0, "eval_every": 0,
+            "algo": {"prompts_per_step": args.prompts, "group_size": args.group},
+            "rollout": {"max_tokens": args.max_tokens},
+            "cluster": {"pin_cpus": True, "engine_cpus": 1, "learner_cpus": 1}}
+    with tempfile.TemporaryDirectory(prefix=f"bench_async_{mode}_") as d:
+        train(from_hydra(tree), d)
+        with open(os.path.join(d, "metrics.jsonl")) as f:
+            return [json.loads(line) for line in f]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--prompts", type=int, default=32)
+    p.add_argument("--group", type=int, default=8)
+    p.add_argument("--max-tokens", type=int, default=16)
+    args = p.parse_args()
+    if (os.cpu_count() or 1) < 2:
+        raise SystemExit("bench_async needs 2 cores (one per pool)")
+    sync, asyn = run_mode("sync", args), run_mode("async", args)
+    warm = 2  # the first steps include start-up effects (first syncs fault in fresh pages)
+    s_rows, a_rows = sync[warm:], asyn[warm:]
+    train_s = statistics.median(r["time/train_seconds"] for r in s_rows)
+    gen_s = statistics.median(r["time/step_seconds"] - r["time/train_seconds"] for r in s_rows)
+    sync_step = statistics.mean(r["time/step_seconds"] for r in s_rows)
+    async_step = statistics.mean(r["time/step_seconds"] for r in a_rows)
+    speedup = sync_step / async_step
+    ideal = (gen_s + train_s) / max(gen_s, train_s)
+    samples = args.steps * args.prompts * args.group
+    print(json.dumps({
+        "steps": args.steps, "trained_samples_sync": samples, "trained_samples_async": samples,
+        "sync_step_seconds": round(sync_step, 3), "async_step_seconds": round(async_step, 3),
+        "gen_phase_seconds": round(gen_s, 3), "train_phase_seconds": round(train_s, 3),
+        "async_speedup": round(speedup, 3), "ideal_speedup": round(ideal, 3),
+        "async_vs_ideal_ratio": round(speedup / ideal, 3),
+        "train_busy": round(statistics.mean(r["util/train_busy"] for r in a_rows), 3),
+        "infer_busy": round(statistics.mean(r["util/infer_busy"] for r in a_rows), 3),
+        "async_staleness_mean": round(statistics.mean(r["staleness/mean"] for r in a_rows), 3),
+    }))
+
+
+if __name__ == "__main__":
+    main()
