@@ -1,8 +1,10 @@
-"""Rollout tokens/s with routing capture divided by without, same engine, same prompts, one run.
+"""Rollout tokens/s with routing capture divided by a bare vLLM engine's, same prompts, one run.
 
-Capture is switched on and off inside the same vLLM engine (worker extension
-flag), alternating rounds so machine drift hits both arms. Greedy sampling
-with ignore-eos-like fixed lengths keeps the work identical.
+Two engines on the same weights: one with the worker extension capturing
+routing (as training runs it), one started without the worker extension at
+all (plain vLLM). They take turns, alternating which goes first, so machine
+drift hits both arms. Greedy sampling without a stop token keeps the work
+identical.
 
     .venv/bin/python tools/bench_capture.py [--prompts 16] [--prompt-len 64] [--max-tokens 64] [--rounds 4]
 
@@ -42,28 +44,28 @@ def main() -> None:
     learner = MegatronLearner(spec, config=LearnerConfig())
     model_dir = export_learner(learner, tempfile.mkdtemp(prefix="bench_capture_") + "/model")
     del learner
-    engine = VllmEngine(model_dir, spec, max_model_len=args.prompt_len + args.max_tokens + 8,
-                        max_num_seqs=args.prompts)
+    kwargs = dict(max_model_len=args.prompt_len + args.max_tokens + 8, max_num_seqs=args.prompts)
+    captured = VllmEngine(model_dir, spec, capture=True, **kwargs)
+    bare = VllmEngine(model_dir, spec, capture=False, extension=False, **kwargs)
     rng = np.random.default_rng(0)
     prompts = [list(map(int, rng.integers(3, spec.vocab_size, size=args.prompt_len))) for _ in range(args.prompts)]
     sampling = SamplingSettings(n=1, temperature=0.0, max_tokens=args.max_tokens, stop_token_ids=())
 
-    def run(capture: bool) -> float:
-        engine.set_capture(capture)
+    def run(engine: VllmEngine) -> float:
         t0 = time.perf_counter()
         out = engine.generate(prompts, sampling)
         dt = time.perf_counter() - t0
         tokens = sum(len(c.token_ids) for g in out for c in g)
-        if capture:
-            assert all(c.routing is not None for g in out for c in g)
+        assert all((c.routing is not None) == engine.capture for g in out for c in g)
         return tokens / dt
 
-    a, b = interleaved_medians(lambda: run(True), lambda: run(False), args.rounds, warmup=1)
-    engine.shutdown()
+    a, b = interleaved_medians(lambda: run(captured), lambda: run(bare), args.rounds, warmup=1)
+    captured.shutdown()
+    bare.shutdown()
     print(json.dumps({
         "bench": "capture", "model": spec.name, "prompts": args.prompts, "prompt_len": args.prompt_len,
-        "max_tokens": args.max_tokens, "rounds": args.rounds, "engine_start_seconds": round(engine.start_seconds, 1),
-        "tokens_per_s_with_capture": round(a, 1), "tokens_per_s_without_capture": round(b, 1),
+        "max_tokens": args.max_tokens, "rounds": args.rounds, "engine_start_seconds": round(captured.start_seconds, 1),
+        "tokens_per_s_with_capture": round(a, 1), "tokens_per_s_bare_vllm": round(b, 1),
         "capture_throughput_ratio": round(a / b, 4),
     }))
 
