@@ -51,8 +51,11 @@ class ParallelLayout:
         """Smallest world that holds this layout (DP = EP)."""
         return self.tensor_parallel * self.pipeline_parallel * self.expert_parallel
 
-    def megatron_kwargs(self, num_layers: int, num_experts: int) -> dict[str, Any]:
-        """TransformerConfig fields for this layout (validated against the model)."""
+    def megatron_kwargs(self, num_layers: int, num_experts: int, dtype: Any = None) -> dict[str, Any]:
+        """TransformerConfig fields for this layout (validated against the model).
+
+        `dtype` is the model's parameter dtype; activations travel between pipeline
+        stages in it (fp32 when None)."""
         import torch
 
         if num_experts % self.expert_parallel:
@@ -64,7 +67,7 @@ class ParallelLayout:
             expert_model_parallel_size=self.expert_parallel,
             pipeline_model_parallel_size=self.pipeline_parallel,
             sequence_parallel=self.sequence_parallel,
-            pipeline_dtype=torch.float32 if self.pipeline_parallel > 1 else None,
+            pipeline_dtype=(dtype or torch.float32) if self.pipeline_parallel > 1 else None,
         )
 
 

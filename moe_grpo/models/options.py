@@ -27,6 +27,12 @@ class MegatronOptions:
     """Std of the normal weight init for freshly built models."""
     perform_initialization: bool = True
     """Initialise weights (False for meta-device builds and checkpoint loads)."""
+    distributed_optimizer: bool = False
+    """Megatron's distributed optimizer: fp32 main parameters and Adam state sharded over the data-parallel
+    ranks, gradients reduce-scattered and updated weights all-gathered (`learner/optimizer.py`). With
+    bf16/fp16 weights the optimizer keeps fp32 main parameters either way; this switch shards them."""
+    grad_reduce_in_fp32: bool = True
+    """Accumulate and reduce gradients in fp32 even when the weights are bf16/fp16."""
 
     def __post_init__(self) -> None:
         name = str(self.params_dtype).removeprefix("torch.")
@@ -35,6 +41,9 @@ class MegatronOptions:
         object.__setattr__(self, "params_dtype", name)
         if self.token_dispatcher not in ("alltoall", "allgather"):
             raise ValueError(f"token_dispatcher={self.token_dispatcher!r}, expected 'alltoall' or 'allgather'")
+        for flag in ("distributed_optimizer", "grad_reduce_in_fp32"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ValueError(f"{flag}={getattr(self, flag)!r}, expected true or false")
         if self.aux_loss_coeff < 0:
             raise ValueError(f"aux_loss_coeff={self.aux_loss_coeff}, expected >= 0")
 
