@@ -47,13 +47,13 @@ class RunConfig:
     """The built-in task and its held-out set (data/tasks.py)."""
     replay: bool = True
     """Replay rollout routing in the learner (R3)."""
-    steps: int = 200
+    steps: int = 300
     """Optimizer steps the run takes."""
     mode: str = "async"
     """'async': engines generate while the learner trains; 'sync': generate, train, sync in turn (the baseline)."""
-    warm_start_steps: int = 30
+    warm_start_steps: int = 50
     """Supervised steps on task examples before RL, mostly to teach the answer format; part of the run."""
-    eval_every: int = 20
+    eval_every: int = 25
     """Score the held-out set greedily every this many steps (and at step 0 and the last step); 0 = never."""
 
     def __post_init__(self) -> None:
