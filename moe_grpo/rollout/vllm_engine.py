@@ -319,8 +319,9 @@ class VllmEngine:
         from vllm import SamplingParams
 
         request_id = f"mg{next(self._ids)}"
+        # The caller's stop_token_ids are the only stops (ignore_eos: the checkpoint's own eos is not added).
         params = SamplingParams(n=1, temperature=sampling.temperature, top_p=sampling.top_p, max_tokens=max_tokens,
-                                logprobs=0, stop_token_ids=list(sampling.stop_token_ids))
+                                logprobs=0, stop_token_ids=list(sampling.stop_token_ids), ignore_eos=True)
         final, task = None, asyncio.current_task()
         self._inflight[request_id] = task
         self.stats["requests"] += 1
