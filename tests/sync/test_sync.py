@@ -29,8 +29,8 @@ def _scores(engine):
 
 @pytest.fixture(scope="module")
 def synced(engine_and_learner, tmp_path_factory):
-    """The engine's starting weights as a Megatron checkpoint, a transport, and the engine's greedy
-    completions after a sync from one process (the reference for the other layouts)."""
+    """The engine's starting weights as a Megatron checkpoint (and as HF tensors), a transport, and the engine's
+    greedy completions after a sync from one process (the reference for the other layouts)."""
     from moe_grpo.rollout.export import hf_state_from_megatron
     from moe_grpo.sync.deliver import apply_version
     from moe_grpo.sync.transport import SharedMemoryTransport
@@ -39,17 +39,52 @@ def synced(engine_and_learner, tmp_path_factory):
     root = tmp_path_factory.mktemp("sync")
     ckpt = str(root / "start")
     learner.save_checkpoint(ckpt)
+    start = {k: v.clone() for k, v in hf_state_from_megatron(learner.spec, dict(learner.module.state_dict())).items()}
     transport = SharedMemoryTransport(str(root / "shm"))
     version = engine.policy_version + 1
     learner_lp = run_distributed(S.train_and_sync, 1, 1, 1, 1, ckpt, version, str(transport.root))[0]
     apply_version(engine, transport, version)
-    reference = {"greedy": _greedy(engine), "learner_lp": learner_lp}
+    reference = {"greedy": _greedy(engine), "learner_lp": learner_lp, "start": start}
     yield engine, transport, ckpt, reference
     # Hand the shared engine back on the in-process learner's weights for the other test modules.
     engine.load_weights(hf_state_from_megatron(learner.spec, dict(learner.module.state_dict())),
                         engine.policy_version + 1)
     transport.unpin(engine.engine_id)
     transport.close()
+
+
+def _max_gap(got, want) -> float:
+    """max |logprob| difference over every token of every sequence."""
+    return max(float(np.abs(got[i] - want[i]).max()) for i in range(len(got)))
+
+
+# Before a sync, the engine's log-probs must be at least this far from the learner's, so that a sync that
+# applied nothing, or left any tensor behind, cannot pass the 1e-4 match afterwards.
+NOT_YET_SYNCED = 0.1
+
+
+def _perturbed(start, seed):
+    """Every tensor of `start` moved by noise of 0.3x its mean magnitude."""
+    g = torch.Generator().manual_seed(seed)
+    return {k: t + 0.3 * t.abs().mean().clamp_min(1e-3) * torch.randn(t.shape, generator=g, dtype=t.dtype)
+            for k, t in start.items()}
+
+
+def _serve_other_weights(engine, transport, start, seed):
+    """Make the engine serve weights the learner does not hold; returns the version the learner publishes next.
+
+    The engine applies a perturbed copy of the start weights (every tensor changed) through the transport.
+    A second perturbed copy is published and not applied: it fills the transport's other buffer, the one the
+    learner's sync writes next, so a shard the sync leaves unwritten shows up as wrong weights instead of the
+    right ones an earlier sync of the same step left there."""
+    from moe_grpo.sync.deliver import apply_version
+
+    version = engine.policy_version + 1
+    _publish_plan(transport, version, engine.spec, tensors=_perturbed(start, seed))
+    apply_version(engine, transport, version)
+    assert engine.policy_version == version
+    _publish_plan(transport, version + 1, engine.spec, tensors=_perturbed(start, seed + 1000))
+    return version + 2
 
 
 @pytest.mark.multiprocess
@@ -59,21 +94,25 @@ def test_engine_matches_the_learner_after_a_sync_from_each_layout(synced, layout
 
     engine, transport, ckpt, reference = synced
     tp, ep, pp = layout
-    version = engine.policy_version + 1
+    # The engine first serves weights the learner does not hold (a seed per layout), and the buffer the learner
+    # writes holds other weights again: the sync must carry every tensor from this layout's shards to match.
+    version = _serve_other_weights(engine, transport, reference["start"], seed=tp + 2 * ep + 4 * pp)
     learner_lp = run_distributed(S.train_and_sync, tp * ep * pp, tp, ep, pp, ckpt, version, str(transport.root))[0]
+    before = _max_gap(_scores(engine), learner_lp)
+    assert before > NOT_YET_SYNCED, f"{layout}: the engine already matched the learner before the sync ({before})"
     apply_version(engine, transport, version)
     assert engine.policy_version == version
-    got = _scores(engine)
-    diff = max(float(np.abs(got[i] - learner_lp[i]).max()) for i in range(len(got)))
-    print(f"sync from {layout}: max |logprob(vLLM) - logprob(learner)| = {diff:.2e}")
+    diff = _max_gap(_scores(engine), learner_lp)
+    print(f"sync from {layout}: max |logprob(vLLM) - logprob(learner)| = {before:.2e} before, {diff:.2e} after")
     # fp32 on both sides; differences come from summation order in different kernels (~1e-6 measured).
     assert diff < 1e-4, f"{layout}: max |logprob(vLLM) - logprob(learner)| = {diff}"
     # Every layout took the same step from the same weights: the engine completes greedily the same way.
     assert _greedy(engine) == reference["greedy"]
 
 
-def _publish_plan(transport, version, spec, fill=0.0):
-    """Write a whole version for `spec` straight through the transport, as one learner rank would."""
+def _publish_plan(transport, version, spec, fill=0.0, tensors=None):
+    """Write a whole version for `spec` straight through the transport, as one learner rank would:
+    every tensor `fill`, or the HF-named `tensors`."""
     from moe_grpo.sync.plan import plan_buckets
 
     plan = plan_buckets(spec, torch.float32, 1 << 16)
@@ -81,8 +120,8 @@ def _publish_plan(transport, version, spec, fill=0.0):
     counts = {}
     for b in plan.buckets:
         with transport.bucket_views(slot, b, torch.float32) as views:
-            for t in views.values():
-                t.fill_(fill)
+            for name, t in views.items():
+                t.copy_(tensors[name]) if tensors is not None else t.fill_(fill)
         counts[b.index] = sum(e.numel for e in b.entries)
     transport.mark_done(slot, version, 0, counts)
     return slot, plan
@@ -170,16 +209,16 @@ def test_engine_killed_mid_sync_is_reported_skipped_and_restarts_on_its_previous
         _publish_plan(transport, v1, engine.spec, fill=0.02)
         apply_version(second, transport, v1)
         served = _scores(second)
-        real_rpc, calls = second.llm.collective_rpc, {"n": 0}
+        real_rpc, calls = second._collective_rpc, {"n": 0}
 
-        def kill_on_second_bucket(method, *a, **k):
+        async def kill_on_second_bucket(method, args=()):
             if method == "moe_grpo_reload_from_shm":
                 calls["n"] += 1
                 if calls["n"] == 2:
                     os.kill(second.worker_pid, signal.SIGKILL)
-            return real_rpc(method, *a, **k)
+            return await real_rpc(method, args)
 
-        second.llm.collective_rpc = kill_on_second_bucket
+        second._collective_rpc = kill_on_second_bucket
         v2 = v1 + 1
         _publish_plan(transport, v2, engine.spec, fill=0.03)
         syncer = EngineSyncer([engine, second], transport, deadline_s=60)
@@ -208,9 +247,10 @@ def test_engine_on_another_host_matches_the_learner_through_the_relay(synced, tm
     from moe_grpo.sync.relay import RelayGroup, RelaySender
     from moe_grpo.sync.transport import SharedMemoryTransport
 
-    engine, transport, ckpt, _ = synced
-    version = engine.policy_version + 1
+    engine, transport, ckpt, reference = synced
+    version = _serve_other_weights(engine, transport, reference["start"], seed=99)
     learner_lp = run_distributed(S.train_and_sync, 2, 1, 2, 1, ckpt, version, str(transport.root))[0]
+    assert _max_gap(_scores(engine), learner_lp) > NOT_YET_SYNCED
     port, engine_host = free_port(), str(tmp_path / "engine_host")
     receiver = mp.get_context("spawn").Process(target=S.relay_receive, args=("127.0.0.1", port, 2, 1, engine_host))
     receiver.start()
@@ -221,8 +261,7 @@ def test_engine_on_another_host_matches_the_learner_through_the_relay(synced, tm
     remote = SharedMemoryTransport(engine_host)
     try:
         apply_version(engine, remote, version)
-        got = _scores(engine)
-        assert max(float(np.abs(got[i] - learner_lp[i]).max()) for i in range(len(got))) < 1e-4
+        assert engine.policy_version == version and _max_gap(_scores(engine), learner_lp) < 1e-4
     finally:
         # serve the same version from the fixture's transport, which outlives this test's directory
         slot, plan = transport.wait_complete(version)
