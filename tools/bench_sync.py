@@ -15,6 +15,13 @@ later ones reuse the transport's two slots, which is the steady state of a
 training run, and their median is the figure compared with memcpy.
 
     .venv/bin/python tools/bench_sync.py [--mb 600] [--rounds 5] [--relay]
+    python tools/bench_sync.py --transport cuda_ipc --model qwen3_moe_1b_64e   # on a CUDA GPU
+
+With `--transport cuda_ipc` (CUDA) the learner holds bf16 weights on the GPU and
+syncs into `CudaIpcTransport` buffers in its own device memory; the receiving
+process opens them by CUDA IPC handle and copies every tensor device to device
+into its own weights. The baseline is then a device-to-device `copy_` of the
+same number of bytes (`memcpy_*` keys hold it), timed with the GPU synchronised.
 
 With --relay it also times the gloo relay (`sync/relay.py`) of the last
 versions to a receiver process over loopback TCP (`relay_bytes_per_s`).
@@ -34,24 +41,40 @@ import tempfile
 import time
 
 
-def receiver(root: str, versions: list[int], queue: "mp.Queue") -> None:
-    """The engine's side: map each published version and copy it into this process's own tensors."""
+def receiver(root: str, versions: list[int], queue: "mp.Queue", ipc: bool = False) -> None:
+    """The engine's side: map (or open by CUDA IPC handle) each published version and copy it into its own tensors."""
     import torch
 
     from moe_grpo.sync.transport import SharedMemoryTransport, bucket_path, read_bucket
+    from moe_grpo.sync.weight_sync import BoundCopy, copy_all
 
-    transport = SharedMemoryTransport(root)
+    if ipc:
+        from moe_grpo.sync.cuda_ipc import CudaIpcTransport
+
+        transport: SharedMemoryTransport = CudaIpcTransport(root)
+    else:
+        transport = SharedMemoryTransport(root)
     weights: dict[str, torch.Tensor] = {}
+    bound: dict[tuple[str, int], BoundCopy] = {}
     for version in versions:
         slot, plan = transport.wait_complete(version, timeout_s=600)
         transport.pin("bench-receiver", {slot: version})
         t0 = time.perf_counter()
         for b in plan.buckets:
-            with read_bucket(bucket_path(slot, b.index), b, plan.torch_dtype) as views:
+            reader = transport.read_bucket(slot, b, plan.torch_dtype) if ipc else \
+                read_bucket(bucket_path(slot, b.index), b, plan.torch_dtype)
+            with reader as views:
                 for name, t in views.items():
                     if name not in weights:
                         weights[name] = torch.empty_like(t)
-                    weights[name].copy_(t)
+                if not ipc:
+                    copy_all([weights[n] for n in views], list(views.values()))
+                else:  # the opened device buffers stay the same across versions: resolve the copies once
+                    if (slot, b.index) not in bound:
+                        bound[(slot, b.index)] = BoundCopy([weights[n] for n in views], list(views.values()))
+                    bound[(slot, b.index)]()
+        if ipc:
+            torch.cuda.synchronize()
         queue.put((version, time.perf_counter() - t0))
         transport.unpin("bench-receiver")
 
@@ -92,29 +115,48 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5, help="timed syncs after the two warm-up syncs")
     ap.add_argument("--bucket-mb", type=float, default=256.0, help="bucket bound, MB")
     ap.add_argument("--relay", action="store_true", help="also time the gloo relay to another process (loopback TCP)")
+    ap.add_argument("--transport", choices=("shm", "cuda_ipc"), default="shm",
+                    help="shared memory on the host (default) or CUDA IPC buffers on the learner's GPU")
+    ap.add_argument("--model", default=None, help="conf/model/<name>.yaml instead of the --mb-sized model")
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
+                    help="weights' dtype (default: bfloat16 with cuda_ipc, float32 otherwise)")
     args = ap.parse_args()
     import warnings
 
     warnings.filterwarnings("ignore")
     import torch
 
+    from moe_grpo.config import load_model_spec
     from moe_grpo.learner.megatron_learner import LearnerConfig, MegatronLearner
+    from moe_grpo.models.options import MegatronOptions
     from moe_grpo.models.spec import MoEModelSpec
     from moe_grpo.sync.transport import SharedMemoryTransport
     from moe_grpo.sync.weight_sync import WeightSync
 
-    per_moe_layer = 32 * 3 * 1024 * 512 * 4
-    layers = max(2, int(args.mb * 1e6 / per_moe_layer) + 1) + 1
-    spec = MoEModelSpec(name="bench_sync", architecture="DeepseekForCausalLM", vocab_size=32000, hidden_size=1024,
-                        num_layers=layers, first_k_dense=1, num_attention_heads=16, ffn_hidden_size=2048,
-                        num_experts=32, moe_ffn_hidden_size=512, top_k=4, num_shared_experts=1)
-    learner = MegatronLearner(spec, config=LearnerConfig())
+    ipc = args.transport == "cuda_ipc"
+    if ipc and not torch.cuda.is_available():
+        raise SystemExit("--transport cuda_ipc needs a CUDA GPU (torch.cuda.is_available() is False)")
+    dtype = args.dtype or ("bfloat16" if ipc else "float32")
+    if args.model:
+        spec = load_model_spec(args.model)
+    else:
+        per_moe_layer = 32 * 3 * 1024 * 512 * 4
+        layers = max(2, int(args.mb * 1e6 / per_moe_layer) + 1) + 1
+        spec = MoEModelSpec(name="bench_sync", architecture="DeepseekForCausalLM", vocab_size=32000, hidden_size=1024,
+                            num_layers=layers, first_k_dense=1, num_attention_heads=16, ffn_hidden_size=2048,
+                            num_experts=32, moe_ffn_hidden_size=512, top_k=4, num_shared_experts=1)
+    learner = MegatronLearner(spec, config=LearnerConfig(), options=MegatronOptions(params_dtype=dtype))
     root = tempfile.mkdtemp(prefix="bench_sync_", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
-    transport = SharedMemoryTransport(root, slots=2)
+    if ipc:
+        from moe_grpo.sync.cuda_ipc import CudaIpcTransport
+
+        transport: SharedMemoryTransport = CudaIpcTransport(root, slots=2)
+    else:
+        transport = SharedMemoryTransport(root, slots=2)
     sync = WeightSync(learner, transport, max_bucket_bytes=int(args.bucket_mb * 2**20))
     versions = list(range(1, args.rounds + 3))
     queue: mp.Queue = mp.get_context("spawn").Queue()
-    proc = mp.get_context("spawn").Process(target=receiver, args=(root, versions, queue))
+    proc = mp.get_context("spawn").Process(target=receiver, args=(root, versions, queue, ipc))
     proc.start()
     sync_s, deliver_s = [], []
     try:
@@ -131,20 +173,25 @@ def main() -> None:
         transport.close()
     nbytes = sync.plan.total_bytes
 
-    src = torch.empty(nbytes // 4, dtype=torch.float32).uniform_()
+    device = "cuda" if ipc else "cpu"
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).uniform_()
     dst = torch.empty_like(src)
     dst.copy_(src)  # touch the pages once
     copies = []
-    for _ in range(3):
+    for _ in range(5 if ipc else 3):
+        if ipc:
+            torch.cuda.synchronize()
         t1 = time.perf_counter()
         dst.copy_(src)
+        if ipc:
+            torch.cuda.synchronize()
         copies.append(time.perf_counter() - t1)
     t_copy = statistics.median(copies)
     t_sync, t_deliver = statistics.median(sync_s[2:]), statistics.median(deliver_s[2:])
     rate, memcpy = nbytes / t_sync, nbytes / t_copy
     v3_bytes = 671.0e9 * 2  # DeepSeek-V3 parameters (published 671B, our meta-device count 671.03B) in bf16
     print(json.dumps({
-        "bench": "sync", "synced_bytes": nbytes, "layers": spec.num_layers, "buckets": len(sync.plan.buckets),
+        "bench": "sync", "transport": args.transport, "model": spec.name, "dtype": dtype, "synced_bytes": nbytes, "layers": spec.num_layers, "buckets": len(sync.plan.buckets),
         "threads": torch.get_num_threads(),
         "first_sync_seconds": [round(s, 3) for s in sync_s[:2]], "sync_seconds": round(t_sync, 3),
         "deliver_seconds": round(t_deliver, 3), "memcpy_seconds": round(t_copy, 3),
@@ -153,8 +200,12 @@ def main() -> None:
         "sync_and_deliver_vs_memcpy_ratio": round(nbytes / (t_sync + t_deliver) / memcpy, 4),
         "projected_deepseek_v3_seconds": round(v3_bytes / rate, 1),
         **({"relay_seconds": round(t_relay, 3), "relay_bytes_per_s": round(nbytes / t_relay)} if t_relay else {}),
-        "note": "one learner process, CPU, shared-memory transport; deliver = a second process copying every "
-                "tensor out of the mapped buckets",
+        "device": torch.cuda.get_device_name() if ipc else "cpu",
+        "note": ("one learner process on the GPU, CUDA-IPC transport (buffers in the learner's device memory); "
+                 "deliver = a second process opening them by IPC handle and copying every tensor device to device; "
+                 "memcpy = a device-to-device copy_ of the same bytes" if ipc else
+                 "one learner process, CPU, shared-memory transport; deliver = a second process copying every "
+                 "tensor out of the mapped buckets"),
     }))
 
 

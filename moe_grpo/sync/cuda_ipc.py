@@ -111,6 +111,7 @@ class CudaIpcTransport(SharedMemoryTransport):
             raise ValueError(f"device={device!r}, expected a CUDA device")
         self._owned: dict[str, _Owned] = {}
         self._opened: dict[tuple[str, int], torch.Tensor] = {}
+        self._views: dict[tuple[str, int, torch.dtype, int], dict[str, torch.Tensor]] = {}
 
     # ------------------------------------------------------------------ sending side
     def claim(self, version: int, plan: BucketPlan, rank: int, world: int, timeout_s: float = 60.0) -> str:
@@ -120,9 +121,11 @@ class CudaIpcTransport(SharedMemoryTransport):
         if rank == 0:
             for gone in [s for s in self._owned if not os.path.isdir(s)]:  # slots dropped by the recycling
                 del self._owned[gone]
+                self._views = {k: v for k, v in self._views.items() if k[0] != gone}
             owned = self._owned.get(slot)
             if owned is None or owned.sizes != sizes:
                 self._owned.pop(slot, None)
+                self._views = {k: v for k, v in self._views.items() if k[0] != slot}
                 buffers = [torch.empty(n, dtype=torch.uint8, device=self.device) for n in sizes]
                 owned = self._owned[slot] = _Owned(sizes, buffers, [share_handle(b) for b in buffers])
             _write_json(Path(slot) / IPC_FILE, {"version": version, "pid": os.getpid(), "sizes": list(sizes),
@@ -170,7 +173,12 @@ class CudaIpcTransport(SharedMemoryTransport):
     @contextlib.contextmanager
     def bucket_views(self, slot: str, bucket: Bucket, dtype: torch.dtype) -> Iterator[dict[str, torch.Tensor]]:
         """Writable full-tensor device views of one bucket (HF names); every rank fills its part."""
-        views = device_views(self._raw(slot, bucket), bucket, dtype)
+        raw = self._raw(slot, bucket)
+        key = (slot, bucket.index, dtype, raw.data_ptr())
+        cached = self._views.get(key)
+        if cached is None:  # hundreds of views per bucket: built once per buffer, not once per sync
+            cached = self._views[key] = device_views(raw, bucket, dtype)
+        views = dict(cached)
         try:
             yield views
         finally:
@@ -200,6 +208,7 @@ class CudaIpcTransport(SharedMemoryTransport):
 
     def close(self) -> None:
         """Drop the buffers (owner) or the opened mappings (readers), then the bookkeeping."""
+        self._views.clear()
         self._opened.clear()
         self._owned.clear()
         super().close()
