@@ -152,6 +152,11 @@ class RoutingCaptureExtension:
         self._mg_errors.clear()
         return n
 
+    def moe_grpo_break_capture(self, on: bool) -> bool:
+        """Tests only: expect routing from a layer that does not exist (999), as a broken router hook would look."""
+        self._mg_layers = [layer for layer in self._mg_layers if layer != 999] + ([999] if on else [])
+        return on
+
     def moe_grpo_set_reload_patch(self, on: bool) -> bool:
         """Tests only: show that reloading experts on CPU is wrong without the vLLM patch."""
         from moe_grpo.rollout import vllm_patches

@@ -191,19 +191,12 @@ def test_the_trace_follows_the_weights_the_engine_serves_not_the_learners(engine
 
 def test_a_capture_error_in_the_worker_fails_that_request_and_the_engine_serves_on(engine_and_learner):
     engine, _ = engine_and_learner
-
-    def break_capture(worker):  # runs inside the vLLM worker: a layer that never reports routing
-        worker._mg_layers = worker._mg_layers + [999]
-
-    def fix_capture(worker):
-        worker._mg_layers = [layer for layer in worker._mg_layers if layer != 999]
-
     settings = SamplingSettings(n=1, max_tokens=6)
-    engine._rpc(break_capture)
+    engine._rpc("moe_grpo_break_capture", (True,))  # the worker now waits for routing from a layer 999
     try:
         failed = engine.generate(prompts_of_lengths([9]), settings)[0][0]
     finally:
-        engine._rpc(fix_capture)
+        engine._rpc("moe_grpo_break_capture", (False,))
     assert failed.finish_reason == "error" and "routing capture failed" in failed.error and "999" in failed.error
     ok = engine.generate(prompts_of_lengths([9]), settings)[0][0]
     assert ok.ok and ok.routing is not None
