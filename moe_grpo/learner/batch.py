@@ -39,14 +39,14 @@ class LearnerSequence:
     """Policy version that sampled each response token, `[len(tokens)-prompt_len]`; None = version 0."""
 
     def __post_init__(self) -> None:
-        self.tokens = np.array(self.tokens, dtype=np.int64)  # a copy: arrays from Ray are read-only
+        self.tokens = np.asarray(self.tokens, dtype=np.int64)
         n = len(self.tokens)
         if n < 2:
             raise ValueError(f"sequence has {n} tokens, expected at least 2 (a prompt token and one more)")
         if not 1 <= self.prompt_len < n:
             raise ValueError(f"prompt_len={self.prompt_len}, expected 1 <= prompt_len < len(tokens)={n}")
         if self.old_logprobs is not None:
-            self.old_logprobs = np.array(self.old_logprobs, dtype=np.float32)
+            self.old_logprobs = np.asarray(self.old_logprobs, dtype=np.float32)
             if self.old_logprobs.shape != (n - self.prompt_len,):
                 raise ValueError(
                     f"old_logprobs has shape {self.old_logprobs.shape}, expected ({n - self.prompt_len},) "
@@ -167,16 +167,16 @@ def _collate(seqs, indices, rows, width, packed, with_routing, moe_layers, top_k
         row, start = (0, cursor) if packed else (j, 0)
         n = s.num_positions
         end = start + n
-        t = torch.from_numpy(s.tokens)
+        t = torch.tensor(s.tokens)  # a copy: arrays that arrive through Ray are read-only
         input_ids[row, start:end] = t[:-1]
         labels[row, start:end] = t[1:]
         resp_from = start + s.prompt_len - 1
         loss_mask[row, resp_from:end] = 1.0
         adv[row, start:end] = float(s.advantage)
         if s.old_logprobs is not None:
-            old[row, resp_from:end] = torch.from_numpy(s.old_logprobs)
+            old[row, resp_from:end] = torch.tensor(s.old_logprobs)
         if s.versions is not None:
-            versions[row, resp_from:end] = torch.from_numpy(s.versions.astype(np.float32))
+            versions[row, resp_from:end] = torch.tensor(s.versions, dtype=torch.float32)
         if routing is not None:
             routing[row, start:end] = torch.from_numpy(s.routing.expert_ids.astype(np.int64))
         if packed:
