@@ -18,6 +18,7 @@ Last line: one JSON object; `replay_overhead_ratio` is the headline (goal <= 1.0
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import sys
 import time
@@ -72,11 +73,16 @@ def main() -> None:
 
     def timed(replay: bool) -> float:
         learner.zero_grad()
-        sync()
-        t0 = time.perf_counter()
-        learner.forward_backward(seqs, replay=replay)
-        sync()
-        return time.perf_counter() - t0
+        gc.collect()  # no collection inside a timed round (the arms allocate differently)
+        gc.disable()
+        try:
+            sync()
+            t0 = time.perf_counter()
+            learner.forward_backward(seqs, replay=replay)
+            sync()
+            return time.perf_counter() - t0
+        finally:
+            gc.enable()
 
     t_plain, t_replay = interleaved_medians(lambda: timed(False), lambda: timed(True), args.rounds, args.warmup)
     tokens = args.batch * (args.seq - 1)

@@ -168,10 +168,15 @@ def _pid_alive(pid: int) -> bool:
 
 def _write_json(path: Path, value: object) -> None:
     """Write `value` to `path` atomically (a 0600 temporary file renamed into place)."""
+    _write_text(path, json.dumps(value))
+
+
+def _write_text(path: Path, text: str) -> None:
+    """Write `text` to `path` atomically (a 0600 temporary file renamed into place)."""
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
     fd = _open_private(tmp, os.O_WRONLY | os.O_TRUNC)
     with os.fdopen(fd, "w") as f:
-        f.write(json.dumps(value))
+        f.write(text)
     os.replace(tmp, path)
 
 
@@ -183,7 +188,7 @@ class SharedMemoryTransport:
             raise ValueError(f"slots={slots}, expected at least 1")
         self.root, self.slots = secure_root(root or default_root()), slots
         self._info_cache: dict[str, tuple[tuple[int, int, int], dict]] = {}
-        self._plan_json: tuple[BucketPlan | None, str] = (None, "")
+        self._plan_json: tuple[BucketPlan | None, str, str] = (None, "", "")
         try:
             _mkdir_private(self.root / "pins")
         except FileExistsError:
@@ -259,9 +264,15 @@ class SharedMemoryTransport:
                 _mkdir_private(slot)
             for marker in slot.glob("done.*"):
                 marker.unlink()
-            if self._plan_json[0] is not plan:
-                self._plan_json = (plan, plan.to_json())
-            _write_json(slot / "version.json", {"version": version, "world": world, "plan": self._plan_json[1]})
+            if self._plan_json[0] is not plan:  # the plan's JSON text and its quoted form, made once per plan
+                text = plan.to_json()
+                self._plan_json = (plan, text, json.dumps(text))
+            _, text, quoted = self._plan_json
+            path = slot / "version.json"
+            _write_text(path, f'{{"version": {int(version)}, "world": {int(world)}, "plan": {quoted}}}')
+            st = os.stat(path)  # what we wrote needs no parsing when the next claim looks at this slot
+            self._info_cache[str(path)] = ((st.st_ino, st.st_mtime_ns, st.st_size),
+                                           {"version": int(version), "world": int(world), "plan": text})
             self._drop_extra_slots(keep=slot, pinned=pinned)
         return str(slot)
 

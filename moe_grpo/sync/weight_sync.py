@@ -164,8 +164,10 @@ class BoundCopy:
     A bucket holds hundreds of small tensors (every expert's weights); one kernel
     launch each would cost more than the bytes (about 5 us per launch vs 1 us per
     MB on an H100), so contiguous same-dtype CUDA pairs are copied with
-    `torch._foreach_copy_` (one multi-tensor kernel per ~100 tensors). Pairs are
-    sorted once, at construction, so a repeated copy costs no Python per tensor."""
+    `torch._foreach_copy_` (one multi-tensor kernel per ~100 tensors), as int64
+    words where both are 8-byte aligned (its kernel moves a few elements per
+    thread: 2-byte elements left it at ~0.36x a device memcpy on an H100). Pairs
+    are sorted once, at construction, so a repeated copy costs no Python per tensor."""
 
     def __init__(self, dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
         if len(dsts) != len(srcs):
@@ -176,6 +178,8 @@ class BoundCopy:
             if d.shape != s.shape:
                 raise ValueError(f"copy of a {list(s.shape)} tensor into a {list(d.shape)} one")
             if d.is_cuda and s.device == d.device and s.dtype == d.dtype and d.is_contiguous() and s.is_contiguous():
+                if _words(d) and _words(s):  # move 8-byte words: 4x fewer elements per thread for bf16
+                    d, s = d.reshape(-1).view(torch.int64), s.reshape(-1).view(torch.int64)
                 group = self.fused.setdefault((d.device, d.dtype), ([], []))
                 group[0].append(d)
                 group[1].append(s)
@@ -187,6 +191,11 @@ class BoundCopy:
             d.copy_(s)
         for dsts, srcs in self.fused.values():
             torch._foreach_copy_(dsts, srcs)
+
+
+def _words(t: torch.Tensor) -> bool:
+    """Whether a contiguous tensor can be viewed as whole int64 words (8-byte aligned, a multiple of 8 bytes)."""
+    return t.data_ptr() % 8 == 0 and (t.numel() * t.element_size()) % 8 == 0 and t.numel() > 0
 
 
 def copy_all(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
