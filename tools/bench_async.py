@@ -8,9 +8,17 @@ to core 1 (`cluster.pin_cpus`). Both runs train the same number of samples.
 From the sync run's phase times (median generate phase = step time minus
 train time; median train time) the ideal overlap speedup is
 (gen + train) / max(gen, train); `async_vs_ideal_ratio` is the measured
-speedup over that. `train_busy` is the learner's busy fraction in async mode.
+speedup over that. `train_busy` / `infer_busy` are the pools' busy fractions in
+async mode. Only the slower phase's pool can be kept busy: when generation is
+slower, the learner can be busy at most train / gen of the time
+(`train_busy_bound`), so the figure that says "the hardware never idles" is
+`bottleneck_busy`, the busy fraction of the slower phase's pool. Choose the
+workload with the flags: the defaults are generation-bound; fewer tokens per
+completion and longer prompts (`--letters 40 --max-tokens 4`: the learner
+trains on every prompt token, the engine prefills them in one batched pass)
+make training the slower phase.
 
-    .venv/bin/python tools/bench_async.py [--steps 30] [--prompts 32] [--group 8]
+    .venv/bin/python tools/bench_async.py [--steps 30] [--prompts 32] [--group 8] [--max-tokens 16] [--letters 0]
 
 Last line: one JSON object.
 """
@@ -33,6 +41,7 @@ def run_mode(mode: str, args: argparse.Namespace) -> list[dict]:
             "warm_start_steps": 0, "eval_every": 0,
             "algo": {"prompts_per_step": args.prompts, "group_size": args.group},
             "rollout": {"max_tokens": args.max_tokens},
+            "task": {"min_len": args.letters or 3, "max_len": args.letters or 5},
             "cluster": {"pin_cpus": True, "engine_cpus": 1, "learner_cpus": 1}}
     with tempfile.TemporaryDirectory(prefix=f"bench_async_{mode}_") as d:
         train(from_hydra(tree), d)
@@ -46,6 +55,7 @@ def main() -> None:
     p.add_argument("--prompts", type=int, default=32)
     p.add_argument("--group", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--letters", type=int, default=0, help="letters per prompt (0: the task's 3-5)")
     args = p.parse_args()
     if (os.cpu_count() or 1) < 2:
         raise SystemExit("bench_async needs 2 cores (one per pool)")
@@ -59,14 +69,19 @@ def main() -> None:
     speedup = sync_step / async_step
     ideal = (gen_s + train_s) / max(gen_s, train_s)
     samples = args.steps * args.prompts * args.group
+    train_busy = statistics.mean(r["util/train_busy"] for r in a_rows)
+    infer_busy = statistics.mean(r["util/infer_busy"] for r in a_rows)
+    gen_bound = gen_s >= train_s
     print(json.dumps({
         "steps": args.steps, "trained_samples_sync": samples, "trained_samples_async": samples,
         "sync_step_seconds": round(sync_step, 3), "async_step_seconds": round(async_step, 3),
         "gen_phase_seconds": round(gen_s, 3), "train_phase_seconds": round(train_s, 3),
         "async_speedup": round(speedup, 3), "ideal_speedup": round(ideal, 3),
         "async_vs_ideal_ratio": round(speedup / ideal, 3),
-        "train_busy": round(statistics.mean(r["util/train_busy"] for r in a_rows), 3),
-        "infer_busy": round(statistics.mean(r["util/infer_busy"] for r in a_rows), 3),
+        "bottleneck": "generation" if gen_bound else "training",
+        "train_busy": round(train_busy, 3), "infer_busy": round(infer_busy, 3),
+        "train_busy_bound": round(min(1.0, train_s / gen_s), 3),
+        "bottleneck_busy": round(infer_busy if gen_bound else train_busy, 3),
         "async_staleness_mean": round(statistics.mean(r["staleness/mean"] for r in a_rows), 3),
     }))
 
