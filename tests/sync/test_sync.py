@@ -232,9 +232,38 @@ def test_engine_killed_mid_sync_is_reported_skipped_and_restarts_on_its_previous
         second.restart()
         assert second.policy_version == v1
         assert all(np.array_equal(a, b) for a, b in zip(served, _scores(second)))
+        _mid_rollout_hang_and_death_are_named(second)
     finally:
         second.shutdown()
         transport.unpin(second.engine_id)
+
+
+def _mid_rollout_hang_and_death_are_named(engine):
+    """An engine whose worker stops mid-rollout is named within its timeout; one whose worker dies, at once."""
+    import time
+
+    from moe_grpo.rollout.types import SamplingSettings
+    from moe_grpo.rollout.vllm_engine import EngineError
+
+    long = SamplingSettings(n=1, temperature=1.0, max_tokens=100)
+    prompt = [[5, 6, 7]]
+    engine.request_timeout_s = 3.0
+    future = engine.submit(prompt[0], long)
+    os.kill(engine.worker_pid, signal.SIGSTOP)  # hung, not dead: only the clock can tell
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(EngineError, match=rf"engine {engine.engine_id}: .*did not finish within 3 s"):
+            engine.generate(prompt, long)
+        assert time.monotonic() - t0 < 10
+    finally:
+        os.kill(engine.worker_pid, signal.SIGCONT)
+    future.cancel()
+    worker = engine.worker_pid
+    os.kill(worker, signal.SIGKILL)
+    t0 = time.monotonic()
+    with pytest.raises(EngineError, match=rf"engine {engine.engine_id}: .*(died|dead|failed)"):
+        engine.generate(prompt, long)
+    assert time.monotonic() - t0 < 5
 
 
 @pytest.mark.multiprocess
