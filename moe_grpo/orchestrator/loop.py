@@ -256,7 +256,8 @@ def _loop(run: Any, pools: Any, record: Any, state: _State, tokenizer: Any, rng:
             horizon = (min(served.values()) + run.algo.max_staleness + 1) * per_step
             room = min(buffer.room(len(in_flight)), horizon - (admitted - wasted()))
         else:  # sync: a whole batch, only between steps, on the newest weights
-            room = per_step if (not train_refs and not in_flight and len(buffer) == 0 and engines_current()) else 0
+            # (topped up when groups were lost: a dropped group would otherwise leave the batch short forever)
+            room = per_step - len(buffer) if (not train_refs and not in_flight and engines_current()) else 0
         for example in source.take(max(room, 0)):
             name = min(load, key=load.get)
             ref = engines[name].generate.remote(list(example.prompt_ids), sampling)
