@@ -78,9 +78,10 @@ class DatasetPrompts(PromptSource):
 
 
 def required_fields(run: Any) -> list[str]:
-    """Fields every row must have: the prompt, and the answer when a built-in reward or a warm start reads it."""
+    """Fields every row must have: the prompt, and the answer when a built-in reward or a warm start reads it
+    (or the task's format has one: GSM8K)."""
     fields = [run.data.resolved_prompt_key(run.task.name)]
-    if not run.reward.fn or run.warm_start_steps > 0:
+    if not run.reward.fn or run.warm_start_steps > 0 or run.task.name == "gsm8k":
         fields.append(run.data.answer_key)
     return fields
 
