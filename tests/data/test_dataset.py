@@ -111,3 +111,23 @@ def test_prompts_go_through_the_checkpoint_chat_template(tmp_path):
         HFTokenizer(tmp_path / "chat", vocab_size=100)
     with pytest.raises(ValueError, match="no usable tokenizer files"):
         HFTokenizer(tmp_path)
+
+
+def test_command_line_names_task_data_reward_and_init(tmp_path):
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from hf_fixtures import make_checkpoint
+    from test_config import compose
+
+    data = tmp_path / "train.jsonl"
+    write_gsm8k(data)
+    hf = make_checkpoint("qwen3_moe", tmp_path / "ckpt")
+    run = from_hydra(compose(["task=gsm8k", f"data.train_path={data}", f"init.hf={hf}",
+                              "reward.fn=[user_rewards:length_penalty,moe_grpo.reward.math_answer:math_answer_reward]",
+                              "reward.weights=[0.5,1]"]))
+    assert run.task.name == "gsm8k" and run.data.train_path == str(data)
+    assert run.reward.fn == ("user_rewards:length_penalty", "moe_grpo.reward.math_answer:math_answer_reward")
+    assert run.reward.weights == (0.5, 1.0)
+    # the model description is the checkpoint's config.json, whatever `model=` says
+    assert run.model.architecture == "Qwen3MoeForCausalLM" and run.model.num_experts == 4
+    with pytest.raises(ValueError, match="init.hf=.*expected an existing checkpoint directory"):
+        from_hydra(compose([f"init.hf={tmp_path / 'nope'}"]))
