@@ -78,6 +78,8 @@ class Rewards:
     def __init__(self, paths: Sequence[str], weights: Sequence[float], timeout_s: float = 30.0) -> None:
         self.functions = [RewardFunction.load(p, w) for p, w in zip(paths, weights)]
         self.timeout_s = timeout_s
+        self.failures_reported = 0
+        """Calls whose failure was logged (reward/scoring.py logs the first few of a run)."""
         # Plain functions run on worker threads so a hung one can be timed out; the thread itself cannot be
         # killed, so the pool has a few spares before new calls queue behind hung ones.
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="reward")
