@@ -96,6 +96,7 @@ def test_run_from_a_transformers_checkpoint_trains_exports_and_vllm_serves_the_e
     assert "converted" in caplog.text or "reusing the Megatron checkpoint" in caplog.text
     assert len([d for d in os.listdir(root / "cache") if d.startswith(kind)]) == 1
     if gsm8k:
+        assert "data: 6 training rows" in caplog.text
         assert summary["bad_rows"] == 4 and all(r["data/bad_rows"] == 4 for r in rows)
         for line in bad_lines:
             assert f"train.jsonl:{line}:" in caplog.text, line
@@ -104,6 +105,18 @@ def test_run_from_a_transformers_checkpoint_trains_exports_and_vllm_serves_the_e
         assert {"answer", "trap", "source"} == set(calls[0]["fields"])  # the row's fields, prompt excluded
         assert all(len(set(c["fields"]["source"])) == 1 and len(c["prompts"]) == 4 for c in calls)
         assert calls[0]["prompts"][0].startswith("What is ")  # the row's text, not the chat-templated prompt
+        # the run's rewards on its rows: `#### 1,250` is 1250 (plus the user's weighted length penalty)
+        import numpy as np
+
+        from moe_grpo.data.prompts import group_fields, prompt_source
+        from moe_grpo.data.tokenizer import HFTokenizer
+        from moe_grpo.reward.functions import Rewards
+
+        source = prompt_source(run, HFTokenizer(paths[kind]), np.random.default_rng(0))
+        row = next(e for e in source.train if e.fields["answer"].endswith("#### 1,250"))
+        scores = Rewards(*run.reward.resolved(run.task.name)).score([row.prompt] * 2, ["1250", "125"],
+                                                                     group_fields(row, 2))
+        assert scores.rewards.tolist() == pytest.approx([1.0 - 0.5 * 0.04, -0.5 * 0.03])
     policy = summary["policy_dir"]
     assert {"tokenizer.json", "tokenizer_config.json", "chat_template.jinja"} <= set(os.listdir(policy))
     config = json.loads(open(os.path.join(policy, "config.json")).read())
