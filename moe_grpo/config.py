@@ -15,12 +15,15 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from moe_grpo.algo.config import AlgoConfig
-from moe_grpo.data.tasks import TaskConfig
+from moe_grpo.checkpoint.hf_init import InitConfig
+from moe_grpo.data.config import DataConfig
+from moe_grpo.data.tasks import DATASET_TASKS, TaskConfig
 from moe_grpo.learner.config import LearnerConfig
 from moe_grpo.learner.parallel import ParallelLayout
 from moe_grpo.models.options import MegatronOptions
 from moe_grpo.models.spec import MoEModelSpec, spec_from_mapping
 from moe_grpo.orchestrator.config import ClusterConfig, RolloutConfig
+from moe_grpo.reward.config import RewardConfig
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 
@@ -30,7 +33,7 @@ class RunConfig:
     """Everything `python -m moe_grpo.train` runs with."""
 
     model: MoEModelSpec
-    """The model description (conf/model/<name>.yaml)."""
+    """The model description (conf/model/<name>.yaml; with `init.hf` set, the checkpoint's config.json)."""
     parallel: ParallelLayout = field(default_factory=ParallelLayout)
     """Learner process layout."""
     learner: LearnerConfig = field(default_factory=LearnerConfig)
@@ -45,6 +48,12 @@ class RunConfig:
     """Ray, engines, learner ranks and their resources (orchestrator/config.py)."""
     task: TaskConfig = field(default_factory=TaskConfig)
     """The built-in task and its held-out set (data/tasks.py)."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """Local dataset files instead of the task's generated prompts (data/config.py)."""
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    """Reward functions by dotted path, weights, timeout (reward/config.py)."""
+    init: InitConfig = field(default_factory=InitConfig)
+    """Start from a Hugging Face checkpoint (checkpoint/hf_init.py)."""
     replay: bool = True
     """Replay rollout routing in the learner (R3)."""
     steps: int = 300
@@ -72,6 +81,9 @@ class RunConfig:
             raise ValueError(f"mode=sync with algo.sync_every={self.algo.sync_every} samples up to "
                              f"{self.algo.sync_every - 1} versions behind; algo.max_staleness={self.algo.max_staleness} "
                              "would drop them all")
+        if self.task.name in DATASET_TASKS and not self.data.train_path:
+            raise ValueError(f"task.name={self.task.name!r} reads its prompts from a dataset; set data.train_path "
+                             "(a .jsonl or .parquet file in its format)")
         if self.warm_start_steps < 0 or self.eval_every < 0:
             raise ValueError(f"warm_start_steps={self.warm_start_steps}, eval_every={self.eval_every}: expected >= 0")
 
@@ -90,16 +102,22 @@ class RunConfig:
 
 
 _SECTIONS = {"parallel": ParallelLayout, "learner": LearnerConfig, "megatron": MegatronOptions, "algo": AlgoConfig,
-             "rollout": RolloutConfig, "cluster": ClusterConfig, "task": TaskConfig}
+             "rollout": RolloutConfig, "cluster": ClusterConfig, "task": TaskConfig, "data": DataConfig,
+             "reward": RewardConfig, "init": InitConfig}
 
 
 def defaults_tree() -> dict[str, Any]:
     """The dataclass defaults as a plain tree: Hydra's base config."""
-    tree: dict[str, Any] = {name: dataclasses.asdict(cls()) for name, cls in _SECTIONS.items()}
+    tree: dict[str, Any] = {name: _plain(dataclasses.asdict(cls())) for name, cls in _SECTIONS.items()}
     for f in fields(RunConfig):
         if f.name not in _SECTIONS and f.name != "model":
             tree[f.name] = f.default
     return tree
+
+
+def _plain(tree: dict[str, Any]) -> dict[str, Any]:
+    """Tuples as lists: OmegaConf stores lists (`reward.fn=[a:f,b:g]` on the command line)."""
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in tree.items()}
 
 
 def _section(cls: type, name: str, values: Mapping[str, Any] | None) -> Any:
@@ -124,11 +142,20 @@ def from_hydra(cfg: Any) -> RunConfig:
     unknown = sorted(set(tree) - top - {"hydra"})
     if unknown:
         raise ValueError(f"unknown top-level key(s) {unknown}; expected a subset of {sorted(top)}")
-    if "model" not in tree:
-        raise ValueError("no model chosen; pass model=<name> (one of conf/model/*.yaml)")
-    kwargs: dict[str, Any] = {"model": spec_from_mapping(tree["model"])}
+    model = dict(tree.get("model") or {})
+    init = dict(tree.get("init") or {})
+    if model.get("hf_path") and not init.get("hf"):  # the older spelling of init.hf
+        init["hf"] = model["hf_path"]
+    tree["init"] = init
+    kwargs: dict[str, Any] = {}
     for name, cls in _SECTIONS.items():
         kwargs[name] = _section(cls, name, tree.get(name))
+    if kwargs["init"].hf:  # the checkpoint describes its model
+        kwargs["model"] = kwargs["init"].model_spec()
+    elif not model:
+        raise ValueError("no model chosen; pass model=<name> (one of conf/model/*.yaml) or init.hf=DIR")
+    else:
+        kwargs["model"] = spec_from_mapping(model)
     for f in fields(RunConfig):
         if f.name not in kwargs and f.name in tree:
             kwargs[f.name] = tree[f.name]

@@ -30,6 +30,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size --verify loads at")
     ap.add_argument("--ep", type=int, default=1, help="expert-parallel size --verify loads at")
     ap.add_argument("--pp", type=int, default=1, help="pipeline-parallel size --verify loads at")
+    ap.add_argument("--token-dispatcher", choices=["auto", "alltoall", "allgather"], default="auto",
+                    help="Megatron MoE token dispatcher --verify loads with; auto = alltoall, or allgather for "
+                         "TP>1 x EP>1 without CUDA (gloo refuses alltoall's uneven all_gather there)")
     ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="megatron->megatron: cast weights")
     ap.add_argument("--verify", action="store_true", help="compare log-probs of the HF and Megatron sides")
     ap.add_argument("--quiet", action="store_true", help="no progress lines")
@@ -63,7 +66,8 @@ def main(argv: list[str] | None = None) -> int:
             ap.error("--verify compares against an HF checkpoint; use it with hf<->megatron")
         from moe_grpo.checkpoint.verify import verify
 
-        report["verify"] = verify(hf_dir, mg_dir, tp=args.tp, ep=args.ep, pp=args.pp)
+        dispatcher = None if args.token_dispatcher == "auto" else args.token_dispatcher
+        report["verify"] = verify(hf_dir, mg_dir, tp=args.tp, ep=args.ep, pp=args.pp, token_dispatcher=dispatcher)
     print(json.dumps(report))
     return 0
 

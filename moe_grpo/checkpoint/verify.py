@@ -30,7 +30,16 @@ def hf_logprobs(hf_dir: str | Path, seqs: list[np.ndarray]) -> list[np.ndarray]:
     return out
 
 
-def megatron_logprobs(megatron_dir: str, tp: int, ep: int, pp: int, seqs: list[np.ndarray]) -> Any:
+def default_dispatcher(tp: int, ep: int) -> str:
+    """Megatron's token dispatcher for a layout: alltoall, except TP x EP on CPU (gloo refuses alltoall's uneven
+    all_gather there, so allgather, which gives the same results)."""
+    import torch
+
+    return "allgather" if tp > 1 and ep > 1 and not torch.cuda.is_available() else "alltoall"
+
+
+def megatron_logprobs(megatron_dir: str, tp: int, ep: int, pp: int, seqs: list[np.ndarray],
+                      token_dispatcher: str | None = None) -> Any:
     """Runs in every rank of a (tp, ep, pp) group: load the checkpoint, return log-probs on rank 0."""
     from moe_grpo.checkpoint.convert import _checkpoint_dtype, read_spec
     from moe_grpo.learner.batch import LearnerSequence
@@ -40,7 +49,8 @@ def megatron_logprobs(megatron_dir: str, tp: int, ep: int, pp: int, seqs: list[n
 
     spec = read_spec(megatron_dir)
     learner = MegatronLearner(spec, ParallelLayout(tp, ep, pp), LearnerConfig(micro_batch_size=len(seqs)),
-                              MegatronOptions(params_dtype=_checkpoint_dtype(megatron_dir)))
+                              MegatronOptions(params_dtype=_checkpoint_dtype(megatron_dir),
+                                              token_dispatcher=token_dispatcher or default_dispatcher(tp, ep)))
     learner.load_checkpoint(megatron_dir)
     dp, dp_size = learner.rank["dp"], learner.rank["dp_size"]
     mine = list(range(dp, len(seqs), dp_size))
@@ -50,8 +60,10 @@ def megatron_logprobs(megatron_dir: str, tp: int, ep: int, pp: int, seqs: list[n
 
 
 def verify(hf_dir: str | Path, megatron_dir: str | Path, *, tp: int = 1, ep: int = 1, pp: int = 1,
-           n: int = 4, length: int = 24) -> dict[str, float]:
-    """Max / mean absolute difference of per-token log-probs between the two checkpoints."""
+           n: int = 4, length: int = 24, token_dispatcher: str | None = None) -> dict[str, Any]:
+    """Max / mean absolute difference of per-token log-probs between the two checkpoints.
+
+    `token_dispatcher`: Megatron's MoE token dispatcher for the layout; None = `default_dispatcher(tp, ep)`."""
     from moe_grpo.checkpoint.convert import read_spec
     from moe_grpo.learner.spawn import run_distributed
 
@@ -59,7 +71,8 @@ def verify(hf_dir: str | Path, megatron_dir: str | Path, *, tp: int = 1, ep: int
     seqs = sample_sequences(spec.vocab_size, n=n, length=length)
     ref = hf_logprobs(hf_dir, seqs)
     world = tp * pp * ep
-    got = run_distributed(megatron_logprobs, world, str(megatron_dir), tp, ep, pp, seqs)[0]
+    dispatcher = token_dispatcher or default_dispatcher(tp, ep)
+    got = run_distributed(megatron_logprobs, world, str(megatron_dir), tp, ep, pp, seqs, dispatcher)[0]
     diffs = np.concatenate([np.abs(a - b) for a, b in zip(ref, got)])
     return {"max_abs_logprob_diff": float(diffs.max()), "mean_abs_logprob_diff": float(diffs.mean()),
-            "tokens": float(diffs.size), "tp": tp, "ep": ep, "pp": pp}
+            "tokens": float(diffs.size), "tp": tp, "ep": ep, "pp": pp, "token_dispatcher": dispatcher}

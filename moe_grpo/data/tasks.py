@@ -16,14 +16,16 @@ The reward follows the user-reward signature
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
 from moe_grpo.data.tokenizer import ByteTokenizer
 
 MARKERS = {"reverse": "<", "copy": "=", "sort": "^"}
+DATASET_TASKS = ("gsm8k",)
+"""Tasks that have no generator: their prompts come from `data.train_path` (data/dataset.py)."""
 
 
 @dataclass(frozen=True)
@@ -31,7 +33,9 @@ class TaskConfig:
     """The built-in task (config group `task`)."""
 
     name: str = "reverse"
-    """'reverse', 'copy' or 'sort' the letters the prompt holds."""
+    """'reverse', 'copy' or 'sort' the letters the prompt holds (generated prompts, or rows of `data.train_path`
+    with an `answer`), or 'gsm8k': rows of `data.train_path` in GSM8K's format (`question`, `answer` ending in
+    `#### N`), scored by the math-answer reward (moe_grpo/reward/math_answer.py)."""
     alphabet: str = "abcdefghij"
     """Letters the prompts are drawn from."""
     min_len: int = 3
@@ -44,8 +48,8 @@ class TaskConfig:
     """Seed of the held-out set (training prompts come from the run's seed)."""
 
     def __post_init__(self) -> None:
-        if self.name not in MARKERS:
-            raise ValueError(f"task.name={self.name!r}, expected one of {sorted(MARKERS)}")
+        if self.name not in MARKERS and self.name not in DATASET_TASKS:
+            raise ValueError(f"task.name={self.name!r}, expected one of {sorted(MARKERS) + list(DATASET_TASKS)}")
         if len(set(self.alphabet)) < 2 or any(not c.isalpha() or not c.isascii() for c in self.alphabet):
             raise ValueError(f"task.alphabet={self.alphabet!r}, expected at least 2 distinct ASCII letters")
         if not 1 <= self.min_len <= self.max_len:
@@ -68,7 +72,12 @@ class Example:
     prompt_ids: tuple[int, ...]
     """Prompt token ids, <bos> first."""
     answer: str
-    """The right completion text (without <eos>)."""
+    """The right completion text (without <eos>); what a warm start teaches ('' when the data has none)."""
+    fields: Mapping[str, Any] = field(default_factory=dict)
+    """Fields handed to the reward function as keyword arguments (a dataset row without its prompt field;
+    `answer` for the built-in tasks)."""
+    where: str = ""
+    """Where the prompt came from (`file:line` for a dataset row), for messages."""
 
 
 def solve(name: str, letters: str) -> str:
@@ -81,13 +90,16 @@ def solve(name: str, letters: str) -> str:
 
 def make_examples(cfg: TaskConfig, tokenizer: ByteTokenizer, rng: np.random.Generator, n: int) -> list[Example]:
     """`n` fresh prompts of the task."""
+    if cfg.name not in MARKERS:
+        raise ValueError(f"task.name={cfg.name!r} has no prompt generator; its prompts come from data.train_path")
     out = []
     letters = np.array(list(cfg.alphabet))
     for _ in range(n):
         length = int(rng.integers(cfg.min_len, cfg.max_len + 1))
         s = "".join(rng.choice(letters, size=length))
         prompt = s + MARKERS[cfg.name]
-        out.append(Example(prompt, tuple(tokenizer.encode(prompt)), solve(cfg.name, s)))
+        answer = solve(cfg.name, s)
+        out.append(Example(prompt, tuple(tokenizer.encode(prompt)), answer, {"answer": answer}))
     return out
 
 
@@ -96,7 +108,7 @@ def eval_examples(cfg: TaskConfig, tokenizer: ByteTokenizer) -> list[Example]:
     return make_examples(cfg, tokenizer, np.random.default_rng(cfg.eval_seed), cfg.eval_size)
 
 
-def score(prompts: Sequence[str], completions: Sequence[str], answer: Sequence[str]) -> list[float]:
+def score(prompts: Sequence[str], completions: Sequence[str], answer: Sequence[str], **_: Any) -> list[float]:
     """Fraction of answer positions right, over max(len(answer), len(completion)); 1.0 only for an exact answer."""
     del prompts  # the answer already says what the prompt asked
     out = []
@@ -110,16 +122,12 @@ def score(prompts: Sequence[str], completions: Sequence[str], answer: Sequence[s
     return out
 
 
-def completion_text(tokenizer: ByteTokenizer, token_ids: Sequence[int]) -> str:
-    """The completion up to (not including) its first <eos>."""
-    ids = list(token_ids)
-    if tokenizer.eos_id in ids:
-        ids = ids[: ids.index(tokenizer.eos_id)]
-    return tokenizer.decode(ids)
+def completion_text(tokenizer: Any, token_ids: Sequence[int]) -> str:
+    """The completion up to (not including) its first stop token (<eos>)."""
+    return tokenizer.completion_text(token_ids)
 
 
-def supervised_sequences(examples: Sequence[Example], tokenizer: ByteTokenizer) -> list[tuple[list[int], int]]:
+def supervised_sequences(examples: Sequence[Example], tokenizer: Any) -> list[tuple[list[int], int]]:
     """(prompt + answer + <eos> token ids, prompt length) per example: the warm start's data."""
-    return [(list(e.prompt_ids) + tokenizer.encode(e.answer, bos=False) + [tokenizer.eos_id], len(e.prompt_ids))
-            for e in examples]
+    return [(list(e.prompt_ids) + tokenizer.encode_answer(e.answer), len(e.prompt_ids)) for e in examples]
 

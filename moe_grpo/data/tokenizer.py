@@ -1,4 +1,11 @@
-"""The project's own tokenizer: byte-level, built locally and deterministically (no hub download).
+"""Tokenizers: the project's own byte-level one, and a checkpoint's own (`HFTokenizer`, local files only).
+
+Both answer the same four questions the driver asks: `encode_prompt(text)`
+(the ids an engine is given), `encode_answer(text)` (a warm start's target,
+stop token included), `completion_text(ids)` (what a reward reads) and
+`stop_ids` (what ends a completion).
+
+The project's own tokenizer is built locally and deterministically (no hub download).
 
 Ids 0-2 are <pad>, <bos>, <eos>; ids 3-258 are the 256 bytes (GPT-2's
 byte-to-unicode alphabet, so any text round-trips); ids from 259 up to the
@@ -10,6 +17,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any, Sequence
 
 PAD, BOS, EOS = "<pad>", "<bos>", "<eos>"
 SPECIALS = (PAD, BOS, EOS)
@@ -82,3 +90,105 @@ class ByteTokenizer:
     def decode(self, ids: list[int]) -> str:
         data = bytes(i - len(SPECIALS) for i in ids if len(SPECIALS) <= i < NUM_BASE)
         return data.decode("utf-8", errors="replace")
+
+    @property
+    def stop_ids(self) -> tuple[int, ...]:
+        return (self.eos_id,)
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """<bos> + the text's bytes (the byte model has no chat template)."""
+        return self.encode(text)
+
+    def encode_answer(self, text: str) -> list[int]:
+        return self.encode(text, bos=False) + [self.eos_id]
+
+    def completion_text(self, ids: Sequence[int]) -> str:
+        return self.decode(_until_stop(ids, self.stop_ids))
+
+
+def _until_stop(ids: Sequence[int], stops: Sequence[int]) -> list[int]:
+    out = []
+    for i in ids:
+        if int(i) in stops:
+            break
+        out.append(int(i))
+    return out
+
+
+class HFTokenizer:
+    """A checkpoint's own tokenizer (transformers' AutoTokenizer, read from the directory only, never the hub).
+
+    Prompts go through the tokenizer's chat template when it has one (one user
+    turn, generation prompt added); otherwise they are encoded as plain text
+    with the tokenizer's own special tokens (e.g. <bos>)."""
+
+    def __init__(self, directory: str | Path, vocab_size: int | None = None) -> None:
+        from transformers import AutoTokenizer
+
+        self.directory = str(directory)
+        try:
+            self.tok: Any = AutoTokenizer.from_pretrained(self.directory, local_files_only=True)
+        except Exception as e:  # noqa: BLE001 - re-raised naming the directory
+            raise ValueError(f"init.hf={self.directory}: no usable tokenizer files there ({type(e).__name__}: {e}); "
+                             "a checkpoint brings its tokenizer (tokenizer.json / tokenizer_config.json)") from e
+        if vocab_size is not None and len(self.tok) > vocab_size:
+            raise ValueError(f"init.hf={self.directory}: the tokenizer has {len(self.tok)} tokens but config.json's "
+                             f"vocab_size is {vocab_size}; ids past the embedding would crash the model")
+        stops = _as_ids(self.tok.eos_token_id) + _as_ids(_generation_eos(self.directory))
+        if not stops:
+            raise ValueError(f"init.hf={self.directory}: the tokenizer has no eos token (tokenizer_config.json "
+                             "eos_token) and generation_config.json names none; completions would never stop")
+        self._stops = tuple(dict.fromkeys(stops))
+        self.eos_id = self._stops[0]
+        self.pad_id = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.eos_id
+        self.vocab_size = vocab_size or len(self.tok)
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self.tok, "chat_template", None))
+
+    @property
+    def stop_ids(self) -> tuple[int, ...]:
+        return self._stops
+
+    def encode(self, text: str, *, bos: bool = True) -> list[int]:
+        return list(self.tok(text, add_special_tokens=bos)["input_ids"])
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.tok.decode(list(ids), skip_special_tokens=True)
+
+    def encode_prompt(self, text: str) -> list[int]:
+        if self.has_chat_template:
+            rendered = self.tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                                    add_generation_prompt=True)
+            return list(self.tok(rendered, add_special_tokens=False)["input_ids"])  # the template wrote them
+        return self.encode(text)
+
+    def encode_answer(self, text: str) -> list[int]:
+        return self.encode(text, bos=False) + [self.eos_id]
+
+    def completion_text(self, ids: Sequence[int]) -> str:
+        return self.decode(_until_stop(ids, self.stop_ids))
+
+
+def _as_ids(value: Any) -> list[int]:
+    if value is None:
+        return []
+    return [int(v) for v in value] if isinstance(value, (list, tuple)) else [int(value)]
+
+
+def _generation_eos(directory: str) -> Any:
+    path = Path(directory) / "generation_config.json"
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text()).get("eos_token_id")
+    except (json.JSONDecodeError, AttributeError):
+        return None
+
+
+def load_tokenizer(spec: Any, hf_dir: str | None) -> ByteTokenizer | HFTokenizer:
+    """The run's tokenizer: the checkpoint's own when starting from one (`init.hf`), else the byte tokenizer."""
+    if hf_dir:
+        return HFTokenizer(hf_dir, spec.vocab_size)
+    return ByteTokenizer(spec.vocab_size)

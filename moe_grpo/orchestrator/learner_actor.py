@@ -29,6 +29,8 @@ class LearnerWorker:
 
         self.run = run
         self.learner = MegatronLearner(run.model, run.parallel, run.learner, run.megatron)
+        if run.init.megatron:  # init.hf, converted (checkpoint/hf_init.py); Megatron reshards it to this layout
+            self.learner.load_checkpoint(run.init.megatron)
         self.sync = WeightSync(self.learner, SharedMemoryTransport(sync_root))
         self.loss = run.algo.token_loss()
         self.ranks = ranks()
@@ -80,10 +82,11 @@ class LearnerWorker:
         return dict(self._last_report)
 
     def export_version(self, version: int, directory: str) -> str:
-        """Rank 0: write a published version as a model directory an engine starts from."""
+        """Rank 0: write a published version as a model directory an engine starts from (with the tokenizer of
+        `init.hf` when the run started from a checkpoint)."""
         from moe_grpo.rollout.export import export_model_dir
 
         if self._handle is not None:
             self._handle.wait()
         tensors = self.sync.transport.read_version(version, timeout_s=self.run.cluster.start_timeout_s)
-        return str(export_model_dir(self.run.model, tensors, directory))
+        return str(export_model_dir(self.run.model, tensors, directory, source_dir=self.run.init.hf))

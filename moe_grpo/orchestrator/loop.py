@@ -40,6 +40,7 @@ class _State:
     step: int = 0
     generated_tokens: int = 0
     reward_failed: int = 0
+    bad_rows: int = 0
     requests_lost: int = 0
     steps_skipped: int = 0
     sync_failures: int = 0
@@ -49,15 +50,14 @@ class _State:
     evals: list[tuple[int, float]] = field(default_factory=list)
 
 
-def _sampling(run: Any, greedy: bool = False) -> Any:
-    from moe_grpo.data.tokenizer import ByteTokenizer
+def _sampling(run: Any, tokenizer: Any, greedy: bool = False) -> Any:
     from moe_grpo.rollout.types import SamplingSettings
 
-    eos = ByteTokenizer(run.model.vocab_size).eos_id
+    stops = tuple(tokenizer.stop_ids)
     if greedy:
-        return SamplingSettings(n=1, temperature=0.0, max_tokens=run.rollout.max_tokens, stop_token_ids=(eos,))
+        return SamplingSettings(n=1, temperature=0.0, max_tokens=run.rollout.max_tokens, stop_token_ids=stops)
     return SamplingSettings(n=run.algo.group_size, temperature=run.rollout.temperature, top_p=run.rollout.top_p,
-                            max_tokens=run.rollout.max_tokens, stop_token_ids=(eos,))
+                            max_tokens=run.rollout.max_tokens, stop_token_ids=stops)
 
 
 def _learner_sequences(groups: list[Any]) -> list[Any]:
@@ -68,11 +68,12 @@ def _learner_sequences(groups: list[Any]) -> list[Any]:
             for g in groups for c, a in zip(g.completions, g.advantages)]
 
 
-def _score_group(run: Any, tokenizer: Any, example: Any, completions: list[Any], state: _State, engine: str) -> Any:
+def _score_group(run: Any, tokenizer: Any, example: Any, completions: list[Any], state: _State, engine: str,
+                 rewards: Any) -> Any:
     """Rewards and advantages of one group, or None when it cannot be trained on (counted)."""
     from moe_grpo.algo.advantages import group_relative_advantages
-    from moe_grpo.data.tasks import completion_text, score
     from moe_grpo.orchestrator.buffer import Group
+    from moe_grpo.reward.scoring import score_group
 
     bad = [c for c in completions if not c.ok or len(c.token_ids) == 0]
     if bad:
@@ -80,45 +81,39 @@ def _score_group(run: Any, tokenizer: Any, example: Any, completions: list[Any],
         log.warning("%s: %d completion(s) of prompt %r failed (%s); group dropped", engine, len(bad), example.prompt,
                     bad[0].error or bad[0].finish_reason)
         return None
-    texts = [completion_text(tokenizer, c.token_ids) for c in completions]
-    try:
-        rewards = np.asarray(score([example.prompt] * len(texts), texts, [example.answer] * len(texts)), np.float64)
-    except Exception as e:  # noqa: BLE001 - a reward failure costs its samples, not the run
-        state.reward_failed += len(texts)
-        log.warning("reward failed for prompt %r: %s", example.prompt, e)
+    # Samples whose reward raised, timed out or was NaN are counted and left out; the rest of the group trains.
+    kept, scores, failed = score_group(rewards, tokenizer, example, completions)
+    state.reward_failed += failed
+    if len(kept) < 2:  # a group-relative advantage needs at least two samples
         return None
-    if rewards.shape != (len(texts),) or not np.all(np.isfinite(rewards)):
-        state.reward_failed += int(np.sum(~np.isfinite(rewards))) if rewards.shape == (len(texts),) else len(texts)
-        return None
-    adv = group_relative_advantages(rewards[None, :], normalize_std=run.algo.normalize_std)[0]
-    return Group(example, completions, rewards.astype(np.float32), adv, engine)
+    adv = group_relative_advantages(scores[None, :], normalize_std=run.algo.normalize_std)[0]
+    return Group(example, [completions[i] for i in kept], scores.astype(np.float32), adv, engine)
 
 
-def _evaluate(run: Any, pools: Any, examples: list[Any], tokenizer: Any) -> tuple[float, int]:
+def _evaluate(run: Any, pools: Any, examples: list[Any], tokenizer: Any, rewards: Any) -> tuple[float, int]:
     """Mean greedy reward on the held-out set, spread over the engines; and the version that scored it."""
     import ray
 
-    from moe_grpo.data.tasks import completion_text, score
+    from moe_grpo.reward.scoring import score_held_out
 
-    greedy = _sampling(run, greedy=True)
+    greedy = _sampling(run, tokenizer, greedy=True)
     refs = [pools.engines[i % len(pools.engines)][1].generate.remote(list(e.prompt_ids), greedy)
             for i, e in enumerate(examples)]
     outs = ray.get(refs, timeout=run.rollout.request_timeout_s)
-    texts = [completion_text(tokenizer, o[0].token_ids) for o in outs]
-    rewards = score([e.prompt for e in examples], texts, [e.answer for e in examples])
+    mean = score_held_out(rewards, tokenizer, examples, [o[0].token_ids for o in outs])
     version = int(min(int(o[0].versions.min()) if len(o[0].versions) else 0 for o in outs))
-    return float(np.mean(rewards)), version
+    return mean, version
 
 
-def _warm_start(run: Any, pools: Any, tokenizer: Any, rng: np.random.Generator) -> list[float]:
+def _warm_start(run: Any, pools: Any, tokenizer: Any, source: Any) -> list[float]:
     import ray
 
-    from moe_grpo.data.tasks import make_examples, supervised_sequences
+    from moe_grpo.data.tasks import supervised_sequences
     from moe_grpo.learner.batch import LearnerSequence
 
     batches = []
     for _ in range(run.warm_start_steps):
-        pairs = supervised_sequences(make_examples(run.task, tokenizer, rng, run.algo.prompts_per_step), tokenizer)
+        pairs = supervised_sequences(source.take(run.algo.prompts_per_step), tokenizer)
         batches.append([LearnerSequence(np.asarray(t), prompt_len=p, advantage=1.0) for t, p in pairs])
     if not batches:
         return []
@@ -132,8 +127,9 @@ def train(run: Any, run_dir: str | Path, *, learner_cls: type | None = None) -> 
     `learner_cls`: a `LearnerWorker` subclass to run instead (tests use a deliberately slow one)."""
     import ray
 
-    from moe_grpo.data.tasks import eval_examples, make_examples
-    from moe_grpo.data.tokenizer import ByteTokenizer
+    from moe_grpo.checkpoint import hf_init
+    from moe_grpo.data.prompts import prompt_source
+    from moe_grpo.data.tokenizer import load_tokenizer
     from moe_grpo.orchestrator.buffer import RolloutBuffer
     from moe_grpo.orchestrator.pools import start_pools, start_ray, stop_pools
     from moe_grpo.orchestrator.run_record import RunRecord
@@ -141,12 +137,15 @@ def train(run: Any, run_dir: str | Path, *, learner_cls: type | None = None) -> 
 
     t_start = time.perf_counter()
     run_dir = str(Path(run_dir).resolve())
-    tokenizer = ByteTokenizer(run.model.vocab_size)
+    tokenizer = load_tokenizer(run.model, run.init.hf)
     rng = np.random.default_rng(run.seed)
+    source = prompt_source(run, tokenizer, rng, run_dir)  # bad rows are reported here, before anything starts
+    rewards = _rewards(run)
+    run = hf_init.prepare(run, run_dir)  # init.hf: the learner's converted checkpoint (cached next to the run)
     sync_root = os.path.join(default_root(), f"run-{os.getpid()}-{int(time.time())}")
     SharedMemoryTransport(sync_root)  # created (private) before any actor opens it
     pools = None
-    state = _State()
+    state = _State(bad_rows=source.bad_rows)
     record = None
     try:
         start_ray(run.cluster, run_dir)
@@ -159,26 +158,33 @@ def train(run: Any, run_dir: str | Path, *, learner_cls: type | None = None) -> 
 
             infos = ray.get([a.info.remote() for a in learners])
             t0 = time.perf_counter()
-            warm = _warm_start(run, Pools([], learners, infos, None), tokenizer, rng)
+            warm = _warm_start(run, Pools([], learners, infos, None), tokenizer, source)
             if warm:
                 log.info("warm start: %d supervised steps in %.1fs, answer NLL %.3f -> %.3f", len(warm),
                          time.perf_counter() - t0, warm[0], warm[-1])
             ray.get([a.publish.remote(0, False) for a in learners])
+            if run.init.hf and not warm:  # the engines start from the checkpoint itself
+                return str(hf_init.engine_dir(run.init.hf, run.model, os.path.join(run_dir, "model_v0")))
             return ray.get(learners[0].export_version.remote(0, os.path.join(run_dir, "model_v0")))
 
         t0 = time.perf_counter()
         pools = start_pools(run, run_dir, sync_root, initial_weights, learner_cls)
         log.info("pools up in %.0fs: %d engine(s), %d learner rank(s) (%.2fM parameters on rank 0)",
                  time.perf_counter() - t0, len(pools.engines), len(pools.learners), pools.infos[0]["parameters"] / 1e6)
-        held_out = eval_examples(run.task, tokenizer)
-        if run.eval_every:
-            state.last_eval, state.last_eval_version = _evaluate(run, pools, held_out, tokenizer)
+        held_out = source.held_out
+        if run.eval_every and not held_out:
+            log.info("no held-out set (data.eval_path is not set): no evaluation")
+        if run.eval_every and held_out:
+            state.last_eval, state.last_eval_version = _evaluate(run, pools, held_out, tokenizer, rewards)
             state.last_eval_step = 0
             state.evals.append((0, state.last_eval))
             log.info("held-out reward at step 0 (greedy, %d prompts): %.3f", len(held_out), state.last_eval)
         record = RunRecord(run_dir, run.steps)
-        _loop(run, pools, record, state, tokenizer, rng, held_out, make_examples)
+        published = _loop(run, pools, record, state, tokenizer, rng, held_out, source, rewards)
+        policy_dir = export_policy(run, pools, state.step, published, run_dir)
+        log.info("final policy (version %d) exported to %s", state.step, policy_dir)
     finally:
+        rewards.close()
         if record is not None:
             png = record.close()
             if png:
@@ -190,13 +196,31 @@ def train(run: Any, run_dir: str | Path, *, learner_cls: type | None = None) -> 
     summary = {"steps": state.step, "eval_start": state.evals[0][1] if state.evals else float("nan"),
                "eval_end": state.evals[-1][1] if state.evals else float("nan"), "evals": state.evals,
                "warm_start_loss": warm, "seconds": time.perf_counter() - t_start, "run_dir": run_dir,
+               "policy_dir": os.path.join(run_dir, "policy"), "reward_failed": state.reward_failed,
+               "bad_rows": state.bad_rows,
                "faults": {"requests_lost": state.requests_lost, "steps_skipped": state.steps_skipped,
                           "sync_failures": state.sync_failures}}
     return summary
 
 
+def _rewards(run: Any) -> Any:
+    from moe_grpo.reward.functions import Rewards
+
+    return Rewards(*run.reward.resolved(run.task.name), timeout_s=run.reward.timeout_s)
+
+
+def export_policy(run: Any, pools: Any, step: int, published: int, run_dir: str) -> str:
+    """The final weights as an HF directory vLLM serves (`run_dir/policy`, with the checkpoint's tokenizer)."""
+    import ray
+
+    if published != step:  # the last steps were not published (sync_every, or a skipped step)
+        ray.get([a.publish.remote(step, False) for a in pools.learners])
+    return ray.get(pools.learners[0].export_version.remote(step, os.path.join(run_dir, "policy")))
+
+
 def _loop(run: Any, pools: Any, record: Any, state: _State, tokenizer: Any, rng: np.random.Generator,
-          held_out: list[Any], make_examples: Any) -> None:
+          held_out: list[Any], source: Any, rewards: Any) -> int:
+    """Run the schedule; returns the last version published."""
     import ray
 
     from moe_grpo.orchestrator.buffer import RolloutBuffer
@@ -204,7 +228,7 @@ def _loop(run: Any, pools: Any, record: Any, state: _State, tokenizer: Any, rng:
     is_async = run.mode == "async"
     per_step = run.algo.prompts_per_step
     buffer = RolloutBuffer(per_step * (run.algo.max_staleness + 1) if is_async else per_step, run.algo.max_staleness)
-    sampling = _sampling(run)
+    sampling = _sampling(run, tokenizer)
     engines = dict(pools.engines)
     in_flight: dict[Any, _Pending] = {}
     load = {name: 0 for name in engines}
@@ -232,8 +256,9 @@ def _loop(run: Any, pools: Any, record: Any, state: _State, tokenizer: Any, rng:
             horizon = (min(served.values()) + run.algo.max_staleness + 1) * per_step
             room = min(buffer.room(len(in_flight)), horizon - (admitted - wasted()))
         else:  # sync: a whole batch, only between steps, on the newest weights
-            room = per_step if (not train_refs and not in_flight and len(buffer) == 0 and engines_current()) else 0
-        for example in make_examples(run.task, tokenizer, rng, max(room, 0)):
+            # (topped up when groups were lost: a dropped group would otherwise leave the batch short forever)
+            room = per_step - len(buffer) if (not train_refs and not in_flight and engines_current()) else 0
+        for example in source.take(max(room, 0)):
             name = min(load, key=load.get)
             ref = engines[name].generate.remote(list(example.prompt_ids), sampling)
             in_flight[ref] = _Pending(name, example, time.perf_counter())
@@ -293,7 +318,7 @@ def _loop(run: Any, pools: Any, record: Any, state: _State, tokenizer: Any, rng:
                 except Exception as e:
                     raise RuntimeError(f"{pending.engine} failed mid-rollout: {e}") from e
                 state.generated_tokens += sum(len(c.token_ids) for c in completions)
-                group = _score_group(run, tokenizer, pending.example, completions, state, pending.engine)
+                group = _score_group(run, tokenizer, pending.example, completions, state, pending.engine, rewards)
                 if group is not None:
                     buffer.put(group)
                 else:
@@ -317,8 +342,8 @@ def _loop(run: Any, pools: Any, record: Any, state: _State, tokenizer: Any, rng:
                 published = state.step
                 ray.get([a.publish.remote(published, is_async) for a in pools.learners])
                 push(published)
-            if run.eval_every and (state.step % run.eval_every == 0 or state.step == run.steps):
-                state.last_eval, state.last_eval_version = _evaluate(run, pools, held_out, tokenizer)
+            if run.eval_every and held_out and (state.step % run.eval_every == 0 or state.step == run.steps):
+                state.last_eval, state.last_eval_version = _evaluate(run, pools, held_out, tokenizer, rewards)
                 state.last_eval_step = state.step
                 state.evals.append((state.step, state.last_eval))
             now = time.perf_counter()
@@ -335,6 +360,7 @@ def _loop(run: Any, pools: Any, record: Any, state: _State, tokenizer: Any, rng:
             tokens_at_last = state.generated_tokens
             t_last = now
     settle(block=True)
+    return published
 
 
 def _row(run: Any, state: _State, metrics: dict[str, float], groups: list[Any], *, trained_version: int,
@@ -364,7 +390,7 @@ def _row(run: Any, state: _State, metrics: dict[str, float], groups: list[Any], 
         "eval/step": float(state.last_eval_step),
         "eval/policy_version": float(state.last_eval_version),
         "reward/failed": float(state.reward_failed),
-        "data/bad_rows": 0.0,  # the built-in task has no dataset rows to skip
+        "data/bad_rows": float(state.bad_rows),
         "loss": metrics.get("loss", nan),
         "nll": metrics.get("nll", nan),
         "grad_norm": metrics.get("grad_norm", nan),

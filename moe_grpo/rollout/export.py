@@ -47,8 +47,13 @@ def hf_state_from_megatron(spec: MoEModelSpec, state: dict[str, torch.Tensor]) -
     return out
 
 
-def export_model_dir(spec: MoEModelSpec, hf_state: dict[str, torch.Tensor], directory: str | Path) -> Path:
-    """Write config.json, model.safetensors and the tokenizer; staged and renamed into place."""
+def export_model_dir(spec: MoEModelSpec, hf_state: dict[str, torch.Tensor], directory: str | Path,
+                     source_dir: str | Path | None = None) -> Path:
+    """Write config.json, model.safetensors and the tokenizer; staged and renamed into place.
+
+    `source_dir`: the HF checkpoint the run started from (`init.hf`); its tokenizer files are copied and the keys
+    of its config.json that the model description does not hold (token ids, rope scaling, ...) are kept.
+    Without it the project's byte tokenizer is written."""
     from safetensors.torch import save_file
 
     target = Path(directory)
@@ -56,13 +61,26 @@ def export_model_dir(spec: MoEModelSpec, hf_state: dict[str, torch.Tensor], dire
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     cfg = hf_config_from_spec(spec, torch_dtype=str(next(iter(hf_state.values())).dtype).removeprefix("torch."))
-    cfg.update(bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    if source_dir is None:
+        cfg.update(bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    else:
+        from moe_grpo.models.hf_config import read_hf_config
+
+        original = read_hf_config(source_dir)
+        tokens = {k: original[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in original}
+        cfg = {**original, **cfg, **tokens}
     if spec.architecture == "DeepseekForCausalLM":
         cfg["auto_map"] = {"AutoConfig": "configuration_deepseek.DeepseekConfig"}
         (tmp / "configuration_deepseek.py").write_text(_DEEPSEEK_V1_CONFIG)
     (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
     save_file(hf_state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-    write_tokenizer(tmp, spec.vocab_size)
+    if source_dir is None:
+        write_tokenizer(tmp, spec.vocab_size)
+    else:
+        from moe_grpo.checkpoint.hf_init import copy_tokenizer
+
+        if not copy_tokenizer(source_dir, tmp):
+            raise FileNotFoundError(f"{source_dir} has no tokenizer files to export with the policy")
     if target.exists():
         shutil.rmtree(target)
     os.replace(tmp, target)

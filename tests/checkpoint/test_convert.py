@@ -167,11 +167,13 @@ def test_command_line_converts_and_verifies(converted, tmp_path):
     _, _, hf, _ = converted
     tool = os.path.join(os.path.dirname(__file__), "..", "..", "tools", "convert_checkpoint.py")
     out = subprocess.run([sys.executable, tool, "--from", "hf", "--to", "megatron", "--src", hf,
-                          "--dst", str(tmp_path / "mg"), "--verify", "--ep", "2"],
+                          "--dst", str(tmp_path / "mg"), "--verify", "--tp", "2", "--ep", "2"],
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     report = json.loads(out.stdout.strip().splitlines()[-1])
-    assert report["verify"]["ep"] == 2 and report["verify"]["max_abs_logprob_diff"] < 1e-5
+    # TP x EP on CPU: the tool picks the allgather dispatcher itself (gloo refuses alltoall's uneven all_gather)
+    assert report["verify"]["tp"] == 2 and report["verify"]["ep"] == 2
+    assert report["verify"]["token_dispatcher"] == "allgather" and report["verify"]["max_abs_logprob_diff"] < 1e-5
     assert "[convert] HF -> Megatron tensors" in out.stderr  # progress is shown
     bad = subprocess.run([sys.executable, tool, "--from", "hf", "--to", "megatron", "--src", str(tmp_path / "nope"),
                           "--dst", str(tmp_path / "mg2")], capture_output=True, text=True, timeout=600)

@@ -1,0 +1,116 @@
+"""Rows of a local dataset (JSON Lines or Parquet): good rows kept, bad rows skipped, counted and named.
+
+A bad row is a line that is not a JSON object, or a row whose required field
+is missing or empty (None, "", whitespace, an empty list). It never stops the
+run: it is skipped, counted (`data/bad_rows` in the run record) and reported
+with its line (JSONL) or row number (Parquet, counting from 1). A file that
+cannot be read at all, or that has no good row, is an error that names it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+log = logging.getLogger("moe_grpo")
+
+MAX_LOGGED = 20
+"""Bad rows reported one by one per file; the rest are summed up in one line."""
+
+
+@dataclass(frozen=True)
+class BadRow:
+    path: str
+    line: int
+    """Line number (JSONL) or row number (Parquet), from 1."""
+    reason: str
+
+    def __str__(self) -> str:
+        return f"{self.path}:{self.line}: {self.reason}"
+
+
+@dataclass
+class Rows:
+    """The good rows of one file with their line numbers, and the bad ones."""
+
+    path: str
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    lines: list[int] = field(default_factory=list)
+    bad: list[BadRow] = field(default_factory=list)
+
+
+def _empty(value: Any) -> bool:
+    if value is None:
+        return True
+    if isinstance(value, str):
+        return not value.strip()
+    if isinstance(value, (list, tuple, dict)):
+        return len(value) == 0
+    return False
+
+
+def _records(path: Path) -> Any:
+    """(line, record or an error message) in file order."""
+    suffix = path.suffix.lower()
+    if suffix == ".parquet":
+        try:
+            import pyarrow.parquet as pq
+        except ImportError as e:  # pragma: no cover - pyarrow is a dependency
+            raise ImportError(f"{path}: reading Parquet needs pyarrow (pip install pyarrow)") from e
+        try:
+            table = pq.read_table(str(path))
+        except Exception as e:  # noqa: BLE001 - the whole file is unreadable: not a row's fault
+            raise ValueError(f"{path}: not a readable Parquet file ({type(e).__name__}: {e})") from e
+        for i, row in enumerate(table.to_pylist(), start=1):
+            yield i, row
+        return
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for i, line in enumerate(f, start=1):
+            if not line.strip():
+                continue  # blank lines (a trailing newline) are not rows
+            try:
+                yield i, json.loads(line)
+            except json.JSONDecodeError as e:
+                yield i, f"not valid JSON ({e.msg} at column {e.colno})"
+
+
+def read_rows(path: str | Path, required: Sequence[str],
+              check: Callable[[dict[str, Any]], str | None] | None = None) -> Rows:
+    """Every row of `path` that is an object with each `required` field present and non-empty.
+
+    `check(row)` may refuse a row with a reason (e.g. a GSM8K answer without `#### N`)."""
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"dataset {path} does not exist")
+    out = Rows(str(path))
+    for line, record in _records(p):
+        reason = None
+        if isinstance(record, str):
+            reason = record
+        elif not isinstance(record, dict):
+            reason = f"expected a JSON object, got {type(record).__name__}"
+        else:
+            missing = [k for k in required if k not in record]
+            empty = [k for k in required if k in record and _empty(record[k])]
+            if missing:
+                reason = f"missing field(s) {missing}"
+            elif empty:
+                reason = f"empty field(s) {empty}"
+            elif check is not None:
+                reason = check(record)
+        if reason is None:
+            out.rows.append(record)
+            out.lines.append(line)
+        else:
+            out.bad.append(BadRow(str(path), line, reason))
+    for bad in out.bad[:MAX_LOGGED]:
+        log.warning("data: skipped %s", bad)
+    if len(out.bad) > MAX_LOGGED:
+        log.warning("data: ... and %d more bad rows in %s", len(out.bad) - MAX_LOGGED, path)
+    if not out.rows:
+        raise ValueError(f"dataset {path} has no usable row ({len(out.bad)} bad; first: "
+                         f"{out.bad[0] if out.bad else 'the file is empty'})")
+    return out

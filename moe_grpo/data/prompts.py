@@ -1,0 +1,132 @@
+"""Where the driver's prompts come from: the built-in task's generator or a dataset's rows, one interface.
+
+`prompt_source(run, tokenizer, rng)` returns a `PromptSource`: `take(n)` gives
+the next `n` training prompts as `Example`s (prompt text, token ids, reference
+answer, the row's other fields for the reward), `held_out` the evaluation set,
+`bad_rows` how many dataset rows were skipped.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+from moe_grpo.data.dataset import BadRow, Rows, read_rows
+from moe_grpo.data.tasks import Example, eval_examples, make_examples
+
+log = logging.getLogger("moe_grpo")
+
+
+class PromptSource:
+    """Training prompts in order, the held-out set, and the dataset rows skipped."""
+
+    held_out: list[Example]
+    bad: list[BadRow]
+
+    def take(self, n: int) -> list[Example]:
+        raise NotImplementedError
+
+    @property
+    def bad_rows(self) -> int:
+        return len(self.bad)
+
+
+class TaskPrompts(PromptSource):
+    """Fresh prompts of a built-in task (data/tasks.py), drawn from the run's generator."""
+
+    def __init__(self, task: Any, tokenizer: Any, rng: np.random.Generator) -> None:
+        self.task, self.tokenizer, self.rng = task, tokenizer, rng
+        self.held_out = eval_examples(task, tokenizer)
+        self.bad = []
+
+    def take(self, n: int) -> list[Example]:
+        return make_examples(self.task, self.tokenizer, self.rng, n)
+
+
+class DatasetPrompts(PromptSource):
+    """Rows of `data.train_path`, a fresh shuffled order every pass; the held-out set from `data.eval_path`."""
+
+    def __init__(self, train: Rows, held_out: Rows | None, tokenizer: Any, rng: np.random.Generator,
+                 prompt_key: str, answer_key: str, eval_size: int | None = None) -> None:
+        self.tokenizer, self.rng, self.prompt_key, self.answer_key = tokenizer, rng, prompt_key, answer_key
+        self.train = [self._example(train, i) for i in range(len(train.rows))]
+        self.held_out = []
+        if held_out is not None:
+            count = len(held_out.rows) if eval_size is None else min(eval_size, len(held_out.rows))
+            self.held_out = [self._example(held_out, i) for i in range(count)]
+        self.bad = train.bad + (held_out.bad if held_out is not None else [])
+        self._order: list[int] = []
+
+    def _example(self, rows: Rows, i: int) -> Example:
+        row = rows.rows[i]
+        prompt = str(row[self.prompt_key])
+        fields = {k: v for k, v in row.items() if k != self.prompt_key}
+        answer = row.get(self.answer_key)
+        return Example(prompt, tuple(self.tokenizer.encode_prompt(prompt)), "" if answer is None else str(answer),
+                       fields, f"{Path(rows.path).name}:{rows.lines[i]}")
+
+    def take(self, n: int) -> list[Example]:
+        out = []
+        while len(out) < n:
+            if not self._order:
+                self._order = list(self.rng.permutation(len(self.train)))
+            out.append(self.train[self._order.pop()])
+        return out
+
+
+def required_fields(run: Any) -> list[str]:
+    """Fields every row must have: the prompt, and the answer when a built-in reward or a warm start reads it
+    (or the task's format has one: GSM8K)."""
+    fields = [run.data.resolved_prompt_key(run.task.name)]
+    if not run.reward.fn or run.warm_start_steps > 0 or run.task.name == "gsm8k":
+        fields.append(run.data.answer_key)
+    return fields
+
+
+def prompt_source(run: Any, tokenizer: Any, rng: np.random.Generator, run_dir: str | None = None) -> PromptSource:
+    """The run's prompts: `data.train_path` when set, else the built-in task's generator.
+
+    Bad rows are logged with their line numbers and, when `run_dir` is given, listed in `run_dir/bad_rows.txt`."""
+    if not run.data.train_path:
+        return TaskPrompts(run.task, tokenizer, rng)
+    check = None
+    if run.task.name == "gsm8k":
+        from moe_grpo.reward.math_answer import gsm8k_row_problem
+
+        answer_key = run.data.answer_key
+
+        def check(row: dict[str, Any]) -> str | None:
+            return gsm8k_row_problem(row, answer_key)
+
+    needed = required_fields(run)
+    train = read_rows(run.data.train_path, needed, check)
+    held_out = read_rows(run.data.eval_path, needed, check) if run.data.eval_path else None
+    source = DatasetPrompts(train, held_out, tokenizer, rng, needed[0], run.data.answer_key, run.data.eval_size)
+    log.info("data: %d training rows from %s%s; %d bad row(s) skipped", len(source.train), run.data.train_path,
+             f", {len(source.held_out)} held-out rows from {run.data.eval_path}" if held_out is not None else "",
+             source.bad_rows)
+    if run_dir is not None and source.bad:
+        Path(run_dir, "bad_rows.txt").write_text("".join(f"{b}\n" for b in source.bad))
+    too_long = [e.where for e in source.train + source.held_out if len(e.prompt_ids) >= _context(run)]
+    if too_long:
+        log.warning("data: %d prompt(s) are as long as the engine's context (%d tokens) and will be refused, "
+                    "e.g. %s", len(too_long), _context(run), too_long[0])
+    return source
+
+
+def _context(run: Any) -> int:
+    return min(run.model.max_position_embeddings, 512)  # the engine actor's max_model_len
+
+
+def group_fields(example: Example, n: int) -> dict[str, list[Any]]:
+    """The row's fields as reward keyword arguments for `n` completions of its prompt (one list per field)."""
+    return {k: [v] * n for k, v in example.fields.items()}
+
+
+def batch_fields(examples: Sequence[Example]) -> dict[str, list[Any]]:
+    """Reward keyword arguments for one completion per example; a field some rows lack is None there."""
+    keys = list(dict.fromkeys(k for e in examples for k in e.fields))
+    return {k: [e.fields.get(k) for e in examples] for k in keys}

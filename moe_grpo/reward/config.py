@@ -1,0 +1,59 @@
+"""Which reward functions score completions (config group `reward`)."""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Any
+
+_DOTTED = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*$")
+
+TASK_REWARDS = {
+    "reverse": "moe_grpo.data.tasks:score",
+    "copy": "moe_grpo.data.tasks:score",
+    "sort": "moe_grpo.data.tasks:score",
+    "gsm8k": "moe_grpo.reward.math_answer:math_answer_reward",
+}
+"""The reward each task uses when `reward.fn` is empty."""
+
+
+def _as_tuple(value: Any) -> tuple:
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        return (value,) if value else ()
+    return tuple(value)
+
+
+@dataclass(frozen=True)
+class RewardConfig:
+    """Reward functions: `fn(prompts, completions, **row_fields) -> list[float]`, plain or async."""
+
+    fn: tuple[str, ...] = ()
+    """'package.module:function' (one, or a list); empty = the task's own reward (data/tasks.py `score`, or the
+    math-answer reward for task.name=gsm8k). Each gets the prompts, the completion texts and, as keyword arguments,
+    every other field of the rows (one list per field; a function without **kwargs gets only those it names)."""
+    weights: tuple[float, ...] = ()
+    """One weight per function (the reward is the weighted sum); empty = 1.0 each."""
+    timeout_s: float = 30.0
+    """A call not back within this many seconds marks its samples failed (`reward/failed`); the run goes on."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "fn", tuple(str(f) for f in _as_tuple(self.fn)))
+        object.__setattr__(self, "weights", tuple(float(w) for w in _as_tuple(self.weights)))
+        for f in self.fn:
+            if not _DOTTED.match(f):
+                raise ValueError(f"reward.fn={f!r}, expected 'package.module:function'")
+        if self.weights and len(self.weights) != len(self.fn):
+            raise ValueError(f"reward.weights={list(self.weights)} has {len(self.weights)} entries for "
+                             f"{len(self.fn)} reward.fn; expected one weight per function (or none)")
+        if any(not math.isfinite(w) for w in self.weights):
+            raise ValueError(f"reward.weights={list(self.weights)}, expected finite numbers")
+        if not self.timeout_s > 0 or not math.isfinite(self.timeout_s):
+            raise ValueError(f"reward.timeout_s={self.timeout_s}, expected > 0")
+
+    def resolved(self, task_name: str) -> tuple[tuple[str, ...], tuple[float, ...]]:
+        """(functions, weights) with the task's default filled in."""
+        fns = self.fn or (TASK_REWARDS[task_name],)
+        return fns, self.weights or (1.0,) * len(fns)

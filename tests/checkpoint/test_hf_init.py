@@ -1,0 +1,69 @@
+"""init.hf pieces: the engines' view of a checkpoint, the conversion cache key, exports with the checkpoint's tokenizer."""
+
+import json
+import os
+
+import pytest
+import torch
+
+from hf_fixtures import make_checkpoint
+from moe_grpo.checkpoint.hf_init import InitConfig, engine_dir, fingerprint
+
+
+@pytest.fixture(scope="module")
+def v3(tmp_path_factory):
+    return make_checkpoint("deepseek_v3", tmp_path_factory.mktemp("v3") / "ckpt")
+
+
+def test_engine_view_completes_what_vllm_needs_and_keeps_the_checkpoint_keys(v3, tmp_path):
+    spec = InitConfig(hf=v3).model_spec()
+    view = engine_dir(v3, spec, tmp_path / "model_v0")
+    cfg = json.loads((view / "config.json").read_text())
+    original = json.loads(open(os.path.join(v3, "config.json")).read())
+    assert "topk_method" not in original  # transformers leaves it out ...
+    assert cfg["topk_method"] == "noaux_tc" and cfg["scoring_func"] == "sigmoid"  # ... vLLM needs it
+    assert all(cfg[k] == v for k, v in original.items())
+    assert os.path.realpath(view / "model.safetensors") == os.path.realpath(os.path.join(v3, "model.safetensors"))
+    assert (view / "tokenizer.json").exists()
+
+
+def test_the_cache_key_follows_the_weights_and_the_config(v3, tmp_path):
+    import shutil
+
+    copy = tmp_path / "copy"
+    shutil.copytree(v3, copy)
+    before = fingerprint(copy)
+    assert fingerprint(copy) == before
+    os.utime(copy / "model.safetensors", ns=(1, 1))
+    assert fingerprint(copy) != before
+    after_touch = fingerprint(copy)
+    cfg = json.loads((copy / "config.json").read_text())
+    cfg["rms_norm_eps"] = 1e-5
+    (copy / "config.json").write_text(json.dumps(cfg))
+    assert fingerprint(copy) != after_touch
+
+
+def test_export_carries_the_checkpoint_tokenizer_and_token_ids(v3, tmp_path):
+    from safetensors.torch import load_file
+
+    from moe_grpo.data.tokenizer import HFTokenizer
+    from moe_grpo.rollout.export import export_model_dir
+
+    spec = InitConfig(hf=v3).model_spec()
+    state = load_file(os.path.join(v3, "model.safetensors"))
+    out = export_model_dir(spec, state, tmp_path / "policy", source_dir=v3)
+    cfg = json.loads((out / "config.json").read_text())
+    original = json.loads(open(os.path.join(v3, "config.json")).read())
+    assert (cfg["bos_token_id"], cfg["eos_token_id"]) == (original["bos_token_id"], original["eos_token_id"])
+    assert cfg["topk_method"] == "noaux_tc"
+    a, b = HFTokenizer(v3), HFTokenizer(out)
+    assert a.encode_prompt("What is 3 + 4?") == b.encode_prompt("What is 3 + 4?") and a.stop_ids == b.stop_ids
+    back = load_file(str(out / "model.safetensors"))
+    assert all(torch.equal(state[k], back[k]) for k in state)
+
+
+def test_init_options_fail_by_name(tmp_path):
+    with pytest.raises(ValueError, match="has no config.json"):
+        InitConfig(hf=str(tmp_path))
+    with pytest.raises(ValueError, match="init.megatron=.*without init.hf"):
+        InitConfig(megatron=str(tmp_path))

@@ -1,0 +1,133 @@
+"""Datasets: JSONL and Parquet rows, bad rows skipped with their line numbers, prompts through the chat template."""
+
+import json
+import os
+import sys
+
+import numpy as np
+import pytest
+
+from moe_grpo.config import from_hydra, load_model_spec
+from moe_grpo.data.dataset import read_rows
+from moe_grpo.data.prompts import prompt_source
+from moe_grpo.data.tokenizer import ByteTokenizer
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "checkpoint"))
+
+GOOD = [{"question": "What is 1000 + 250?", "answer": "1000 + 250 = 1250\n#### 1,250", "level": 1},
+        {"question": "What is 3 + 4?", "answer": "#### 7", "level": 2}]
+
+
+def write_gsm8k(path):
+    lines = [json.dumps(GOOD[0]),                                   # line 1
+             "{this is not json",                                   # line 2
+             json.dumps({"question": "What is 2 + 2?"}),           # line 3: no answer
+             "",                                                    # line 4: blank, not a row
+             json.dumps({"question": "  ", "answer": "#### 4"}),   # line 5: empty question
+             json.dumps({"question": "2 + 3?", "answer": "five"}), # line 6: no #### N
+             json.dumps(["a", "list"]),                             # line 7
+             json.dumps(GOOD[1])]                                   # line 8
+    path.write_text("\n".join(lines) + "\n")
+    return str(path)
+
+
+def run_config(**data):
+    import dataclasses
+
+    return from_hydra({"model": dataclasses.asdict(load_model_spec("deepseek_moe")), "task": {"name": "gsm8k"},
+                       "warm_start_steps": 0, "data": data})
+
+
+def test_gsm8k_jsonl_keeps_good_rows_and_names_each_bad_one_by_line(tmp_path, caplog):
+    path = write_gsm8k(tmp_path / "train.jsonl")
+    tok = ByteTokenizer(512)
+    with caplog.at_level("WARNING", logger="moe_grpo"):
+        source = prompt_source(run_config(train_path=path), tok, np.random.default_rng(0), str(tmp_path))
+    assert [e.prompt for e in source.train] == [r["question"] for r in GOOD]
+    assert source.bad_rows == 5
+    assert [b.line for b in source.bad] == [2, 3, 5, 6, 7]
+    reasons = {b.line: b.reason for b in source.bad}
+    assert "not valid JSON" in reasons[2] and "missing field(s) ['answer']" in reasons[3]
+    assert "empty field(s) ['question']" in reasons[5] and "no '#### N'" in reasons[6]
+    for line in (2, 3, 5, 6, 7):
+        assert f"train.jsonl:{line}:" in caplog.text
+    assert (tmp_path / "bad_rows.txt").read_text().count("train.jsonl:") == 5
+    # the reward gets every field but the prompt
+    assert source.train[0].fields == {"answer": GOOD[0]["answer"], "level": 1}
+    assert source.train[0].where == "train.jsonl:1"
+    # rows come in a fresh order each pass, each row once per pass
+    taken = [e.prompt for e in source.take(6)]
+    assert sorted(taken[:2]) == sorted(taken[2:4]) == sorted(r["question"] for r in GOOD)
+
+
+def test_parquet_rows_and_a_user_prompt_key(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = tmp_path / "train.parquet"
+    pq.write_table(pa.Table.from_pylist([{"text": "hello", "label": 1}, {"text": None, "label": 2},
+                                         {"text": "world", "label": 3}]), str(path))
+    run = from_hydra({"model": {**__import__("dataclasses").asdict(load_model_spec("deepseek_moe"))},
+                      "warm_start_steps": 0, "reward": {"fn": "user_rewards:length_penalty"},
+                      "data": {"train_path": str(path), "prompt_key": "text"}})
+    source = prompt_source(run, ByteTokenizer(512), np.random.default_rng(0))
+    assert [e.prompt for e in source.train] == ["hello", "world"] and [b.line for b in source.bad] == [2]
+    assert source.train[1].fields == {"label": 3}
+
+
+def test_a_file_with_no_good_row_or_no_file_fails_by_name(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("{oops\n")
+    with pytest.raises(ValueError, match="bad.jsonl has no usable row"):
+        read_rows(bad, ["prompt"])
+    with pytest.raises(FileNotFoundError, match="missing.jsonl"):
+        read_rows(tmp_path / "missing.jsonl", ["prompt"])
+    (tmp_path / "broken.parquet").write_bytes(b"not parquet")
+    with pytest.raises(ValueError, match="not a readable Parquet file"):
+        read_rows(tmp_path / "broken.parquet", ["prompt"])
+
+
+def test_config_errors_name_the_key(tmp_path):
+    with pytest.raises(ValueError, match=r"data.train_path='x.csv': expected a file ending in"):
+        run_config(train_path="x.csv")
+    with pytest.raises(ValueError, match="task.name='gsm8k' reads its prompts from a dataset"):
+        run_config()
+
+
+def test_prompts_go_through_the_checkpoint_chat_template(tmp_path):
+    from hf_fixtures import make_tokenizer
+    from moe_grpo.data.tokenizer import HFTokenizer
+
+    make_tokenizer(tmp_path / "chat")
+    make_tokenizer(tmp_path / "plain", chat_template=False)
+    chat, plain = HFTokenizer(tmp_path / "chat"), HFTokenizer(tmp_path / "plain")
+    ids = chat.encode_prompt("What is 3 + 4?")
+    assert chat.tok.decode(ids) == "<|user|>What is 3 + 4?<|end|><|assistant|>"
+    assert plain.tok.decode(plain.encode_prompt("What is 3 + 4?"), skip_special_tokens=True) == "What is 3 + 4?"
+    assert chat.stop_ids == (chat.tok.convert_tokens_to_ids("<|end|>"),)
+    answer = chat.encode_answer("#### 7")
+    assert answer[-1] == chat.eos_id and chat.completion_text(answer + [5, 6]) == "#### 7"
+    with pytest.raises(ValueError, match="vocab_size is 100"):
+        HFTokenizer(tmp_path / "chat", vocab_size=100)
+    with pytest.raises(ValueError, match="no usable tokenizer files"):
+        HFTokenizer(tmp_path)
+
+
+def test_command_line_names_task_data_reward_and_init(tmp_path):
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from hf_fixtures import make_checkpoint
+    from test_config import compose
+
+    data = tmp_path / "train.jsonl"
+    write_gsm8k(data)
+    hf = make_checkpoint("qwen3_moe", tmp_path / "ckpt")
+    run = from_hydra(compose(["task=gsm8k", f"data.train_path={data}", f"init.hf={hf}",
+                              "reward.fn=[user_rewards:length_penalty,moe_grpo.reward.math_answer:math_answer_reward]",
+                              "reward.weights=[0.5,1]"]))
+    assert run.task.name == "gsm8k" and run.data.train_path == str(data)
+    assert run.reward.fn == ("user_rewards:length_penalty", "moe_grpo.reward.math_answer:math_answer_reward")
+    assert run.reward.weights == (0.5, 1.0)
+    # the model description is the checkpoint's config.json, whatever `model=` says
+    assert run.model.architecture == "Qwen3MoeForCausalLM" and run.model.num_experts == 4
+    with pytest.raises(ValueError, match="init.hf=.*expected an existing checkpoint directory"):
+        from_hydra(compose([f"init.hf={tmp_path / 'nope'}"]))

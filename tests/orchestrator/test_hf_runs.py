@@ -1,0 +1,127 @@
+"""Runs from transformers-written checkpoints (own tokenizer files, chat template) with 2 learner ranks.
+
+Each run: init.hf -> model from config.json, learner from the cached Megatron conversion, engine from the
+checkpoint, prompts through the chat template; 3 steps at EP=2 or TP=2 (1 engine + 2 learner actors on 2
+cores); the final policy exported; a fresh vLLM engine serves the export and its sampled log-probs are compared
+with a Megatron learner's at the same layout. The Qwen3-MoE EP=2 run also trains on a GSM8K-format JSONL
+file with bad rows and a user reward that raises or returns NaN on some rows.
+"""
+
+import json
+import os
+import sys
+
+import pytest
+
+from moe_grpo.config import from_hydra
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.multiprocess]
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "checkpoint"))
+os.environ["PYTHONPATH"] = os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")])
+
+# Largest |vLLM - learner| per-token log-prob on tokens vLLM sampled from the export (fp32 both sides).
+# Measured 2026-11-23: Qwen3-MoE 4.8e-7 (EP=2); DeepSeek-V3 5.6e-4 (TP=2). DeepSeek-V3's bound is looser:
+# vLLM computes MLA unabsorbed on CPU (VLLM_MLA_DISABLE), a different order of operations.
+TOLERANCE = {"qwen3_moe": 1e-3, "deepseek_v3": 2e-2}
+
+QA = [(1000, 250), (3, 4), (48, 24), (12, 50), (7, 8), (100, 900)]
+
+
+def write_gsm8k(path):
+    """GSM8K's format (question, answer ending in '#### N', thousands separators) plus bad rows; returns the
+    line numbers of the bad ones. Every third good row's user reward raises, every fourth gives one NaN."""
+    good = [json.dumps({"question": f"What is {a} + {b}?", "answer": f"{a} + {b} = {a + b}\n#### {a + b:,}",
+                        "trap": ["none", "none", "raise", "nan"][i % 4], "source": f"row{i}"})
+            for i, (a, b) in enumerate(QA)]
+    bad = ["{not json", json.dumps({"question": "What is 2 + 2?"}), json.dumps({"question": "", "answer": "#### 4"}),
+           json.dumps({"question": "What is 2 + 3?", "answer": "five"})]
+    lines = good[:2] + bad[:1] + good[2:3] + bad[1:] + good[3:]
+    path.write_text("\n".join(lines) + "\n")
+    return [lines.index(b) + 1 for b in bad]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    from hf_fixtures import make_checkpoint
+
+    root = tmp_path_factory.mktemp("hf")
+    return {kind: make_checkpoint(kind, root / kind) for kind in ("qwen3_moe", "deepseek_v3")}, root
+
+
+def hf_run(hf, cache, layout, **extra):
+    tp, ep = (2, 1) if layout == "TP=2" else (1, 2)
+    tree = {"steps": 3, "warm_start_steps": 0, "eval_every": 0, "mode": "sync",
+            "init": {"hf": hf, "cache_dir": str(cache)}, "parallel": {"tensor_parallel": tp, "expert_parallel": ep},
+            "cluster": {"learner_cpus": 0.5, "engine_cpus": 1.0}, "algo": {"prompts_per_step": 4, "group_size": 4},
+            "learner": {"lr": 1e-3}, "rollout": {"max_tokens": 8, "max_num_seqs": 32}}
+    tree.update(extra)
+    return from_hydra(tree), tp, ep
+
+
+@pytest.mark.parametrize("kind,layout", [("qwen3_moe", "EP=2"), ("qwen3_moe", "TP=2"), ("deepseek_v3", "EP=2"),
+                                         ("deepseek_v3", "TP=2")])
+def test_run_from_a_transformers_checkpoint_trains_exports_and_vllm_serves_the_export(
+        checkpoints, kind, layout, tmp_path, caplog, monkeypatch):
+    from export_check import served_vs_learner
+    from moe_grpo.orchestrator.loop import train
+
+    paths, root = checkpoints
+    gsm8k = kind == "qwen3_moe" and layout == "EP=2"
+    extra = {}
+    if gsm8k:
+        data = tmp_path / "train.jsonl"
+        bad_lines = write_gsm8k(data)
+        monkeypatch.setenv("USER_REWARD_LOG", str(tmp_path / "reward_calls.jsonl"))
+        extra = {"task": {"name": "gsm8k"}, "data": {"train_path": str(data)},
+                 "reward": {"fn": ["moe_grpo.reward.math_answer:math_answer_reward", "user_rewards:length_penalty"],
+                            "weights": [1.0, 0.5]}}
+    else:
+        data = tmp_path / "train.jsonl"
+        data.write_text("".join(json.dumps({"prompt": f"What is {a} + {b}?", "answer": f"#### {a + b}"}) + "\n"
+                                for a, b in QA))
+        extra = {"task": {"name": "gsm8k"}, "data": {"train_path": str(data), "prompt_key": "prompt"}}
+    run, tp, ep = hf_run(paths[kind], root / "cache", layout, **extra)
+    assert run.model.architecture == {"qwen3_moe": "Qwen3MoeForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}[kind]
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    with caplog.at_level("INFO", logger="moe_grpo"):
+        summary = train(run, run_dir)
+    rows = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
+    assert summary["steps"] == 3 and [r["step"] for r in rows] == [1, 2, 3]
+    assert all(r["replay/applied"] == 1.0 for r in rows)
+    assert all(r["mismatch/kl"] < 1e-3 for r in rows), [r["mismatch/kl"] for r in rows]
+    # the learner started from the checkpoint's weights (converted once per checkpoint, then reused)
+    assert "converted" in caplog.text or "reusing the Megatron checkpoint" in caplog.text
+    assert len([d for d in os.listdir(root / "cache") if d.startswith(kind)]) == 1
+    if gsm8k:
+        assert "data: 6 training rows" in caplog.text
+        assert summary["bad_rows"] == 4 and all(r["data/bad_rows"] == 4 for r in rows)
+        for line in bad_lines:
+            assert f"train.jsonl:{line}:" in caplog.text, line
+        assert rows[-1]["reward/failed"] > 0, "rows marked raise / nan were sampled and counted"
+        calls = [json.loads(line) for line in open(tmp_path / "reward_calls.jsonl")]
+        assert {"answer", "trap", "source"} == set(calls[0]["fields"])  # the row's fields, prompt excluded
+        assert all(len(set(c["fields"]["source"])) == 1 and len(c["prompts"]) == 4 for c in calls)
+        assert calls[0]["prompts"][0].startswith("What is ")  # the row's text, not the chat-templated prompt
+        # the run's rewards on its rows: `#### 1,250` is 1250 (plus the user's weighted length penalty)
+        import numpy as np
+
+        from moe_grpo.data.prompts import group_fields, prompt_source
+        from moe_grpo.data.tokenizer import HFTokenizer
+        from moe_grpo.reward.functions import Rewards
+
+        source = prompt_source(run, HFTokenizer(paths[kind]), np.random.default_rng(0))
+        row = next(e for e in source.train if e.fields["answer"].endswith("#### 1,250"))
+        scores = Rewards(*run.reward.resolved(run.task.name)).score([row.prompt] * 2, ["1250", "125"],
+                                                                     group_fields(row, 2))
+        assert scores.rewards.tolist() == pytest.approx([1.0 - 0.5 * 0.04, -0.5 * 0.03])
+    policy = summary["policy_dir"]
+    assert {"tokenizer.json", "tokenizer_config.json", "chat_template.jinja"} <= set(os.listdir(policy))
+    config = json.loads(open(os.path.join(policy, "config.json")).read())
+    original = json.loads(open(os.path.join(paths[kind], "config.json")).read())
+    assert config["eos_token_id"] == original["eos_token_id"]
+    report = served_vs_learner(policy, tp, ep, ["What is 3 + 4?", "What is 1000 + 250?"], tmp_path)
+    print(kind, layout, report)
+    assert report["max_abs_logprob_diff"] < TOLERANCE[kind], report

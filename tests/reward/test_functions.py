@@ -1,0 +1,71 @@
+"""User reward functions: dotted paths, row fields as keyword arguments, weights, async, failures as NaN."""
+
+import math
+import os
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from moe_grpo.reward.config import RewardConfig
+from moe_grpo.reward.functions import Rewards
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "orchestrator"))
+
+
+def test_fields_arrive_as_keyword_lists_and_weights_add_up(tmp_path, monkeypatch):
+    import json
+
+    log = tmp_path / "log.jsonl"
+    monkeypatch.setenv("USER_REWARD_LOG", str(log))
+    r = Rewards(["user_rewards:length_penalty", "user_rewards:only_answer"], [2.0, 1.0])
+    s = r.score(["p", "p"], ["ab", "abcd"], {"answer": ["#### 1", "#### 1"], "trap": ["none", "none"], "id": [7, 7]})
+    assert s.rewards.tolist() == pytest.approx([2 * -0.02 + 1.0, 2 * -0.04 + 1.0])
+    seen = json.loads(log.read_text())
+    assert seen["fields"] == {"answer": ["#### 1", "#### 1"], "trap": ["none", "none"], "id": [7, 7]}
+    assert seen["prompts"] == ["p", "p"]
+
+
+def test_a_function_that_names_its_fields_gets_only_those():
+    r = Rewards(["user_rewards:only_answer"], [1.0])
+    assert r.score(["p"], ["x"], {"answer": ["a"], "other": [1]}).rewards.tolist() == [1.0]
+
+
+def test_raise_nan_wrong_length_and_timeouts_mark_samples_failed():
+    raising = Rewards(["user_rewards:length_penalty"], [1.0]).score(["p"] * 2, ["a", "b"], {"trap": ["raise"] * 2})
+    assert raising.failed.tolist() == [True, True] and "raises on purpose" in raising.errors[0]
+    nan = Rewards(["user_rewards:length_penalty"], [1.0]).score(["p"] * 3, ["a", "b", "c"], {"trap": ["nan"] * 3})
+    assert nan.failed.tolist() == [True, False, False] and math.isfinite(nan.rewards[1])
+    wrong = Rewards(["user_rewards:wrong_length"], [1.0]).score(["p"] * 2, ["a", "b"])
+    assert wrong.failed.all() and "1 values for 2 completions" in wrong.errors[0]
+    for fn in ("user_rewards:sleeps", "user_rewards:async_sleeps"):
+        t0 = time.perf_counter()
+        slow = Rewards([fn], [1.0], timeout_s=0.3).score(["p"], ["a"])
+        assert slow.failed.all() and "reward.timeout_s=0.3" in slow.errors[0], fn
+        assert time.perf_counter() - t0 < 1.5, "the caller waited past the timeout"
+
+
+def test_async_functions_are_awaited():
+    assert Rewards(["user_rewards:async_constant"], [2.0]).score(["p"] * 2, ["a", "b"]).rewards.tolist() == [1.0, 1.0]
+
+
+def test_bad_paths_fail_at_start_by_name():
+    with pytest.raises(ImportError, match="cannot import 'no_such_module'"):
+        Rewards(["no_such_module:f"], [1.0])
+    with pytest.raises(ImportError, match="has no 'missing'"):
+        Rewards(["user_rewards:missing"], [1.0])
+    with pytest.raises(TypeError, match="expected a function"):
+        Rewards(["user_rewards:not_a_function"], [1.0])
+    with pytest.raises(ValueError, match="expected 'package.module:function'"):
+        RewardConfig(fn="user_rewards.length_penalty")
+    with pytest.raises(ValueError, match="one weight per function"):
+        RewardConfig(fn=["a:f", "b:g"], weights=[1.0])
+
+
+def test_default_is_the_task_reward():
+    assert RewardConfig().resolved("gsm8k") == (("moe_grpo.reward.math_answer:math_answer_reward",), (1.0,))
+    assert RewardConfig(fn="a.b:c").resolved("reverse") == (("a.b:c",), (1.0,))
+    r = Rewards(*RewardConfig().resolved("gsm8k"))
+    assert r.score(["q"], ["#### 1250"], {"answer": ["#### 1,250"]}).rewards.tolist() == [1.0]
+    assert np.isnan(r.score(["q"], ["1"], {"answer": ["#### x"]}).rewards).all()
