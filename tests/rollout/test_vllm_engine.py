@@ -147,7 +147,11 @@ def test_a_weight_update_mid_completion_keeps_every_token_both_versions_and_a_co
         before = engine.policy_version
         long = SamplingSettings(n=2, max_tokens=120, stop_token_ids=())  # no early stop: every request spans the load
         futures = [engine.submit(p, long) for p in prompts_of_lengths([6, 15, 30], seed=31)]
-        time.sleep(0.5)
+        # Land the update once every request has been through a forward pass (its routing buffer exists, so it
+        # has tokens from `before`), not after a fixed sleep: on an idle machine 120 tokens can finish in < 1 s.
+        deadline = time.monotonic() + 60
+        while engine.num_routing_buffers() < 2 * len(futures) and time.monotonic() < deadline:
+            time.sleep(0.002)
         assert not any(f.done() for f in futures), "requests should still be generating when the update lands"
         engine.load_weights(_current_hf_state(learner), version=before + 1)
         completions = [c for f in futures for c in f.result(300)]
