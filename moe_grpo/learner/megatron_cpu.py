@@ -325,6 +325,9 @@ CPU_PATCHES: tuple[Patch, ...] = (
     Patch("alltoall_streams", "transformer/moe/token_dispatcher.py: MoEAlltoAllTokenDispatcher creates torch.cuda.Stream()", _torch_view_patch(f"{_MC}.transformer.moe.token_dispatcher")),
     Patch("router_device", "transformer/moe/router.py: Router moves weight and expert-bias buffers to torch.cuda.current_device()", _torch_view_patch(f"{_MC}.transformer.moe.router")),
     Patch("rotary_device", "models/common/embeddings/rotary_pos_embedding.py: inv_freq.to(torch.cuda.current_device())", _torch_view_patch(f"{_MC}.models.common.embeddings.rotary_pos_embedding")),
+    Patch("yarn_rotary_device", "models/common/embeddings/yarn_rotary_pos_embedding.py: YarnRotaryEmbedding picks "
+          "torch.cuda.current_device() at init and moves inv_freq_extra/inter there in get_emb",
+          _torch_view_patch(f"{_MC}.models.common.embeddings.yarn_rotary_pos_embedding")),
     Patch("causal_mask_device", "transformer/utils.py: get_default_causal_mask builds torch.ones(..., device='cuda')", _torch_view_patch(f"{_MC}.transformer.utils")),
     Patch("global_memory_buffer", "utils.py: GlobalMemoryBuffer.get_tensor allocates on torch.cuda.current_device()", _torch_view_patch(f"{_MC}.utils")),
     Patch("tp_layers_device", "tensor_parallel/layers.py: sequence-parallel all-gather and weight allocation use torch.cuda.current_device()", _torch_view_patch(f"{_MC}.tensor_parallel.layers")),

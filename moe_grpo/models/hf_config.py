@@ -10,7 +10,6 @@ which vLLM builds no `e_score_correction_bias` and fails to load.
 from __future__ import annotations
 
 import json
-import warnings
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -60,10 +59,8 @@ def spec_from_hf_config(cfg: Mapping[str, Any], name: str | None = None) -> MoEM
     extra: dict[str, Any] = {}
     rope = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
     if rope and rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
-        # Kept for export; the Megatron learner applies plain RoPE (yarn is not mapped yet).
-        warnings.warn(f"rope scaling {rope.get('rope_type', rope.get('type'))!r} is kept in the exported config "
-                      "but not applied by the Megatron learner; long-context logits will differ")
-        extra["rope_scaling"] = dict(rope)
+        # Kept for export and applied by the learner (YaRN on MLA models; MoEModelSpec.yarn_rope refuses the rest).
+        extra["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"}
     common = dict(
         name=name or cfg.get("_name_or_path") or arch,
         architecture=arch,
@@ -179,6 +176,30 @@ def hf_config_from_spec(spec: MoEModelSpec, *, torch_dtype: str = "float32") -> 
                        head_dim=spec.qk_rope_head_dim)
     cfg.update(dict(spec.extra_hf_config))
     return cfg
+
+
+def vllm_hf_overrides(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """Keys vLLM 0.32 needs that a config.json written by transformers may lack, with transformers' meaning.
+
+    transformers' DeepseekV3 always routes with sigmoid scores and the expert bias, but its
+    `save_pretrained` writes neither `topk_method` nor `scoring_func`; vLLM then builds no
+    `e_score_correction_bias` and fails to load. transformers' DeepseekV2 leaves `n_group` /
+    `topk_group` null when it does not group, and vLLM's CPU router asserts on null.
+    """
+    arch = _architecture(cfg)
+    out: dict[str, Any] = {}
+    if arch == "Qwen3MoeForCausalLM":
+        return out
+    if arch == "DeepseekV3ForCausalLM":
+        if not cfg.get("topk_method"):
+            out["topk_method"] = "noaux_tc"
+        if not cfg.get("scoring_func"):
+            out["scoring_func"] = "sigmoid"
+    elif not cfg.get("scoring_func"):
+        out["scoring_func"] = "softmax"
+    if cfg.get("n_group") is None or cfg.get("topk_group") is None:
+        out.update(n_group=1, topk_group=1)  # vLLM's "no grouping"
+    return out
 
 
 def read_hf_config(directory: str | Path) -> dict[str, Any]:

@@ -92,10 +92,13 @@ def transformer_config(
             qk_head_dim=spec.qk_nope_head_dim,
             qk_pos_emb_head_dim=spec.qk_rope_head_dim,
             v_head_dim=spec.v_head_dim,
-            rope_type="rope",
             rotary_base=spec.rope_theta,
-            rotary_scaling_factor=1.0,  # plain RoPE: no yarn mscale on the softmax scale
         )
+        yarn = spec.yarn_rope
+        if yarn is None:
+            kw.update(rope_type="rope", rotary_scaling_factor=1.0)  # plain RoPE: no yarn mscale on the softmax scale
+        else:
+            kw.update(rope_type="yarn", **yarn)  # MLA scales the softmax by mscale(factor, mscale_all_dim)^2
         return MLATransformerConfig(**kw)
     return TransformerConfig(**kw)
 

@@ -87,7 +87,8 @@ class MoEModelSpec:
     tie_word_embeddings: bool = False
     """Share the input embedding with the output layer."""
     extra_hf_config: Mapping[str, Any] = field(default_factory=dict)
-    """Extra keys copied verbatim into an exported Hugging Face config.json."""
+    """Extra keys copied verbatim into an exported Hugging Face config.json. `rope_scaling` here is the
+    model's RoPE scaling (HF keys); the learner applies it (YaRN, MLA models only, see `yarn_rope`)."""
 
     def __post_init__(self) -> None:
         def need(cond: bool, msg: str) -> None:
@@ -123,11 +124,56 @@ class MoEModelSpec:
              "expert_bias=True needs score_function='sigmoid' (DeepSeek-V3 routing)")
         need(self.architecture != "DeepseekV3ForCausalLM" or self.uses_mla,
              "DeepseekV3ForCausalLM needs multi-head latent attention (set kv_lora_rank)")
+        self.yarn_rope  # refuses scalings the learner would not apply as transformers and vLLM do
 
     # ---- derived shape ------------------------------------------------------------
     @property
     def uses_mla(self) -> bool:
         return self.kv_lora_rank is not None
+
+    @property
+    def yarn_rope(self) -> dict[str, float] | None:
+        """YaRN parameters (Megatron's names) from `extra_hf_config['rope_scaling']`, None for plain RoPE.
+
+        Read as transformers reads DeepSeek's config: the cos/sin concentration is
+        mscale(factor, mscale) / mscale(factor, mscale_all_dim) when both are set, else
+        mscale(factor); the softmax scale gains mscale(factor, mscale_all_dim)^2. Megatron's
+        MLA computes exactly that from (mscale, mscale_all_dim), so other spellings (an explicit
+        `attention_factor`, only one of the two set, `truncate: false`) are refused rather
+        than applied differently from the engine.
+        """
+        rope = dict(self.extra_hf_config.get("rope_scaling") or {})
+        kind = rope.get("rope_type", rope.get("type", "default"))
+        if kind in (None, "default"):
+            return None
+
+        def refuse(why: str) -> ValueError:
+            return ValueError(f"model {self.name!r}: rope_scaling {rope}: {why}")
+
+        if kind not in ("yarn", "deepseek_yarn"):
+            raise refuse(f"rope type {kind!r} is not applied by the Megatron learner; expected 'yarn' or none")
+        if not self.uses_mla:
+            raise refuse("YaRN is applied by the learner for MLA models (DeepSeek-V2/V3) only")
+        if rope.get("attention_factor") is not None:
+            raise refuse("an explicit attention_factor is not supported; give mscale and mscale_all_dim")
+        if rope.get("truncate") is False:
+            raise refuse("truncate=false is not supported (Megatron and vLLM round the correction range)")
+        mscale, mscale_all_dim = rope.get("mscale"), rope.get("mscale_all_dim")
+        if bool(mscale) != bool(mscale_all_dim) and mscale_all_dim:
+            raise refuse("mscale_all_dim without mscale: transformers and Megatron disagree on the concentration")
+        if not (mscale and mscale_all_dim):
+            mscale, mscale_all_dim = 1.0, 0.0  # transformers: mscale(factor); no softmax correction
+        orig = rope.get("original_max_position_embeddings")
+        factor = rope.get("factor")
+        if orig is None:
+            raise refuse("YaRN needs original_max_position_embeddings")
+        if factor is None:  # transformers' rule for DeepSeek-V3 configs without a factor
+            factor = self.max_position_embeddings / float(orig)
+        if float(factor) < 1.0:
+            raise refuse(f"factor={factor}, expected >= 1")
+        return {"rotary_scaling_factor": float(factor), "original_max_position_embeddings": int(orig),
+                "beta_fast": float(rope.get("beta_fast") or 32.0), "beta_slow": float(rope.get("beta_slow") or 1.0),
+                "mscale": float(mscale), "mscale_all_dim": float(mscale_all_dim)}
 
     @property
     def query_groups(self) -> int:

@@ -101,6 +101,17 @@ def _cpu_env(spec: MoEModelSpec, kv_cache_gib: int) -> None:
         os.environ["VLLM_MLA_DISABLE"] = "1"
 
 
+def _hf_overrides(model_dir: str) -> dict[str, Any]:
+    """What vLLM needs on top of a transformers-written config.json (models/hf_config.vllm_hf_overrides)."""
+    from moe_grpo.models.hf_config import read_hf_config, vllm_hf_overrides
+
+    try:
+        cfg = read_hf_config(model_dir)
+    except FileNotFoundError:
+        return {}  # not a local directory: vLLM reports it
+    return vllm_hf_overrides(cfg)
+
+
 def versions_from_spans(spans: Any, num_tokens: int, fallback: int) -> np.ndarray:
     """vLLM's per-completion `weight_versions` spans -> one policy version per generated token."""
     out = np.full(num_tokens, fallback, np.int64)
@@ -170,6 +181,9 @@ class VllmEngine:
             model=self.model_dir, skip_tokenizer_init=True, trust_remote_code=True, dtype=dtype, enforce_eager=True,
             max_model_len=max_model_len, max_num_seqs=max_num_seqs, enable_prefix_caching=False, seed=seed,
             disable_log_stats=True)
+        overrides = _hf_overrides(self.model_dir)
+        if overrides:
+            self._engine_args["hf_overrides"] = overrides
         if extension:
             self._engine_args["worker_extension_cls"] = EXTENSION
         if max_num_batched_tokens is not None:

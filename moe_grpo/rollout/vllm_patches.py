@@ -7,12 +7,29 @@ prepack of `CPUUnquantizedExperts` (experts/cpu_moe.py). Reloaded experts then c
 with stale packed weights (log-probs off by ~0.1 on the tiny model). The patch re-runs
 the prepack when the kernel already existed. Only layers being reloaded pass through
 `_setup_kernel`, so nothing is packed twice.
+
+cpu_rotary_multihead_3d: `RotaryEmbedding.forward_cpu` (model_executor/layers/rotary_embedding/
+base.py) calls the C++ kernel `_C.rotary_embedding` (csrc/cpu/pos_encoding.cpp), which takes
+`num_tokens = query.numel() / query.size(-1)`, `num_heads = query.size(-1) / head_size` and the
+token stride from `query.stride(-2)`. That is right for the flat `[tokens, heads * head_size]`
+layout most models pass, but for a 3-D `[tokens, heads, head_size]` query it treats every
+(token, head) pair as a token of one head and reads the position of token `t * heads + h`: every
+head but the first of token 0 is rotated by a wrong angle, some past the end of `positions`.
+vLLM's MLA-free DeepSeek-V2/V3 attention (`DeepseekV2Attention`, what runs on CPU with
+`VLLM_MLA_DISABLE=1`) passes exactly that (`q_pe` of shape `[tokens, heads, qk_rope_head_dim]`),
+so DeepSeek-V2/V3 served on CPU drifted 0.01 nats from transformers with every layer dense and
+0.13 with routing flips on top. The patch sends any 3-D input with more than one head through
+vLLM's own PyTorch implementation (`forward_native`) and writes the result back in place, as the
+kernel does. `CustomOp` binds the forward at construction, so modules built before the patch
+are rebound by `rebind_rotary(model)`. 2-D and single-head inputs keep the kernel.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 TARGET_VERSION = "0.32.0"
-_applied: dict[str, object] = {}
+_applied: dict[str, tuple[type, str, object]] = {}
 
 
 def vllm_version() -> str:
@@ -21,14 +38,18 @@ def vllm_version() -> str:
     return vllm.__version__
 
 
-def apply_cpu_moe_reload_prepack() -> bool:
-    """Install the patch in this process (a vLLM worker). Returns False if already installed."""
-    if "cpu_moe_reload_prepack" in _applied:
-        return False
+def _check_version() -> None:
     version = vllm_version().split("+")[0]
     if version != TARGET_VERSION:
         raise RuntimeError(f"moe_grpo.rollout.vllm_patches targets vLLM {TARGET_VERSION}, found {version}; "
                            "re-check the patch against the new release")
+
+
+def apply_cpu_moe_reload_prepack() -> bool:
+    """Install the patch in this process (a vLLM worker). Returns False if already installed."""
+    if "cpu_moe_reload_prepack" in _applied:
+        return False
+    _check_version()
     from vllm.model_executor.layers.fused_moe import unquantized_fused_moe_method as m
 
     cls = m.UnquantizedFusedMoEMethod
@@ -41,11 +62,62 @@ def apply_cpu_moe_reload_prepack() -> bool:
             self.moe_kernel.fused_experts.process_weights_after_loading(layer)
 
     cls._setup_kernel = _setup_kernel
-    _applied["cpu_moe_reload_prepack"] = (cls, original)
+    _applied["cpu_moe_reload_prepack"] = (cls, "_setup_kernel", original)
+    return True
+
+
+def _multihead_3d(t: Any) -> bool:
+    return t is not None and t.dim() == 3 and t.size(-2) > 1
+
+
+def apply_cpu_rotary_multihead_3d() -> bool:
+    """Install the rotary patch in this process (class level). Returns False if already installed."""
+    if "cpu_rotary_multihead_3d" in _applied:
+        return False
+    _check_version()
+    from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
+
+    original = RotaryEmbedding.forward_cpu
+
+    def forward_cpu(self, positions, query, key=None):  # type: ignore[no-untyped-def]
+        if not (_multihead_3d(query) or _multihead_3d(key)):
+            return original(self, positions, query, key)
+        q, k = self.forward_native(positions, query, key)
+        query.copy_(q)  # in place, as the kernel: callers may ignore the return value
+        if key is not None:
+            key.copy_(k)
+        return query, key
+
+    RotaryEmbedding.forward_cpu = forward_cpu
+    _applied["cpu_rotary_multihead_3d"] = (RotaryEmbedding, "forward_cpu", original)
+    return True
+
+
+def rebind_rotary(model: Any) -> int:
+    """Point every rotary module of `model` that dispatches to `forward_cpu` at the current class method.
+
+    `CustomOp.__init__` stores the bound `forward_cpu` it chose, so a class patch (or its revert)
+    reaches modules built earlier only through this. Returns the number of modules rebound."""
+    from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
+
+    n = 0
+    for module in model.modules():
+        bound = getattr(module, "_forward_method", None)
+        if isinstance(module, RotaryEmbedding) and getattr(bound, "__name__", None) == "forward_cpu":
+            module._forward_method = module.forward_cpu
+            n += 1
+    return n
+
+
+def revert(name: str) -> bool:
+    """Undo one patch (tests show what goes wrong without it). Returns False if it was not installed."""
+    if name not in _applied:
+        return False
+    cls, attr, original = _applied.pop(name)
+    setattr(cls, attr, original)
     return True
 
 
 def revert_all() -> None:
-    for name, (cls, original) in list(_applied.items()):
-        cls._setup_kernel = original  # type: ignore[attr-defined]
-        _applied.pop(name)
+    for name in list(_applied):
+        revert(name)

@@ -32,14 +32,16 @@ class RoutingCaptureExtension:
     def moe_grpo_install(self, capture: bool = True) -> dict[str, Any]:
         from vllm.model_executor.layers.fused_moe.router.base_router import BaseRouter
 
-        from moe_grpo.rollout.vllm_patches import apply_cpu_moe_reload_prepack
+        from moe_grpo.rollout import vllm_patches
 
         import torch
 
-        if not torch.cuda.is_available():
-            apply_cpu_moe_reload_prepack()
         runner = self.model_runner  # type: ignore[attr-defined]
         model = runner.get_model()
+        if not torch.cuda.is_available():
+            vllm_patches.apply_cpu_moe_reload_prepack()
+            vllm_patches.apply_cpu_rotary_multihead_3d()
+            vllm_patches.rebind_rotary(model)  # the model was built before the patch
         layers = []
         for module in model.modules():
             router = getattr(module, "router", None)
@@ -164,8 +166,18 @@ class RoutingCaptureExtension:
         if on:
             vllm_patches.apply_cpu_moe_reload_prepack()
         else:
-            vllm_patches.revert_all()
+            vllm_patches.revert("cpu_moe_reload_prepack")
         return on
+
+    def moe_grpo_set_rotary_patch(self, on: bool) -> int:
+        """Tests only: serve with or without the CPU rotary patch (DeepSeek-V2/V3 attention); returns modules rebound."""
+        from moe_grpo.rollout import vllm_patches
+
+        if on:
+            vllm_patches.apply_cpu_rotary_multihead_3d()
+        else:
+            vllm_patches.revert("cpu_rotary_multihead_3d")
+        return vllm_patches.rebind_rotary(self.model_runner.get_model())  # type: ignore[attr-defined]
 
     # ---------------------------------------------------------------- weights
     def moe_grpo_reload_from_file(self, path: str) -> int:

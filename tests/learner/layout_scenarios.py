@@ -206,3 +206,53 @@ def relay_receive(host: str, port: int, world: int, rank: int, root: str, die_af
     while (v := receiver.receive()) is not None:
         versions.append(v)
     return versions
+
+
+def train_sync_then_route(tp: int, ep: int, pp: int, ckpt_dir: str, version: int, root: str, handoff: str,
+                          train_seed: int, eval_tokens: list) -> dict:
+    """One step from a checkpoint, publish it, then measure the learner against the engine that applied it.
+
+    Log-probs of `eval_tokens` under the new weights come back at once; the learner then waits for the
+    engine's routing of the same tokens (`handoff`/traces.npz, written by the caller after the engine
+    applied `version`) and runs a replayed forward/backward on it, whose router disagreement is the
+    fraction of (token, MoE layer) decisions where the learner's own routers choose other experts.
+    Returns (from rank 0's view) {"logprobs": {i: array}, "router_disagreement", "replay/applied"}.
+    """
+    import os
+    import time
+
+    import torch
+
+    from moe_grpo.checkpoint.convert import read_spec
+    from moe_grpo.learner.megatron_learner import LearnerConfig, MegatronLearner
+    from moe_grpo.learner.parallel import ParallelLayout
+    from moe_grpo.sync.transport import SharedMemoryTransport
+    from moe_grpo.sync.weight_sync import WeightSync
+
+    spec = read_spec(ckpt_dir)
+    learner = MegatronLearner(spec, ParallelLayout(tp, ep, pp), LearnerConfig(micro_batch_size=2, lr=1e-2))
+    learner.load_checkpoint(ckpt_dir)
+    seqs = make_sequences(spec, n=4, seed=train_seed, with_routing=False)
+    _, mine = shard(seqs, learner.rank["dp"], learner.rank["dp_size"])
+    learner.train_step(mine, replay=False)
+    WeightSync(learner, SharedMemoryTransport(root), max_bucket_bytes=1 << 20).sync(version)
+    evals = [LearnerSequence(np.asarray(t), prompt_len=1) for t in eval_tokens]
+    idx, mine = shard(evals, learner.rank["dp"], learner.rank["dp_size"])
+    lps = gather_by_index(idx, learner.logprobs(mine, replay=False))
+    path = os.path.join(handoff, "traces.npz")
+    deadline = time.monotonic() + 300
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no engine routing at {path} within 300 s")
+        time.sleep(0.2)
+    time.sleep(0.2)  # written by rename, but give the writer's close a moment on slow filesystems
+    traces = np.load(path)
+    routed = [LearnerSequence(np.asarray(t), prompt_len=1, advantage=1.0,
+                              routing=RoutingTrace.from_array(traces[f"t{i}"], spec.num_experts))
+              for i, t in enumerate(eval_tokens)]
+    _, mine = shard(routed, learner.rank["dp"], learner.rank["dp_size"])
+    metrics = learner.forward_backward(mine, replay=True)
+    learner.zero_grad()
+    torch.distributed.barrier()
+    return {"logprobs": lps, "router_disagreement": metrics["mismatch/router_disagreement"],
+            "replay/applied": metrics["replay/applied"]}

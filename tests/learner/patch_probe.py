@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128, "beta_fast": 32.0,
+        "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}
+
+
 def learner_path(skip: tuple[str, ...], tp: int, ep: int, pp: int, ckpt_dir: str, variant: str = "default") -> float:
     """Build, replayed forward, one train step, checkpoint save: everything the CPU patches cover."""
     from moe_grpo.learner import megatron_cpu
@@ -14,7 +18,8 @@ def learner_path(skip: tuple[str, ...], tp: int, ep: int, pp: int, ckpt_dir: str
     from moe_grpo.learner.parallel import ParallelLayout
     from moe_grpo.models.megatron import MegatronOptions
 
-    spec = tiny_v3_spec() if variant == "mla" else tiny_spec()
+    spec = tiny_v3_spec() if variant == "mla" else tiny_v3_spec(extra_hf_config=dict(rope_scaling=YARN)) \
+        if variant == "yarn" else tiny_spec()
     options = MegatronOptions(aux_loss_coeff=1e-3 if variant == "aux_loss" else 0.0)
     learner = MegatronLearner(spec, ParallelLayout(tp, ep, pp), LearnerConfig(micro_batch_size=2, lr=1e-3), options)
     seqs = make_sequences(spec)

@@ -15,6 +15,7 @@ PROBES = {
     "alltoall_streams": ((1, 1, 1), "default", "torch.cuda.Stream requires CUDA"),
     "router_device": ((1, 1, 1), "default", "Torch not compiled with CUDA"),
     "rotary_device": ((1, 1, 1), "default", "Torch not compiled with CUDA"),
+    "yarn_rotary_device": ((1, 1, 1), "yarn", "Torch not compiled with CUDA"),
     "causal_mask_device": ((1, 1, 1), "default", "Torch not compiled with CUDA"),
     "global_memory_buffer": ((1, 1, 1), "default", "Torch not compiled with CUDA"),
     "tp_layers_device": ((2, 1, 1), "default", "Torch not compiled with CUDA"),

@@ -1,0 +1,67 @@
+"""vLLM patches that need no engine: each test shows the bug without its patch and the fix with it."""
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.vllm]
+
+
+@pytest.fixture
+def rope():
+    """vLLM's DeepSeek rotary (interleaved pairs, no scaling) as the CPU platform dispatches it."""
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.rotary_embedding import get_rope
+
+    with set_current_vllm_config(VllmConfig()):
+        yield get_rope(16, max_position=256, is_neox_style=False,
+                       rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, dtype=torch.float32)
+
+
+def _deepseek_q_k(tokens=9, heads=4, nope=16, rope_dim=16, latent=32):
+    """q_pe / k_pe as vLLM's MLA-free DeepseekV2Attention passes them: strided 3-D views."""
+    torch.manual_seed(0)
+    q = torch.randn(tokens, heads, nope + rope_dim)
+    latent_cache = torch.randn(tokens, latent + rope_dim).unsqueeze(1)
+    return q, latent_cache, q[..., nope:], latent_cache[:, :, latent:]
+
+
+def _gap(rope, patched: bool) -> float:
+    from moe_grpo.rollout import vllm_patches
+
+    q, cache, q_pe, k_pe = _deepseek_q_k()
+    positions = torch.arange(q.shape[0])
+    want_q, want_k = rope.forward_native(positions, q_pe.clone(), k_pe.clone())
+    installed = vllm_patches.apply_cpu_rotary_multihead_3d() if patched else vllm_patches.revert("cpu_rotary_multihead_3d")
+    try:
+        vllm_patches.rebind_rotary(rope)
+        got_q, got_k = rope.forward_cpu(positions, q_pe, k_pe)
+        # In place, as the kernel: the views (and so q and the latent cache) hold the rotated values.
+        assert torch.equal(got_q, q_pe) and torch.equal(got_k, k_pe)
+        return max(float((q_pe - want_q).abs().max()), float((k_pe - want_k).abs().max()))
+    finally:  # leave this process as it was
+        if installed and patched:
+            vllm_patches.revert("cpu_rotary_multihead_3d")
+        elif installed and not patched:
+            vllm_patches.apply_cpu_rotary_multihead_3d()
+
+
+def test_cpu_rotary_kernel_rotates_multihead_3d_queries_wrongly_without_the_patch(rope):
+    assert _gap(rope, patched=False) > 0.1, "vLLM's CPU rotary kernel is right for [tokens, heads, dim]: drop the patch"
+
+
+def test_cpu_rotary_patch_matches_vllms_pytorch_rotary(rope):
+    assert _gap(rope, patched=True) < 1e-6
+
+
+def test_cpu_rotary_patch_keeps_the_kernel_for_flat_inputs(rope):
+    from moe_grpo.rollout import vllm_patches
+
+    installed = vllm_patches.apply_cpu_rotary_multihead_3d()
+    try:
+        q, k = torch.randn(5, 4 * 16), torch.randn(5, 2 * 16)
+        want_q, want_k = rope.forward_native(torch.arange(5), q.clone(), k.clone())
+        got_q, got_k = rope.forward_cpu(torch.arange(5), q, k)
+        assert torch.allclose(got_q, want_q, atol=1e-6) and torch.allclose(got_k, want_k, atol=1e-6)
+    finally:
+        if installed:
+            vllm_patches.revert("cpu_rotary_multihead_3d")
