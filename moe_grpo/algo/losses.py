@@ -164,7 +164,7 @@ class PolicyLoss:
     @property
     def stat_keys(self) -> tuple[str, ...]:
         keys = ("clip_fraction", "ratio_mean", "correction/truncated_fraction", "correction/masked_fraction")
-        return keys + (("kl_penalty",) if self.kl_coef > 0 else ())
+        return keys + (("kl/reference",) if self.kl_coef > 0 else ())
 
     def __call__(self, logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, advantages: torch.Tensor,
                  mask: torch.Tensor, staleness: torch.Tensor, *, segments: torch.Tensor | None = None,
@@ -193,7 +193,7 @@ class PolicyLoss:
                 "correction/masked_fraction": (masked & on).float().sum(),
             }
             if kl is not None:
-                stats["kl_penalty"] = (kl.detach() * mask).sum()
+                stats["kl/reference"] = (kl.detach() * mask).sum()
         return numerator, stats
 
     def _aggregate(self, per_token: torch.Tensor, mask: torch.Tensor, segments: torch.Tensor) -> torch.Tensor:

@@ -189,13 +189,13 @@ def test_kl_penalty_k1_and_k3_values_and_gradients():
     k1 = grpo(kl_coef=0.1, kl_estimator="k1")
     loss, grad, stats = _run(k1, logp, logp, zero_adv, [[1.0, 1.0]], ref=ref)
     assert loss == pytest.approx(0.1 * sum(-x for x in d)) and grad == A([[0.1, 0.1]])
-    assert stats["kl_penalty"] == pytest.approx(-sum(d))
+    assert stats["kl/reference"] == pytest.approx(-sum(d))
     k3 = grpo(kl_coef=0.1, kl_estimator="k3")
     loss, grad, stats = _run(k3, logp, logp, zero_adv, [[1.0, 1.0]], ref=ref)
     assert loss == pytest.approx(0.1 * sum(math.exp(x) - 1 - x for x in d))
     # d/dlogp (e^d - 1 - d) with d = ref - logp: -e^d + 1
     assert grad == A([[0.1 * (1 - math.exp(x)) for x in d]])
-    assert "kl_penalty" not in grpo().stat_keys
+    assert "kl/reference" not in grpo().stat_keys
     with pytest.raises(ValueError, match="ref_logprobs"):
         _run(k3, logp, logp, zero_adv, [[1.0, 1.0]])
 
