@@ -38,6 +38,11 @@ def run_one(args: argparse.Namespace, *, replay: str, loss: str, seed: int, run_
             "rollout": {"max_tokens": args.max_tokens, "dtype": args.engine_dtype},
             "learner": {"seed": seed}, "routing": {"replay": replay},
             "task": {"name": args.task}}
+    for item in args.set:  # dotted overrides, e.g. algo.clip_ratio_high=0.004
+        key, _, value = item.partition("=")
+        section, _, name = key.rpartition(".")
+        (tree.setdefault(section, {}) if section else tree)[name] = json.loads(value) if value[:1].isdigit() or value in (
+            "true", "false") else value
     t0 = time.perf_counter()
     summary = train(from_hydra(tree), run_dir)
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
@@ -115,6 +120,8 @@ def main() -> None:
     ap.add_argument("--group", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--engine-dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="a config override for every arm, e.g. --set algo.clip_ratio_high=0.004 (repeatable)")
     ap.add_argument("--out", default="outputs/compare_routing")
     args = ap.parse_args()
     import warnings
@@ -146,7 +153,7 @@ def main() -> None:
                       "engine_dtype": args.engine_dtype, "learner_dtype": "float32", "mode": "sync",
                       "steps": args.steps, "warm_start_steps": args.warm_start, "prompts_per_step": args.prompts,
                       "group_size": args.group, "eval_every": args.eval_every,
-                      "routing": modes[0] if losses else None, "png": png, "results": summarise(runs, key)}))
+                      "routing": modes[0] if losses else None, "overrides": args.set, "png": png, "results": summarise(runs, key)}))
 
 
 if __name__ == "__main__":
