@@ -38,7 +38,10 @@ LOSS_PRESETS: dict[str, dict[str, Any]] = {
     # (its buffer is 4096 of 20480 tokens: a fifth of the budget; -1 = a fifth of rollout.max_tokens).
     "dapo": dict(loss_agg="token-mean", normalize_std=True, clip_ratio_low=0.2, clip_ratio_high=0.28,
                  dynamic_sampling=True, overlong_buffer=-1),
-    # GSPO (Zheng et al. 2025): sequence-level, length-normalised ratio; its paper clips it to [1-3e-4, 1+4e-4].
+    # GSPO (Zheng et al. 2025): sequence-level, length-normalised ratio; its paper clips it to [1-3e-4, 1+4e-4],
+    # with the ratio taken against the learner's own old log-probs. Here it is taken against the rollout log-probs,
+    # and a bf16 engine's gap alone exceeds that band: on the built-in task the preset collapsed (README, "The
+    # losses side by side"); widen the clip (e.g. 0.2 / 0.2) with a bf16 engine.
     "gspo": dict(loss_agg="seq-mean-token-mean", normalize_std=True, clip_ratio_low=3e-4, clip_ratio_high=4e-4,
                  dynamic_sampling=False, overlong_buffer=0),
     # CISPO (MiniMax-M1, 2025): the importance weight is clipped above only (no lower bound) and detached.
