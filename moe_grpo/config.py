@@ -24,6 +24,7 @@ from moe_grpo.models.options import MegatronOptions
 from moe_grpo.models.spec import MoEModelSpec, spec_from_mapping
 from moe_grpo.orchestrator.config import ClusterConfig, RolloutConfig
 from moe_grpo.reward.config import RewardConfig
+from moe_grpo.routing.config import RoutingConfig
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 
@@ -54,8 +55,8 @@ class RunConfig:
     """Reward functions by dotted path, weights, timeout (reward/config.py)."""
     init: InitConfig = field(default_factory=InitConfig)
     """Start from a Hugging Face checkpoint (checkpoint/hf_init.py)."""
-    replay: bool = True
-    """Replay rollout routing in the learner (R3)."""
+    routing: RoutingConfig = field(default_factory=RoutingConfig)
+    """Routing replay mode (r3 / r2 / off) and the jump warning (routing/config.py)."""
     steps: int = 300
     """Optimizer steps the run takes."""
     mode: str = "async"
@@ -66,8 +67,9 @@ class RunConfig:
     """Score the held-out set greedily every this many steps (and at step 0 and the last step); 0 = never."""
 
     def __post_init__(self) -> None:
-        if self.replay and not self.megatron.routing_replay:
-            raise ValueError("replay=True needs megatron.routing_replay=True (no RouterReplay hooks would be built)")
+        if self.routing.replay != "off" and not self.megatron.routing_replay:
+            raise ValueError(f"routing.replay={self.routing.replay} needs megatron.routing_replay=True (no RouterReplay "
+                             "hooks would be built); use routing.replay=off to train without replay")
         if self.steps < 1:
             raise ValueError(f"steps={self.steps}, expected >= 1")
         if self.mode not in ("sync", "async"):
@@ -103,12 +105,29 @@ class RunConfig:
 
 _SECTIONS = {"parallel": ParallelLayout, "learner": LearnerConfig, "megatron": MegatronOptions, "algo": AlgoConfig,
              "rollout": RolloutConfig, "cluster": ClusterConfig, "task": TaskConfig, "data": DataConfig,
-             "reward": RewardConfig, "init": InitConfig}
+             "reward": RewardConfig, "init": InitConfig, "routing": RoutingConfig}
+
+_RENAMED = {
+    "replay": "replay= was replaced by routing.replay=r3|r2|off (replay=true is r3, replay=false is off)",
+    "algo.tis_clip": "algo.tis_clip was replaced by algo.correction=tis algo.correction_high=<cap> "
+                     "(tis_clip=0 is algo.correction=none)",
+}
+"""Keys of older configs -> what to write instead."""
+
+
+def _field_defaults(cls: type) -> dict[str, Any]:
+    """A section's declared defaults (not the values its __post_init__ fills in: `algo` fields left None take the
+    chosen loss's preset, which the command line may change)."""
+    out: dict[str, Any] = {}
+    for f in fields(cls):
+        value = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+        out[f.name] = dataclasses.asdict(value) if dataclasses.is_dataclass(value) else value
+    return out
 
 
 def defaults_tree() -> dict[str, Any]:
     """The dataclass defaults as a plain tree: Hydra's base config."""
-    tree: dict[str, Any] = {name: _plain(dataclasses.asdict(cls())) for name, cls in _SECTIONS.items()}
+    tree: dict[str, Any] = {name: _plain(_field_defaults(cls)) for name, cls in _SECTIONS.items()}
     for f in fields(RunConfig):
         if f.name not in _SECTIONS and f.name != "model":
             tree[f.name] = f.default
@@ -138,6 +157,10 @@ def from_hydra(cfg: Any) -> RunConfig:
     except ImportError:  # pragma: no cover
         tree = dict(cfg)
     tree = dict(tree)
+    for key, hint in _RENAMED.items():
+        section, _, name = key.rpartition(".")
+        if name in (tree.get(section) or {} if section else tree):
+            raise ValueError(hint)
     top = {f.name for f in fields(RunConfig)}
     unknown = sorted(set(tree) - top - {"hydra"})
     if unknown:

@@ -45,8 +45,27 @@ def test_bad_values_fail_with_the_key_and_the_expectation(override, needle):
 def test_unknown_keys_are_refused():
     with pytest.raises(ValueError, match=r"unknown key\(s\) \['lrr'\] in learner"):
         from_hydra({"model": dict(compose([])["model"]), "learner": {"lrr": 1.0}})
-    with pytest.raises(ValueError, match="replay=True needs megatron.routing_replay=True"):
+    with pytest.raises(ValueError, match="routing.replay=r3 needs megatron.routing_replay=True"):
         from_hydra(compose(["megatron.routing_replay=false"]))
+    assert from_hydra(compose(["megatron.routing_replay=false", "routing.replay=off"])).routing.replay == "off"
+
+
+def test_keys_of_older_configs_say_what_replaced_them():
+    model = dict(compose([])["model"])
+    with pytest.raises(ValueError, match=r"routing.replay=r3\|r2\|off \(replay=true is r3"):
+        from_hydra({"model": model, "replay": True})
+    with pytest.raises(ValueError, match="algo.correction=tis algo.correction_high"):
+        from_hydra({"model": model, "algo": {"tis_clip": 2.0}})
+    with pytest.raises(ValueError, match=r"routing.replay='r1', expected one of \['r3', 'r2', 'off'\]"):
+        from_hydra(compose(["routing.replay=r1"]))
+
+
+def test_a_loss_chosen_on_the_command_line_brings_its_presets_and_explicit_values_win():
+    dapo = from_hydra(compose(["algo.loss=dapo"])).algo
+    assert (dapo.clip_ratio_high, dapo.dynamic_sampling, dapo.loss_agg) == (0.28, True, "token-mean")
+    dr = from_hydra(compose(["algo.loss=dr_grpo", "algo.normalize_std=true"])).algo
+    assert dr.normalize_std is True and dr.loss_agg == "seq-mean-token-sum-norm"
+    assert from_hydra(compose([])).algo.normalize_std is True  # grpo's preset
 
 
 def test_help_answers_without_importing_torch():

@@ -1,4 +1,12 @@
-"""The RL algorithm's settings (config group `algo`), with the names users of other trainers know."""
+"""The RL algorithm's settings (config group `algo`), with the names users of other trainers know.
+
+`algo.loss` picks a member of the GRPO family; each comes with its own preset
+for the settings its paper fixes (aggregation, std normalisation, clip range,
+dynamic sampling, overlong shaping). Those fields default to `None`, which
+means "the loss's preset" (`LOSS_PRESETS`); a value given on the command line
+overrides the preset. After construction every field holds a concrete value,
+so code reads `run.algo.normalize_std` as a plain bool.
+"""
 
 from __future__ import annotations
 
@@ -6,28 +14,97 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-LOSS_NAMES = ("grpo",)
+LOSS_NAMES = ("grpo", "dr_grpo", "dapo", "gspo", "cispo")
 """Names `algo.loss` accepts: the keys of `algo.losses.LOSSES` (kept here so configs load without torch)."""
+
+LOSS_AGG_NAMES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+"""`algo.loss_agg` (verl's `loss_agg_mode` names). `seq-mean-token-sum-norm` divides each sequence's token sum by
+the constant `rollout.max_tokens` (Dr. GRPO's constant length normalisation)."""
+
+CORRECTION_NAMES = ("none", "tis", "mis", "icepop")
+"""`algo.correction`: train-inference corrections against the rollout log-probs (algo/corrections.py)."""
+
+KL_ESTIMATORS = ("k1", "k3")
+"""`algo.kl_estimator`: estimators of KL(learner || reference) per sampled token."""
+
+LOSS_PRESETS: dict[str, dict[str, Any]] = {
+    # GRPO as this project ran it before the family existed: token-mean, symmetric clip 0.2.
+    "grpo": dict(loss_agg="token-mean", normalize_std=True, clip_ratio_low=0.2, clip_ratio_high=0.2,
+                 dynamic_sampling=False, overlong_buffer=0),
+    # Dr. GRPO (Liu et al. 2025): no std normalisation, sum over tokens divided by a constant length.
+    "dr_grpo": dict(loss_agg="seq-mean-token-sum-norm", normalize_std=False, clip_ratio_low=0.2,
+                    clip_ratio_high=0.2, dynamic_sampling=False, overlong_buffer=0),
+    # DAPO (Yu et al. 2025): clip-higher 0.2 / 0.28, token-mean, dynamic sampling, overlong shaping
+    # (its buffer is 4096 of 20480 tokens: a fifth of the budget; -1 = a fifth of rollout.max_tokens).
+    "dapo": dict(loss_agg="token-mean", normalize_std=True, clip_ratio_low=0.2, clip_ratio_high=0.28,
+                 dynamic_sampling=True, overlong_buffer=-1),
+    # GSPO (Zheng et al. 2025): sequence-level, length-normalised ratio; its paper clips it to [1-3e-4, 1+4e-4],
+    # with the ratio taken against the learner's own old log-probs. Here it is taken against the rollout log-probs,
+    # and a bf16 engine's gap alone exceeds that band: on the built-in task the preset collapsed (README, "The
+    # losses side by side"); widen the clip (e.g. 0.2 / 0.2) with a bf16 engine.
+    "gspo": dict(loss_agg="seq-mean-token-mean", normalize_std=True, clip_ratio_low=3e-4, clip_ratio_high=4e-4,
+                 dynamic_sampling=False, overlong_buffer=0),
+    # CISPO (MiniMax-M1, 2025): the importance weight is clipped above only (no lower bound) and detached.
+    "cispo": dict(loss_agg="token-mean", normalize_std=True, clip_ratio_low=0.2, clip_ratio_high=0.2,
+                  dynamic_sampling=False, overlong_buffer=0),
+}
+"""Each loss's values for the fields left `None`."""
+
+CORRECTION_PRESETS: dict[str, dict[str, float]] = {
+    "none": dict(correction_low=0.0, correction_high=0.0),
+    "tis": dict(correction_low=0.0, correction_high=2.0),      # slime tis_clip 2.0, verl threshold 2.0
+    "mis": dict(correction_low=0.0, correction_high=2.0),
+    "icepop": dict(correction_low=0.5, correction_high=5.0),   # OpenRLHF's band
+}
+"""Each correction's thresholds for the fields left `None`."""
 
 
 @dataclass(frozen=True)
 class AlgoConfig:
-    """GRPO: group size, batch, clipping, corrections, staleness."""
+    """GRPO family: loss, aggregation, clipping, corrections, KL, dynamic sampling, staleness."""
 
     loss: str = "grpo"
-    """Token-level loss (moe_grpo/algo/losses.py: LOSSES)."""
+    """Policy loss: grpo, dr_grpo, dapo, gspo or cispo (moe_grpo/algo/losses.py: LOSSES)."""
+    loss_agg: str | None = None
+    """How token losses become the batch loss: token-mean, seq-mean-token-sum, seq-mean-token-mean or
+    seq-mean-token-sum-norm (verl loss_agg_mode); null = the loss's preset."""
     group_size: int = 8
     """Completions sampled per prompt (TRL num_generations, NeMo-RL num_generations_per_prompt, slime n_samples_per_prompt)."""
     prompts_per_step: int = 32
     """Prompts whose groups make one optimizer step's batch."""
-    normalize_std: bool = True
-    """Divide group-relative advantages by the group's reward std (Dr. GRPO turns this off)."""
-    clip_ratio_low: float = 0.2
-    """Lower PPO clip: ratio >= 1 - clip_ratio_low (verl clip_ratio_low, TRL epsilon)."""
-    clip_ratio_high: float = 0.2
-    """Upper PPO clip: ratio <= 1 + clip_ratio_high (verl clip_ratio_high, TRL epsilon_high)."""
-    tis_clip: float = 2.0
-    """Truncated importance sampling: cap on the gradient weight of the learner/rollout ratio; 0 = off (slime tis_clip)."""
+    normalize_std: bool | None = None
+    """Divide group-relative advantages by the group's reward std (TRL scale_rewards); null = the loss's preset
+    (false for dr_grpo, true otherwise)."""
+    clip_ratio_low: float | None = None
+    """Lower clip: ratio >= 1 - clip_ratio_low (verl clip_ratio_low, TRL epsilon); null = the loss's preset."""
+    clip_ratio_high: float | None = None
+    """Upper clip: ratio <= 1 + clip_ratio_high (verl clip_ratio_high, TRL epsilon_high; CISPO's cap on its
+    importance weight); null = the loss's preset (0.28 for dapo, 4e-4 for gspo, 0.2 otherwise)."""
+    correction: str = "tis"
+    """Train-inference correction against the rollout log-probs: none, tis (truncate the ratio's weight at
+    correction_high), mis (mask tokens or sequences above correction_high), icepop (mask tokens whose ratio
+    leaves [correction_low, correction_high])."""
+    correction_level: str = "token"
+    """'token' or 'sequence' (the product of the sequence's token ratios); tis and mis only."""
+    correction_low: float | None = None
+    """Lower ratio bound of icepop; null = its preset (0.5)."""
+    correction_high: float | None = None
+    """Upper ratio bound of tis/mis/icepop (slime tis_clip, verl rollout_is_threshold); null = the preset
+    (2.0 for tis and mis, 5.0 for icepop)."""
+    kl_coef: float = 0.0
+    """Weight of a KL penalty to a frozen reference policy (the weights after the warm start); 0 = off.
+    On: the learner keeps a copy of its weights and runs one more forward per step."""
+    kl_estimator: str = "k3"
+    """KL penalty estimator per token: k1 = log pi - log pi_ref, k3 = r - 1 - log r with r = pi_ref / pi."""
+    dynamic_sampling: bool | None = None
+    """DAPO's dynamic sampling: drop groups whose rewards are all equal and keep sampling until the batch is full;
+    null = the loss's preset (on for dapo)."""
+    overlong_buffer: int | None = None
+    """DAPO's overlong reward shaping: completions longer than rollout.max_tokens - overlong_buffer lose up to
+    overlong_penalty linearly, those cut at max_tokens the whole of it; 0 = off, -1 = a fifth of rollout.max_tokens;
+    null = the loss's preset (-1 for dapo, 0 otherwise)."""
+    overlong_penalty: float = 1.0
+    """Reward taken from a completion cut at rollout.max_tokens by the overlong shaping."""
     max_staleness: int = 1
     """No trained token was sampled more than this many policy versions before the weights it trains
     (TRL max_staleness, PRIME-RL max_off_policy_steps, AReaL max_head_offpolicyness). 0 = on-policy."""
@@ -37,6 +114,20 @@ class AlgoConfig:
     def __post_init__(self) -> None:
         if self.loss not in LOSS_NAMES:
             raise ValueError(f"algo.loss={self.loss!r}, expected one of {sorted(LOSS_NAMES)}")
+        if self.correction not in CORRECTION_NAMES:
+            raise ValueError(f"algo.correction={self.correction!r}, expected one of {list(CORRECTION_NAMES)}")
+        # Fill the fields left None from the presets (frozen: through object.__setattr__, once).
+        for name, value in {**LOSS_PRESETS[self.loss], **CORRECTION_PRESETS[self.correction]}.items():
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, value)
+        if self.loss_agg not in LOSS_AGG_NAMES:
+            raise ValueError(f"algo.loss_agg={self.loss_agg!r}, expected one of {list(LOSS_AGG_NAMES)}")
+        if self.correction_level not in ("token", "sequence"):
+            raise ValueError(f"algo.correction_level={self.correction_level!r}, expected 'token' or 'sequence'")
+        if self.correction == "icepop" and self.correction_level != "token":
+            raise ValueError("algo.correction=icepop masks tokens; algo.correction_level must be 'token'")
+        if self.kl_estimator not in KL_ESTIMATORS:
+            raise ValueError(f"algo.kl_estimator={self.kl_estimator!r}, expected one of {list(KL_ESTIMATORS)}")
         if self.group_size < 2:
             raise ValueError(f"algo.group_size={self.group_size}, expected >= 2 (advantages are relative to the group)")
         if self.prompts_per_step < 1:
@@ -45,16 +136,39 @@ class AlgoConfig:
             v = getattr(self, name)
             if not 0 < v < 1 or not math.isfinite(v):
                 raise ValueError(f"algo.{name}={v}, expected 0 < {name} < 1")
-        if self.tis_clip != 0 and not self.tis_clip >= 1:
-            raise ValueError(f"algo.tis_clip={self.tis_clip}, expected 0 (off) or >= 1")
+        if self.correction in ("tis", "mis") and not self.correction_high >= 1:
+            raise ValueError(f"algo.correction_high={self.correction_high}, expected >= 1 for {self.correction}")
+        if self.correction == "icepop" and not 0 < self.correction_low < 1 < self.correction_high:
+            raise ValueError(f"algo.correction_low={self.correction_low}, algo.correction_high={self.correction_high}: "
+                             "icepop expects 0 < correction_low < 1 < correction_high")
+        if not self.kl_coef >= 0 or not math.isfinite(self.kl_coef):
+            raise ValueError(f"algo.kl_coef={self.kl_coef}, expected >= 0 (0 = off)")
+        if self.overlong_buffer < -1:
+            raise ValueError(f"algo.overlong_buffer={self.overlong_buffer}, expected >= 0, or -1 (a fifth of "
+                             "rollout.max_tokens)")
+        if not self.overlong_penalty >= 0:
+            raise ValueError(f"algo.overlong_penalty={self.overlong_penalty}, expected >= 0")
         if self.max_staleness < 0:
             raise ValueError(f"algo.max_staleness={self.max_staleness}, expected >= 0")
         if self.sync_every < 1:
             raise ValueError(f"algo.sync_every={self.sync_every}, expected >= 1")
 
-    def token_loss(self) -> Any:
-        """The configured loss, ready to hand to the learner."""
-        from moe_grpo.algo.losses import LOSSES
+    def overlong_buffer_tokens(self, max_tokens: int) -> int:
+        """The overlong shaping's buffer in tokens for completions of at most `max_tokens` (0 = off)."""
+        buffer = max(1, max_tokens // 5) if self.overlong_buffer == -1 else int(self.overlong_buffer)
+        if buffer > max_tokens:
+            raise ValueError(f"algo.overlong_buffer={buffer} is longer than rollout.max_tokens={max_tokens}")
+        return buffer
 
-        return LOSSES[self.loss](clip_ratio_low=self.clip_ratio_low, clip_ratio_high=self.clip_ratio_high,
-                                 tis_clip=self.tis_clip)
+    def token_loss(self, max_response_tokens: int) -> Any:
+        """The configured loss, ready to hand to the learner (`max_response_tokens`: rollout.max_tokens, the
+        constant of `seq-mean-token-sum-norm`)."""
+        from moe_grpo.algo.corrections import Correction
+        from moe_grpo.algo.losses import LOSSES, PolicyLoss
+
+        return PolicyLoss(
+            objective=LOSSES[self.loss](clip_ratio_low=self.clip_ratio_low, clip_ratio_high=self.clip_ratio_high),
+            correction=Correction(self.correction, level=self.correction_level, low=self.correction_low,
+                                  high=self.correction_high),
+            loss_agg=self.loss_agg, max_response_tokens=max_response_tokens, kl_coef=self.kl_coef,
+            kl_estimator=self.kl_estimator)

@@ -17,7 +17,8 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
-from moe_grpo.algo.losses import GRPOLoss, TokenLoss
+from moe_grpo.algo.corrections import Correction
+from moe_grpo.algo.losses import PolicyLoss, TokenLoss
 from moe_grpo.learner.batch import LearnerSequence, Microbatch, make_microbatches
 from moe_grpo.learner.config import LearnerConfig
 from moe_grpo.learner.parallel import ParallelLayout, init_distributed, ranks, seed_everything
@@ -29,6 +30,30 @@ from moe_grpo.routing.trace import RoutingTrace
 
 class NonFiniteError(FloatingPointError):
     """A loss or gradient was NaN/inf; the optimizer step was not taken."""
+
+
+REPLAY_MODES = ("r3", "r2", "off")
+"""Routing in the training forward: r3 = the engine's (the rollout trace), r2 = the learner's own, recorded in a
+no-grad forward of the batch before the training forward, off = the routers choose freely."""
+
+
+def replay_mode(replay: bool | str) -> str:
+    """`True`/`False` (the older boolean API) or a mode name -> one of `REPLAY_MODES`."""
+    if replay is True or replay is False:
+        return "r3" if replay else "off"
+    if replay not in REPLAY_MODES:
+        raise ValueError(f"replay={replay!r}, expected one of {list(REPLAY_MODES)} (or a bool: True = r3)")
+    return str(replay)
+
+
+def default_loss() -> PolicyLoss:
+    """GRPO: PPO clip 0.2 on the ratio to the rollout policy, token-level TIS at 2, token-mean."""
+    return PolicyLoss(correction=Correction("tis", high=2.0))
+
+
+SUPERVISED_LOSS = PolicyLoss(correction=Correction("none"))
+"""The warm start's loss: token-mean, no correction (without rollout log-probs the ratio is 1 and, with advantage 1,
+the gradient is the NLL's)."""
 
 
 class MegatronLearner:
@@ -69,6 +94,7 @@ class MegatronLearner:
         self.model, self.optimizer = build_ddp_and_optimizer(module, self.mconfig, config, options)
         self.replayer = RoutingReplayer(module, spec.moe_layer_pattern, recompute=options.recompute) if options.routing_replay else None
         self.step_count = 0
+        self._reference: list[torch.Tensor] | None = None
         self.before_update: list[Callable[[], None]] = []
         """Called before the optimizer changes the weights (a background weight sync still copying them waits here)."""
 
@@ -114,21 +140,30 @@ class MegatronLearner:
         return [mb.to(self.device) for mb in batches]
 
     def _run(self, microbatches: list[Microbatch], *, replay: bool, forward_only: bool, loss_fn: Any,
-             record_free: bool = False, record_used: bool = False) -> list[dict[str, Any]]:
+             record_free: bool = False, record_used: bool = False,
+             targets: list[torch.Tensor] | None = None) -> list[dict[str, Any]]:
+        """One pass of Megatron's schedule over `microbatches`.
+
+        `replay`: force each microbatch's rollout trace (`mb.routing`); `targets`: force these ids instead,
+        one `[tokens, moe_layers, topk]` tensor per microbatch in Megatron order (r2: the learner's recorded
+        routing). Either way every router call must have used them (`ReplayNotAppliedError` otherwise)."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        if replay and self.replayer is None:
+        if (replay or targets is not None) and self.replayer is None:
             raise ValueError("replay requested but the learner was built with routing_replay=False")
         rep = self.replayer
         if rep is not None:
             rep.clear()
             rep.record_free, rep.record_used = record_free, record_used
         sp_size = self.layout.tensor_parallel if self.layout.sequence_parallel else 1
+        index = {id(mb): i for i, mb in enumerate(microbatches)}
 
         def forward_step(data_iterator: Any, model: Any) -> Any:
             mb: Microbatch = next(data_iterator)
             if rep is not None:
-                if replay:
+                if targets is not None:
+                    rep.set_targets(targets[index[id(mb)]])
+                elif replay:
                     rep.set_targets(megatron_token_order(mb.routing, sp_rank=self.rank["tp"], sp_size=sp_size))
                 else:
                     rep.free_running()
@@ -147,7 +182,7 @@ class MegatronLearner:
             micro_batch_size=rows,
             forward_only=forward_only,
         )
-        if rep is not None and replay:
+        if rep is not None and (replay or targets is not None):
             rep.require_applied()
         return store if self.is_last_stage else []
 
@@ -230,7 +265,7 @@ class MegatronLearner:
                 out[key].append(RoutingTrace.from_array(ids, self.spec.num_experts))
         return out
 
-    def train_step(self, seqs: Sequence[LearnerSequence], *, replay: bool = True,
+    def train_step(self, seqs: Sequence[LearnerSequence], *, replay: bool | str = True,
                    global_num_tokens: int | None = None, loss_fn: TokenLoss | None = None,
                    policy_version: int = 0) -> dict[str, float]:
         """Zero gradients, `forward_backward` on this DP rank's sequences, `optimizer_step`."""
@@ -244,46 +279,133 @@ class MegatronLearner:
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
 
-    def forward_backward(self, seqs: Sequence[LearnerSequence], *, replay: bool = True,
+    # ------------------------------------------------------------------ reference policy (KL penalty)
+    def set_reference(self) -> None:
+        """Freeze a copy of this rank's current weights as the KL penalty's reference policy.
+
+        Costs one more copy of this rank's parameters (in their dtype), and one no-grad forward per step that
+        uses it. The copy is swapped into the live parameters for that forward (no second model, so every
+        layout and the routing replay work unchanged)."""
+        self._reference = [p.detach().clone() for p in self.module.parameters()]
+
+    @property
+    def has_reference(self) -> bool:
+        return self._reference is not None
+
+    @torch.no_grad()
+    def _reference_logprobs(self, mbs: list[Microbatch], *, replay: bool,
+                            targets: list[torch.Tensor] | None) -> list[torch.Tensor]:
+        """Log-probs of every position under the reference weights, routed as the training forward is."""
+        assert self._reference is not None
+        params = list(self.module.parameters())
+        live = [p.data for p in params]
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            for p, ref in zip(params, self._reference):
+                p.data = ref
+            store = self._run(mbs, replay=replay, targets=targets, forward_only=True,
+                              loss_fn=lambda mb, output: (output.sum() * 0.0, {"logprobs": (-output.float()).detach()}))
+        finally:
+            for p, data in zip(params, live):
+                p.data = data
+            self.model.train(was_training)
+        return [rec["logprobs"] for rec in store]
+
+    # ------------------------------------------------------------------ R2: the learner's own routing
+    @torch.no_grad()
+    def _record_own_routing(self, mbs: list[Microbatch]) -> list[torch.Tensor]:
+        """R2: route the batch freely once (no grad) and return, per microbatch, the ids every router of this
+        stage chose, as replay targets `[tokens, moe_layers, topk]` in Megatron order (this rank's tokens).
+
+        megatron-core's own `RouterReplayAction.RECORD` keeps only the last call's ids per router, so with
+        several microbatches the ids are taken from `RoutingReplayer`'s per-call record instead."""
+        assert self.replayer is not None
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            self._run(mbs, replay=False, forward_only=True, record_used=True,
+                      loss_fn=lambda mb, output: (output.sum() * 0.0, {}))
+        finally:
+            self.model.train(was_training)
+        slots = self.replayer.slots
+        if not slots:  # a pipeline stage without MoE layers has nothing to replay
+            return [torch.zeros(0, self.spec.num_moe_layers, self.spec.top_k, dtype=torch.int64) for _ in mbs]
+        out = []
+        for i in range(len(mbs)):
+            first = slots[0].used[i]
+            ids = torch.zeros(first.shape[0], self.spec.num_moe_layers, first.shape[1], dtype=torch.int64)
+            for slot in slots:
+                ids[:, slot.moe_index] = slot.used[i].to(torch.int64)
+            out.append(ids)
+        self.replayer.reset_counters()
+        return out
+
+    @staticmethod
+    def _segments(mb: Microbatch) -> torch.Tensor:
+        """Per position, the index of its sequence within the microbatch; -1 on padding."""
+        seg = torch.full(mb.input_ids.shape, -1, dtype=torch.int64, device=mb.input_ids.device)
+        for j, (_, row, start, end) in enumerate(mb.spans):
+            seg[row, start:end] = j
+        return seg
+
+    def forward_backward(self, seqs: Sequence[LearnerSequence], *, replay: bool | str = True,
                          global_num_tokens: int | None = None, loss_fn: TokenLoss | None = None,
-                         policy_version: int = 0) -> dict[str, float]:
-        """Accumulate gradients of the token-level policy loss; no optimizer step.
+                         policy_version: int = 0, global_num_sequences: int | None = None) -> dict[str, float]:
+        """Accumulate gradients of the policy loss; no optimizer step.
 
-        The loss (`loss_fn`, default `GRPOLoss()`) is a token-level mean over
-        `global_num_tokens`, the response tokens of the whole step across DP
-        ranks (all-reduced when None), so gradients do not depend on how
-        sequences are split into microbatches, ranks or calls. Sequences without
-        rollout log-probs are trained on as their own sampling policy (ratio 1:
-        with advantage 1 that is supervised fine-tuning). `policy_version` is the
-        version these weights will publish; with each sequence's `versions` it
-        gives the loss every token's staleness.
+        `replay`: 'r3' (or True) replays each sequence's rollout trace, 'r2' replays the routing this learner
+        chose in a no-grad forward of the same batch just before (one more forward), 'off' (or False) lets the
+        routers choose. The loss (`loss_fn`, default `default_loss()`) returns a numerator per microbatch that is
+        divided by the response tokens (`global_num_tokens`) or the sequences (`global_num_sequences`) of the
+        whole step across DP ranks, as its `normaliser` says (all-reduced when None), so gradients do not depend
+        on how sequences are split into microbatches, ranks or calls. Sequences without rollout log-probs are
+        trained on as their own sampling policy (ratio 1: with advantage 1 that is supervised fine-tuning).
+        `policy_version` is the version these weights will publish; with each sequence's `versions` it gives
+        the loss every token's staleness. A loss with `kl_coef > 0` needs `set_reference()` first.
 
-        When every sequence carries its rollout trace, the routers' own top-k
-        choices are recorded in the same forward (replayed or not) and compared
-        with the trace: `mismatch/router_disagreement`.
+        When every sequence carries its rollout trace, the routers' own top-k choices are recorded in the same
+        forward (replayed or not) and compared with the trace: `mismatch/router_disagreement`.
         """
         from megatron.core import parallel_state as ps
 
+        mode = replay_mode(replay)
         self.model.train()
-        loss_fn = loss_fn if loss_fn is not None else GRPOLoss()
+        loss_fn = loss_fn if loss_fn is not None else default_loss()
         have_traces = all(s.routing is not None for s in seqs)
-        mbs = self._microbatches(seqs, replay, routing=have_traces)
+        mbs = self._microbatches(seqs, mode == "r3", routing=have_traces)
         dp_size = ps.get_data_parallel_world_size()
-        if global_num_tokens is None:
-            local = torch.tensor([sum(float(mb.loss_mask.sum()) for mb in mbs)], dtype=torch.float64, device=self.device)
+        if global_num_tokens is None or global_num_sequences is None:
+            local = torch.tensor([sum(float(mb.loss_mask.sum()) for mb in mbs), float(len(seqs))],
+                                 dtype=torch.float64, device=self.device)
             torch.distributed.all_reduce(local, group=ps.get_data_parallel_group())
-            global_num_tokens = int(local.item())
+            global_num_tokens = int(local[0].item()) if global_num_tokens is None else global_num_tokens
+            global_num_sequences = int(local[1].item()) if global_num_sequences is None else global_num_sequences
         if global_num_tokens <= 0:
             raise ValueError("forward_backward got no response tokens to train on (every loss mask is empty)")
+        normaliser = getattr(loss_fn, "normaliser", "tokens")
+        denominator = global_num_tokens if normaliser == "tokens" else global_num_sequences
         have_old = all(s.old_logprobs is not None for s in seqs)
-        scale = len(mbs) * dp_size / global_num_tokens
+        targets = self._record_own_routing(mbs) if mode == "r2" else None
+        ref = None
+        if getattr(loss_fn, "kl_coef", 0.0) > 0:
+            if self._reference is None:
+                raise ValueError("the loss has a KL penalty (kl_coef > 0) but no reference policy was set; "
+                                 "call set_reference() once (after the warm start)")
+            ref = self._reference_logprobs(mbs, replay=mode == "r3", targets=targets)
+        self.model.train()
+        scale = len(mbs) * dp_size / denominator
         stat_keys = tuple(loss_fn.stat_keys)
+        mb_index = {id(mb): i for i, mb in enumerate(mbs)}
 
         def loss(mb: Microbatch, output: torch.Tensor) -> Any:
             logp = -output.float()
             old = mb.old_logprobs if have_old else logp.detach()
             staleness = (float(policy_version) - mb.versions) * mb.loss_mask
-            pg_sum, stats = loss_fn(logp, old, mb.advantages, mb.loss_mask, staleness)
+            kwargs: dict[str, Any] = {"segments": self._segments(mb)}
+            if ref is not None:
+                kwargs["ref_logprobs"] = ref[mb_index[id(mb)]].to(logp.device)
+            pg_sum, stats = loss_fn(logp, old, mb.advantages, mb.loss_mask, staleness, **kwargs)
             mismatch = torch.zeros((), dtype=torch.float64, device=logp.device)
             if have_old:  # k3 estimator of KL(rollout || learner) on response tokens
                 # float64: for |log r| ~ 1e-7 the float32 k3 terms round to exactly zero.
@@ -293,7 +415,8 @@ class MegatronLearner:
             return pg_sum * scale, {"pg_sum": pg_sum.detach(), "k3_sum": mismatch, "nll_sum": nll,
                                     **{k: stats[k].detach() for k in stat_keys}}
 
-        store = self._run(mbs, replay=replay, forward_only=False, loss_fn=loss, record_free=have_traces)
+        store = self._run(mbs, replay=mode == "r3", targets=targets, forward_only=False, loss_fn=loss,
+                          record_free=have_traces)
         keys = ("pg_sum", "k3_sum", "nll_sum") + stat_keys
         local = torch.zeros(len(keys) + 4, dtype=torch.float64, device=self.device)
         if self.is_last_stage and self.rank["tp"] == 0:
@@ -310,8 +433,9 @@ class MegatronLearner:
         sums = dict(zip(keys, local.tolist()))
         calls, replayed, differ, decisions = local[len(keys) :].tolist()
         metrics = {
-            "loss": sums["pg_sum"] / global_num_tokens,
+            "loss": sums["pg_sum"] / denominator,
             "tokens": float(global_num_tokens),
+            "sequences": float(global_num_sequences),
             "nll": sums["nll_sum"] / global_num_tokens,
             "replay/applied": replayed / calls if calls else 0.0,
             **{k: sums[k] / global_num_tokens for k in stat_keys},

@@ -32,7 +32,7 @@ class LearnerWorker:
         if run.init.megatron:  # init.hf, converted (checkpoint/hf_init.py); Megatron reshards it to this layout
             self.learner.load_checkpoint(run.init.megatron)
         self.sync = WeightSync(self.learner, SharedMemoryTransport(sync_root))
-        self.loss = run.algo.token_loss()
+        self.loss = run.algo.token_loss(run.rollout.max_tokens)
         self.ranks = ranks()
         self.rank = rank
         self._handle: Any = None
@@ -44,15 +44,20 @@ class LearnerWorker:
     def warm_start(self, batches: Sequence[Sequence[Any]]) -> list[float]:
         """Supervised steps (advantage 1, no rollout log-probs: the ratio is 1, the gradient is the NLL's).
 
-        Returns each step's mean NLL of the answer tokens."""
+        Returns each step's mean NLL of the answer tokens. With a KL penalty (`algo.kl_coef > 0`) the weights
+        after the warm start become the frozen reference policy."""
+        from moe_grpo.learner.megatron_learner import SUPERVISED_LOSS
+
         losses = []
         for seqs in batches:
-            metrics = self.learner.train_step(list(seqs), replay=False, loss_fn=self.loss)
+            metrics = self.learner.train_step(list(seqs), replay="off", loss_fn=SUPERVISED_LOSS)
             losses.append(float(metrics["nll"]))
+        if self.run.algo.kl_coef > 0:
+            self.learner.set_reference()
         return losses
 
-    def train(self, seqs: Sequence[Any], policy_version: int, replay: bool) -> dict[str, float]:
-        """One optimizer step on this data-parallel rank's share of the batch."""
+    def train(self, seqs: Sequence[Any], policy_version: int, replay: str) -> dict[str, float]:
+        """One optimizer step on this data-parallel rank's share of the batch (`replay`: r3, r2 or off)."""
         from moe_grpo.learner.megatron_learner import NonFiniteError
 
         t0 = time.perf_counter()

@@ -48,6 +48,9 @@ class _State:
     last_eval_step: int = -1
     last_eval_version: int = -1
     evals: list[tuple[int, float]] = field(default_factory=list)
+    dropped_uniform: int = 0
+    """Groups dynamic sampling dropped because all their rewards were equal."""
+    uniform_in_a_row: int = 0
 
 
 def _sampling(run: Any, tokenizer: Any, greedy: bool = False) -> Any:
@@ -88,6 +91,43 @@ def _score_group(run: Any, tokenizer: Any, example: Any, completions: list[Any],
         return None
     adv = group_relative_advantages(scores[None, :], normalize_std=run.algo.normalize_std)[0]
     return Group(example, [completions[i] for i in kept], scores.astype(np.float32), adv, engine)
+
+
+DYNAMIC_SAMPLING_PATIENCE = 10
+"""Dynamic sampling drops at most this many batches' worth of all-equal groups in a row; after that it lets them
+through (zero advantage, so they only dilute the step) with a warning, instead of sampling forever once a task is
+solved or hopeless."""
+
+
+def _shape_group(run: Any, group: Any, state: _State) -> Any:
+    """DAPO's reward-side pieces on a scored group, or None when dynamic sampling drops it (counted).
+
+    Overlong shaping changes the advantages only: `group.rewards` stay the task's, so `reward/mean` means the
+    same under every loss. Dynamic sampling drops a group whose (shaped) rewards are all equal."""
+    from moe_grpo.algo.advantages import group_relative_advantages
+    from moe_grpo.algo.shaping import carries_signal, overlong_penalty
+
+    if group is None:
+        return None
+    shaped = group.rewards.astype(np.float64)
+    buffer = run.algo.overlong_buffer_tokens(run.rollout.max_tokens)
+    if buffer:
+        lengths = np.array([len(c.token_ids) for c in group.completions])
+        shaped = shaped + overlong_penalty(lengths, max_tokens=run.rollout.max_tokens, buffer=buffer,
+                                           penalty=run.algo.overlong_penalty)
+        group.advantages = group_relative_advantages(shaped[None, :], normalize_std=run.algo.normalize_std)[0]
+    if run.algo.dynamic_sampling and not carries_signal(shaped):
+        if state.uniform_in_a_row < DYNAMIC_SAMPLING_PATIENCE * run.algo.prompts_per_step:
+            state.uniform_in_a_row += 1
+            state.dropped_uniform += 1
+            return None
+        if state.uniform_in_a_row == DYNAMIC_SAMPLING_PATIENCE * run.algo.prompts_per_step:
+            log.warning("dynamic sampling: %d groups in a row had all-equal rewards; letting such groups through "
+                        "(zero advantage) until one with signal arrives", state.uniform_in_a_row)
+            state.uniform_in_a_row += 1
+        return group
+    state.uniform_in_a_row = 0
+    return group
 
 
 def _evaluate(run: Any, pools: Any, examples: list[Any], tokenizer: Any, rewards: Any) -> tuple[float, int]:
@@ -224,8 +264,10 @@ def _loop(run: Any, pools: Any, record: Any, state: _State, tokenizer: Any, rng:
     import ray
 
     from moe_grpo.orchestrator.buffer import RolloutBuffer
+    from moe_grpo.orchestrator.watch import JumpWatch
 
     is_async = run.mode == "async"
+    watch = JumpWatch(run.routing.jump_factor, run.routing.jump_window)
     per_step = run.algo.prompts_per_step
     buffer = RolloutBuffer(per_step * (run.algo.max_staleness + 1) if is_async else per_step, run.algo.max_staleness)
     sampling = _sampling(run, tokenizer)
@@ -255,8 +297,8 @@ def _loop(run: Any, pools: Any, record: Any, state: _State, tokenizer: Any, rng:
             # batches. Starting more than those batches hold would only produce groups dropped as stale.
             horizon = (min(served.values()) + run.algo.max_staleness + 1) * per_step
             room = min(buffer.room(len(in_flight)), horizon - (admitted - wasted()))
-        else:  # sync: a whole batch, only between steps, on the newest weights
-            # (topped up when groups were lost: a dropped group would otherwise leave the batch short forever)
+        else:  # sync: a whole batch, only between steps, on the newest weights; refills what dynamic sampling
+            # dropped or a failure lost (same weights: nothing trains until the batch is full)
             room = per_step - len(buffer) if (not train_refs and not in_flight and engines_current()) else 0
         for example in source.take(max(room, 0)):
             name = min(load, key=load.get)
@@ -303,7 +345,7 @@ def _loop(run: Any, pools: Any, record: Any, state: _State, tokenizer: Any, rng:
                 train_batch = groups
                 seqs = _learner_sequences(groups)
                 t_train = time.perf_counter()
-                train_refs = [a.train.remote(seqs[i["dp"]::i["dp_size"]], trained_version, run.replay)
+                train_refs = [a.train.remote(seqs[i["dp"]::i["dp_size"]], trained_version, run.routing.replay)
                               for a, i in zip(pools.learners, pools.infos)]
         # Wake on whatever finishes first: a group, the training step, or an engine taking a version
         # (which opens admission for the next groups).
@@ -319,6 +361,7 @@ def _loop(run: Any, pools: Any, record: Any, state: _State, tokenizer: Any, rng:
                     raise RuntimeError(f"{pending.engine} failed mid-rollout: {e}") from e
                 state.generated_tokens += sum(len(c.token_ids) for c in completions)
                 group = _score_group(run, tokenizer, pending.example, completions, state, pending.engine, rewards)
+                group = _shape_group(run, group, state)
                 if group is not None:
                     buffer.put(group)
                 else:
@@ -352,11 +395,14 @@ def _loop(run: Any, pools: Any, record: Any, state: _State, tokenizer: Any, rng:
             busy = sum(s["busy_seconds"] - busy_last[n] for n, s in stats.items())
             busy_last = {n: s["busy_seconds"] for n, s in stats.items()}
             sync = ray.get(pools.learners[0].sync_metrics.remote())
-            record.log(_row(run, state, metrics, train_batch, trained_version=state.step - 1, interval=interval,
-                            train_seconds=max(r.get("train_seconds", 0.0) for r in results),
-                            infer_busy=busy / (interval * len(engines)),
-                            rollout_tokens=state.generated_tokens - tokens_at_last, sync=sync, buffer=buffer,
-                            stats=stats))
+            row = _row(run, state, metrics, train_batch, trained_version=state.step - 1, interval=interval,
+                       train_seconds=max(r.get("train_seconds", 0.0) for r in results),
+                       infer_busy=busy / (interval * len(engines)),
+                       rollout_tokens=state.generated_tokens - tokens_at_last, sync=sync, buffer=buffer, stats=stats)
+            for message in watch.update(row):
+                log.warning(message)
+            row["watch/jumps"] = float(watch.jumps)
+            record.log(row)
             tokens_at_last = state.generated_tokens
             t_last = now
     settle(block=True)
@@ -395,7 +441,11 @@ def _row(run: Any, state: _State, metrics: dict[str, float], groups: list[Any], 
         "nll": metrics.get("nll", nan),
         "grad_norm": metrics.get("grad_norm", nan),
         "clip_fraction": metrics.get("clip_fraction", nan),
-        "tis_truncated_fraction": metrics.get("tis_truncated_fraction", nan),
+        "ratio_mean": metrics.get("ratio_mean", nan),
+        "correction/truncated_fraction": metrics.get("correction/truncated_fraction", nan),
+        "correction/masked_fraction": metrics.get("correction/masked_fraction", nan),
+        "kl/reference": metrics.get("kl/reference", nan),
+        "dynamic_sampling/dropped_groups": float(state.dropped_uniform),
         "response_length/mean": float(np.mean([len(c.token_ids) for g in groups for c in g.completions])),
         "buffer/groups": float(len(buffer)),
         "buffer/dropped_stale": float(buffer.dropped_stale),

@@ -18,8 +18,10 @@ REQUIRED_KEYS = (
     "replay/applied", "staleness/mean", "staleness/max", "throughput/rollout_tokens_per_s",
     "throughput/train_tokens_per_s", "util/train_busy", "util/infer_busy", "sync/seconds", "sync/bytes",
     "eval/reward/mean", "reward/failed", "data/bad_rows",
+    "correction/truncated_fraction", "correction/masked_fraction", "kl/reference", "dynamic_sampling/dropped_groups",
+    "watch/jumps",
 )
-"""Keys on every line of metrics.jsonl (plus `faults/*`)."""
+"""Keys on every line of metrics.jsonl (plus `faults/*`); `kl/reference` is NaN unless algo.kl_coef > 0."""
 
 
 class RunRecord:

@@ -64,8 +64,11 @@ def layout_logprobs(tp: int, ep: int, pp: int, ckpt_dir: str | None, save_to: st
     return {"free": gather_by_index(idx, free), "replay": gather_by_index(idx, replayed)}
 
 
-def layout_train_step(tp: int, ep: int, pp: int, ckpt_dir: str, spec_changes: dict, learner_changes: dict):
-    """Load weights, take one replayed policy-gradient step on the global batch, return loss and new logprobs."""
+def layout_train_step(tp: int, ep: int, pp: int, ckpt_dir: str, spec_changes: dict, learner_changes: dict,
+                      algo: dict | None = None, replay: bool | str = True):
+    """Load weights, take one policy-gradient step on the global batch (`algo`: AlgoConfig fields of the loss;
+    `replay`: r3 / r2 / off), return loss and new logprobs."""
+    from moe_grpo.algo.config import AlgoConfig
     from moe_grpo.learner.megatron_learner import LearnerConfig, MegatronLearner
     from moe_grpo.learner.parallel import ParallelLayout
 
@@ -75,7 +78,8 @@ def layout_train_step(tp: int, ep: int, pp: int, ckpt_dir: str, spec_changes: di
     learner.load_checkpoint(ckpt_dir)
     seqs = make_sequences(spec, n=4)
     idx, mine = shard(seqs, learner.rank["dp"], learner.rank["dp_size"])
-    metrics = learner.train_step(mine, replay=True)
+    loss_fn = AlgoConfig(**algo).token_loss(16) if algo else None
+    metrics = learner.train_step(mine, replay=replay, loss_fn=loss_fn)
     after = learner.logprobs(mine, replay=True)
     return metrics, gather_by_index(idx, after)
 

@@ -58,3 +58,20 @@ def test_sync_mode_trains_on_policy_and_records_every_key(tmp_path):
     assert [s for s, _ in summary["evals"]] == [0, 2, 4]
     assert (tmp_path / "metrics.png").stat().st_size > 10_000
     assert any(p.name.startswith("events.out.tfevents") for p in (tmp_path / "tensorboard").iterdir())
+
+
+def test_r2_and_dapo_with_a_kl_penalty_train_and_record_their_keys(tmp_path):
+    from moe_grpo.orchestrator.loop import train
+
+    run = small_run(mode="sync", steps=3, eval_every=0,
+                    **{"routing.replay": "r2", "algo.loss": "dapo", "algo.kl_coef": 0.05})
+    assert run.algo.dynamic_sampling and run.algo.clip_ratio_high == 0.28
+    train(run, tmp_path)
+    rows = rows_of(tmp_path)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for r in rows:
+        assert not [k for k in REQUIRED_KEYS if k not in r]
+        assert r["replay/applied"] == 1.0, "r2 replays the learner's recorded routing in every router call"
+        assert 0 <= r["correction/truncated_fraction"] <= 1 and 0 <= r["correction/masked_fraction"] <= 1
+    # The reference is the warm-started weights: no distance at the first step, some after two updates.
+    assert abs(rows[0]["kl/reference"]) < 1e-6 and rows[-1]["kl/reference"] > 0

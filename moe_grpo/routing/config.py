@@ -1,0 +1,34 @@
+"""Routing settings of a run (config group `routing`): which routing the learner replays, and the jump warning."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+REPLAY_MODES = ("r3", "r2", "off")
+"""`routing.replay` (verl `router_replay.mode`: R3 / R2)."""
+
+
+@dataclass(frozen=True)
+class RoutingConfig:
+    """Routing replay mode and the early warning on router disagreement / mismatch KL."""
+
+    replay: str = "r3"
+    """Routing in the learner's training forward: 'r3' replays the engine's routing of every token (rollout
+    routing replay), 'r2' replays the learner's own routing recorded in a no-grad forward of the batch just before
+    (one more forward per step), 'off' lets the routers choose."""
+    jump_factor: float = 5.0
+    """Warn when a step's mismatch/kl or mismatch/router_disagreement exceeds this many times its running level
+    (the 90th percentile of the previous `jump_window` steps, at least a floor of 1e-3 KL / 0.05 disagreement);
+    0 = no warning."""
+    jump_window: int = 20
+    """Steps the running level is taken over (the warning starts once 5 steps are in)."""
+
+    def __post_init__(self) -> None:
+        if self.replay not in REPLAY_MODES:
+            hint = " (the old replay=true is r3, replay=false is off)" if isinstance(self.replay, bool) else ""
+            raise ValueError(f"routing.replay={self.replay!r}, expected one of {list(REPLAY_MODES)}{hint}")
+        if not self.jump_factor >= 0 or not math.isfinite(self.jump_factor) or 0 < self.jump_factor <= 1:
+            raise ValueError(f"routing.jump_factor={self.jump_factor}, expected 0 (off) or > 1")
+        if self.jump_window < 5:
+            raise ValueError(f"routing.jump_window={self.jump_window}, expected >= 5")
