@@ -11,10 +11,13 @@ gradients are reduce-scattered and the updated weights all-gathered inside
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from moe_grpo.learner.config import LearnerConfig
 from moe_grpo.models.options import MegatronOptions
+
+if TYPE_CHECKING:
+    import torch
 
 
 def place_on_gpu(module: Any, dtype: "torch.dtype") -> None:

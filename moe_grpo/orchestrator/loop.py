@@ -16,7 +16,6 @@ The two decisions a schedule makes:
 from __future__ import annotations
 
 import logging
-import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -170,7 +169,6 @@ def train(run: Any, run_dir: str | Path, *, learner_cls: type | None = None) -> 
     from moe_grpo.checkpoint import hf_init
     from moe_grpo.data.prompts import prompt_source
     from moe_grpo.data.tokenizer import load_tokenizer
-    from moe_grpo.orchestrator.buffer import RolloutBuffer
     from moe_grpo.orchestrator.pools import start_pools, start_ray, stop_pools
     from moe_grpo.orchestrator.run_record import RunRecord
     from moe_grpo.sync.transport import SharedMemoryTransport, default_root
@@ -193,7 +191,6 @@ def train(run: Any, run_dir: str | Path, *, learner_cls: type | None = None) -> 
 
         def initial_weights(learners: list[Any]) -> str:
             nonlocal warm
-            nonlocal pools
             from moe_grpo.orchestrator.pools import Pools
 
             infos = ray.get([a.info.remote() for a in learners])
@@ -278,7 +275,6 @@ def _loop(run: Any, pools: Any, record: Any, state: _State, tokenizer: Any, rng:
     served = {name: 0 for name in engines}
     train_refs: list[Any] = []
     train_batch: list[Any] = []
-    t_train = 0.0
     t_last = time.perf_counter()
     busy_last = {name: 0.0 for name in engines}
     tokens_at_last = 0
@@ -344,7 +340,6 @@ def _loop(run: Any, pools: Any, record: Any, state: _State, tokenizer: Any, rng:
             if groups is not None:
                 train_batch = groups
                 seqs = _learner_sequences(groups)
-                t_train = time.perf_counter()
                 train_refs = [a.train.remote(seqs[i["dp"]::i["dp_size"]], trained_version, run.routing.replay)
                               for a, i in zip(pools.learners, pools.infos)]
         # Wake on whatever finishes first: a group, the training step, or an engine taking a version

@@ -402,7 +402,6 @@ def _close(mm: mmap.mmap) -> None:
 
 
 def _views(buffer: object, bucket: Bucket, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    item = torch.empty(0, dtype=dtype).element_size()
     with warnings.catch_warnings():  # read-only maps: the engine side never writes through these views
         warnings.simplefilter("ignore", UserWarning)
         return {e.name: torch.frombuffer(buffer, dtype=dtype, count=e.numel, offset=e.offset).view(e.shape)
