@@ -122,11 +122,6 @@ def score(prompts: Sequence[str], completions: Sequence[str], answer: Sequence[s
     return out
 
 
-def completion_text(tokenizer: Any, token_ids: Sequence[int]) -> str:
-    """The completion up to (not including) its first stop token (<eos>)."""
-    return tokenizer.completion_text(token_ids)
-
-
 def supervised_sequences(examples: Sequence[Example], tokenizer: Any) -> list[tuple[list[int], int]]:
     """(prompt + answer + <eos> token ids, prompt length) per example: the warm start's data."""
     return [(list(e.prompt_ids) + tokenizer.encode_answer(e.answer), len(e.prompt_ids)) for e in examples]

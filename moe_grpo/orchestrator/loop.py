@@ -217,7 +217,7 @@ def train(run: Any, run_dir: str | Path, *, learner_cls: type | None = None) -> 
             state.evals.append((0, state.last_eval))
             log.info("held-out reward at step 0 (greedy, %d prompts): %.3f", len(held_out), state.last_eval)
         record = RunRecord(run_dir, run.steps)
-        published = _loop(run, pools, record, state, tokenizer, rng, held_out, source, rewards)
+        published = _loop(run, pools, record, state, tokenizer, held_out, source, rewards)
         policy_dir = export_policy(run, pools, state.step, published, run_dir)
         log.info("final policy (version %d) exported to %s", state.step, policy_dir)
     finally:
@@ -255,8 +255,8 @@ def export_policy(run: Any, pools: Any, step: int, published: int, run_dir: str)
     return ray.get(pools.learners[0].export_version.remote(step, os.path.join(run_dir, "policy")))
 
 
-def _loop(run: Any, pools: Any, record: Any, state: _State, tokenizer: Any, rng: np.random.Generator,
-          held_out: list[Any], source: Any, rewards: Any) -> int:
+def _loop(run: Any, pools: Any, record: Any, state: _State, tokenizer: Any, held_out: list[Any], source: Any,
+          rewards: Any) -> int:
     """Run the schedule; returns the last version published."""
     import ray
 

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from moe_grpo.data.tasks import TaskConfig, completion_text, eval_examples, make_examples, score
+from moe_grpo.data.tasks import TaskConfig, eval_examples, make_examples, score
 from moe_grpo.data.tokenizer import ByteTokenizer
 
 TOK = ByteTokenizer(512)
@@ -31,7 +31,7 @@ def test_partial_credit_counts_positions_over_the_longer_string():
 
 def test_completion_text_stops_at_eos_and_the_held_out_set_is_fixed():
     ids = TOK.encode("dcb", bos=False) + [TOK.eos_id] + TOK.encode("zz", bos=False)
-    assert completion_text(TOK, ids) == "dcb"
+    assert TOK.completion_text(ids) == "dcb"
     assert eval_examples(TaskConfig(), TOK) == eval_examples(TaskConfig(), TOK)
     assert all(e.prompt_ids[0] == TOK.bos_id for e in eval_examples(TaskConfig(), TOK))
 
