@@ -22,7 +22,7 @@ from moe_grpo.learner.config import LearnerConfig
 from moe_grpo.learner.parallel import ParallelLayout
 from moe_grpo.models.options import MegatronOptions
 from moe_grpo.models.spec import MoEModelSpec, spec_from_mapping
-from moe_grpo.orchestrator.config import ClusterConfig, RolloutConfig
+from moe_grpo.orchestrator.config import CheckpointConfig, ClusterConfig, RolloutConfig
 from moe_grpo.reward.config import RewardConfig
 from moe_grpo.routing.config import RoutingConfig
 
@@ -57,6 +57,8 @@ class RunConfig:
     """Start from a Hugging Face checkpoint (checkpoint/hf_init.py)."""
     routing: RoutingConfig = field(default_factory=RoutingConfig)
     """Routing replay mode (r3 / r2 / off) and the jump warning (routing/config.py)."""
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Run checkpoints: how often, how many kept (orchestrator/config.py)."""
     steps: int = 300
     """Optimizer steps the run takes."""
     mode: str = "async"
@@ -65,6 +67,9 @@ class RunConfig:
     """Supervised steps on task examples before RL, mostly to teach the answer format; part of the run."""
     eval_every: int = 25
     """Score the held-out set greedily every this many steps (and at step 0 and the last step); 0 = never."""
+    resume: bool = False
+    """Continue from the newest complete checkpoint in the run directory (`hydra.run.dir=<the run's directory>`);
+    the run's config must match the checkpoint's except for `steps`, timeouts and the learner layout."""
 
     def __post_init__(self) -> None:
         if self.routing.replay != "off" and not self.megatron.routing_replay:
@@ -105,7 +110,8 @@ class RunConfig:
 
 _SECTIONS = {"parallel": ParallelLayout, "learner": LearnerConfig, "megatron": MegatronOptions, "algo": AlgoConfig,
              "rollout": RolloutConfig, "cluster": ClusterConfig, "task": TaskConfig, "data": DataConfig,
-             "reward": RewardConfig, "init": InitConfig, "routing": RoutingConfig}
+             "reward": RewardConfig, "init": InitConfig, "routing": RoutingConfig,
+             "checkpoint": CheckpointConfig}
 
 _RENAMED = {
     "replay": "replay= was replaced by routing.replay=r3|r2|off (replay=true is r3, replay=false is off)",

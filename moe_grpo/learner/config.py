@@ -28,9 +28,14 @@ class LearnerConfig:
     """Positions per packed row; None = the longest sequence in the batch."""
     seed: int = 1234
     """Seed for weight init and any sampling inside the learner."""
+    max_skipped_in_a_row: int = 3
+    """Steps skipped in a row for a non-finite loss or gradient (each counted in `faults/steps_skipped`) before the
+    run stops with an error; a single bad batch is skipped, a learner that keeps producing NaN is not trained on."""
 
     def __post_init__(self) -> None:
         if self.lr <= 0 or not math.isfinite(self.lr):
             raise ValueError(f"lr={self.lr}, expected a positive finite number")
+        if self.max_skipped_in_a_row < 1:
+            raise ValueError(f"learner.max_skipped_in_a_row={self.max_skipped_in_a_row}, expected >= 1")
         if self.micro_batch_size < 1:
             raise ValueError(f"micro_batch_size={self.micro_batch_size}, expected >= 1")

@@ -26,7 +26,13 @@ class RolloutConfig:
     kv_cache_gib: int = 1
     """KV cache per engine on CPU (GiB)."""
     request_timeout_s: float = 120.0
-    """A group of completions not back within this many seconds fails the run, naming its engine."""
+    """A group of completions not back within this many seconds marks its engine hung: the engine is restarted and
+    its prompts resubmitted (see `max_restarts`)."""
+    max_restarts: int = 3
+    """Engine restarts allowed per engine within `restart_window_s`; one more failure stops the run, naming the
+    engine and the last checkpoint."""
+    restart_window_s: float = 3600.0
+    """The window `max_restarts` counts over (seconds)."""
 
     def __post_init__(self) -> None:
         if not self.temperature > 0 or not math.isfinite(self.temperature):
@@ -44,6 +50,10 @@ class RolloutConfig:
                              "expected >= 1")
         if not self.request_timeout_s > 0:
             raise ValueError(f"rollout.request_timeout_s={self.request_timeout_s}, expected > 0")
+        if self.max_restarts < 0:
+            raise ValueError(f"rollout.max_restarts={self.max_restarts}, expected >= 0")
+        if not self.restart_window_s > 0:
+            raise ValueError(f"rollout.restart_window_s={self.restart_window_s}, expected > 0")
 
 
 @dataclass(frozen=True)
@@ -69,8 +79,14 @@ class ClusterConfig:
     (single host only; benchmarks use it so each pool gets exactly its share)."""
     start_timeout_s: float = 600.0
     """Pools not up within this many seconds fail the run, naming the part that did not start."""
+    learner_timeout_s: float = 1800.0
+    """A learner call (training step, publish, checkpoint) not back within this many seconds stops the run, naming
+    the rank (a dead rank is named at once; a hung collective only by this timeout)."""
 
     def __post_init__(self) -> None:
+        if not self.start_timeout_s > 0 or not self.learner_timeout_s > 0:
+            raise ValueError(f"cluster.start_timeout_s={self.start_timeout_s}, cluster.learner_timeout_s="
+                             f"{self.learner_timeout_s}: expected > 0")
         if self.num_engines < 1:
             raise ValueError(f"cluster.num_engines={self.num_engines}, expected >= 1")
         if self.learner_ranks is not None and self.learner_ranks < 1:
@@ -78,3 +94,21 @@ class ClusterConfig:
         for name in ("engine_cpus", "learner_cpus", "engine_gpus", "learner_gpus"):
             if getattr(self, name) < 0:
                 raise ValueError(f"cluster.{name}={getattr(self, name)}, expected >= 0")
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """Run checkpoints (config group `checkpoint`): what `resume=true` continues from."""
+
+    every: int = 50
+    """Write a run checkpoint every this many optimizer steps (0 = only on SIGTERM / SIGUSR1 and at the end)."""
+    keep: int = 2
+    """Complete checkpoints kept in `<run dir>/checkpoints`; older ones are deleted once a newer one is whole."""
+    at_end: bool = True
+    """Write one after the last step too (what a later `steps=` increase with `resume=true` continues from)."""
+
+    def __post_init__(self) -> None:
+        if self.every < 0:
+            raise ValueError(f"checkpoint.every={self.every}, expected >= 0 (0 = only on signals and at the end)")
+        if self.keep < 1:
+            raise ValueError(f"checkpoint.keep={self.keep}, expected >= 1")

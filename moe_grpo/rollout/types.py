@@ -24,6 +24,10 @@ class SamplingSettings:
     """Longest completion."""
     stop_token_ids: tuple[int, ...] = (2,)
     """Token ids that end a completion (the project tokenizer's <eos> is 2)."""
+    seed: int | None = None
+    """Per-request sampling seed: sample k of the prompt draws from `seed + k`, so the same prompt, weights and
+    seed give the same completions whatever else the engine is doing (what a resumed run relies on to repeat an
+    uninterrupted one). None: the engine's own generator."""
 
     def __post_init__(self) -> None:
         if self.n < 1:

@@ -322,20 +322,23 @@ class VllmEngine:
             room = min(sampling.max_tokens - (len(done.token_ids) if done else 0),
                        self.max_model_len - len(prompt) - (len(done.token_ids) if done else 0))
             ids = prompt + ([int(t) for t in done.token_ids] if done else [])
-            part = await self._request(ids, sampling, room)
+            part = await self._request(ids, sampling, room, k, len(done.token_ids) if done else 0)
             done = part if done is None else join_segments(done, part)
             if part.finish_reason != "abort" or self.on_update != "abort" or room - len(part.token_ids) <= 0:
                 break
             self.stats["resubmitted"] += 1
         return done
 
-    async def _request(self, prompt: list[int], sampling: SamplingSettings, max_tokens: int) -> Completion:
+    async def _request(self, prompt: list[int], sampling: SamplingSettings, max_tokens: int, k: int = 0,
+                       offset: int = 0) -> Completion:
         from vllm import SamplingParams
 
         request_id = f"mg{next(self._ids)}"
         # The caller's stop_token_ids are the only stops (ignore_eos: the checkpoint's own eos is not added).
+        # A resubmitted segment (abort on update) gets its own seed, offset by the tokens already sampled.
+        seed = None if sampling.seed is None else (sampling.seed + k + 7919 * offset) % (2**63)
         params = SamplingParams(n=1, temperature=sampling.temperature, top_p=sampling.top_p, max_tokens=max_tokens,
-                                logprobs=0, stop_token_ids=list(sampling.stop_token_ids), ignore_eos=True)
+                                logprobs=0, stop_token_ids=list(sampling.stop_token_ids), ignore_eos=True, seed=seed)
         final, task = None, asyncio.current_task()
         self._inflight[request_id] = task
         self.stats["requests"] += 1

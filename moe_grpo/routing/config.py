@@ -23,6 +23,15 @@ class RoutingConfig:
     0 = no warning."""
     jump_window: int = 20
     """Steps the running level is taken over (the warning starts once 5 steps are in)."""
+    on_jump: str = "warn"
+    """'warn': log the jump and go on; 'rollback': a jump sustained for `jump_sustain` steps in a row restores the
+    last run checkpoint, multiplies the learning rate by `rollback_lr_factor` and continues with fresh prompts."""
+    jump_sustain: int = 2
+    """Steps in a row that must jump before `on_jump=rollback` acts (one noisy step is not a collapse)."""
+    rollback_lr_factor: float = 0.5
+    """Learning-rate multiplier applied at each rollback."""
+    max_rollbacks: int = 3
+    """Rollbacks a run may take; a jump after the last one stops the run, saying what was seen."""
 
     def __post_init__(self) -> None:
         if self.replay not in REPLAY_MODES:
@@ -30,5 +39,12 @@ class RoutingConfig:
             raise ValueError(f"routing.replay={self.replay!r}, expected one of {list(REPLAY_MODES)}{hint}")
         if not self.jump_factor >= 0 or not math.isfinite(self.jump_factor) or 0 < self.jump_factor <= 1:
             raise ValueError(f"routing.jump_factor={self.jump_factor}, expected 0 (off) or > 1")
+        if self.on_jump not in ("warn", "rollback"):
+            raise ValueError(f"routing.on_jump={self.on_jump!r}, expected 'warn' or 'rollback'")
+        if self.jump_sustain < 1 or self.max_rollbacks < 0:
+            raise ValueError(f"routing.jump_sustain={self.jump_sustain}, routing.max_rollbacks={self.max_rollbacks}: "
+                             "expected >= 1 and >= 0")
+        if not 0 < self.rollback_lr_factor <= 1:
+            raise ValueError(f"routing.rollback_lr_factor={self.rollback_lr_factor}, expected 0 < factor <= 1")
         if self.jump_window < 5:
             raise ValueError(f"routing.jump_window={self.jump_window}, expected >= 5")
