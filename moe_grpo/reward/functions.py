@@ -5,22 +5,46 @@ value that is not a finite number marks those samples failed: their reward is
 NaN, the caller counts them (`reward/failed`) and leaves them out of training.
 A function that cannot be imported is a configuration error and fails the run
 at start, naming it.
+
+Each function runs in a worker process of its own (a fresh interpreter, so it
+inherits none of the driver's Ray or torch state), started once and serving
+calls over a socket pair. A call not back within `reward.timeout_s` has its
+worker killed (with anything the worker started), so a hung function holds
+nothing: the next call gets a fresh worker, and the run ends without waiting on
+it. A worker that dies during a call (a segfault, `os._exit`) fails that call's
+samples, naming its exit code, and is replaced the same way.
 """
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
 import importlib
 import inspect
+import json
 import logging
 import math
+import os
+import pickle
+import select
+import signal
+import subprocess
+import sys
+import threading
+import time
+import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Sequence
+from multiprocessing import Pipe
+from multiprocessing.connection import Connection
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
-import numpy as np
+if TYPE_CHECKING:
+    import numpy as np
 
 log = logging.getLogger("moe_grpo")
+# numpy is imported where it is used: the workers import this module and need only the standard library.
+
+START_TIMEOUT_S = 60.0
+"""How long a worker may take to start (a fresh interpreter importing the function), on top of reward.timeout_s
+for the call itself."""
 
 
 def load_function(path: str) -> Callable[..., Any]:
@@ -69,79 +93,275 @@ class Scores:
 
     @property
     def failed(self) -> np.ndarray:
+        import numpy as np
+
         return ~np.isfinite(self.rewards)
 
 
 class Rewards:
-    """The run's reward functions (`reward.fn` / `reward.weights`), called with one timeout each."""
+    """The run's reward functions (`reward.fn` / `reward.weights`), called with one timeout each.
+
+    The functions are imported here too (a bad path fails at construction, naming it), but each is called in its
+    own worker process: all of them are sent the batch at once and each answers within `timeout_s` of its request
+    or is killed. `close()` kills the workers without waiting on any call."""
 
     def __init__(self, paths: Sequence[str], weights: Sequence[float], timeout_s: float = 30.0) -> None:
         self.functions = [RewardFunction.load(p, w) for p, w in zip(paths, weights)]
         self.timeout_s = timeout_s
         self.failures_reported = 0
         """Calls whose failure was logged (reward/scoring.py logs the first few of a run)."""
-        # Plain functions run on worker threads so a hung one can be timed out; the thread itself cannot be
-        # killed, so the pool has a few spares before new calls queue behind hung ones.
-        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="reward")
+        self._workers = [_Worker(rf.name) for rf in self.functions]
+        self._lock = threading.Lock()  # a worker serves one call at a time
+        self._closed = False
+        # Workers of a Rewards dropped without close() (or alive at interpreter exit) are killed all the same.
+        self._finalizer = weakref.finalize(self, _kill_all, self._workers)
+        for w in self._workers:  # they start while the run sets up; the first call waits for them if need be
+            w.start()
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
-
-    def _call(self, rf: RewardFunction, prompts: list[str], completions: list[str],
-              fields: Mapping[str, list[Any]]) -> Any:
-        kwargs = dict(fields) if rf.accepts is None else {k: v for k, v in fields.items() if k in rf.accepts}
-        if inspect.iscoroutinefunction(rf.fn):
-            async def bounded() -> Any:
-                return await asyncio.wait_for(rf.fn(prompts, completions, **kwargs), self.timeout_s)
-
-            try:
-                return asyncio.run(bounded())
-            except asyncio.TimeoutError as e:
-                raise TimeoutError(f"did not return within reward.timeout_s={self.timeout_s:g} s") from e
-        future = self._pool.submit(rf.fn, prompts, completions, **kwargs)
-        try:
-            result = future.result(timeout=self.timeout_s)
-        except concurrent.futures.TimeoutError as e:
-            raise TimeoutError(f"did not return within reward.timeout_s={self.timeout_s:g} s") from e
-        if inspect.isawaitable(result):  # a plain function that returned a coroutine
-            async def wait() -> Any:
-                return await asyncio.wait_for(result, self.timeout_s)
-
-            result = asyncio.run(wait())
-        return result
+        """Kills the workers (never waits on a call; safe to call twice, or from another thread mid-call)."""
+        self._closed = True
+        self._finalizer()
 
     def score(self, prompts: Sequence[str], completions: Sequence[str],
               fields: Mapping[str, Sequence[Any]] | None = None) -> Scores:
         """The weighted reward per sample; a sample is NaN (failed) when any function failed on it."""
+        import numpy as np
+
         n = len(completions)
         total = np.zeros(n, np.float64)
-        errors: list[str] = []
         cols = {k: list(v) for k, v in (fields or {}).items()}
-        for rf in self.functions:
-            try:
-                out = self._call(rf, list(prompts), list(completions), cols)
-                values = _as_floats(out, n)
-            except Exception as e:  # noqa: BLE001 - a reward failure costs its samples, not the run
-                errors.append(f"{rf.name}: {type(e).__name__}: {e}")
+        prompts, completions = list(prompts), list(completions)
+        errors: list[str | None] = [None] * len(self.functions)
+        outcomes: list[Any] = [None] * len(self.functions)
+        with self._lock:
+            deadlines: dict[int, float] = {}
+            for i, (rf, w) in enumerate(zip(self.functions, self._workers)):
+                kwargs = cols if rf.accepts is None else {k: v for k, v in cols.items() if k in rf.accepts}
+                try:
+                    if self._closed:
+                        raise RuntimeError("the reward functions were closed")
+                    w.send((prompts, completions, kwargs, n))
+                    deadlines[i] = time.monotonic() + self.timeout_s
+                except Exception as e:  # noqa: BLE001 - a reward failure costs its samples, not the run
+                    outcomes[i] = e
+            for i, deadline in deadlines.items():
+                try:
+                    outcomes[i] = self._workers[i].receive(deadline, self.timeout_s)
+                except Exception as e:  # noqa: BLE001
+                    outcomes[i] = e
+        for i, (rf, out) in enumerate(zip(self.functions, outcomes)):
+            if isinstance(out, Exception):
+                what = str(out) if isinstance(out, _CallFailed) else f"{type(out).__name__}: {out}"
+                errors[i] = f"{rf.name}: {what}"
                 total[:] = np.nan
                 continue
+            values = np.asarray(out, np.float64)
             bad = ~np.isfinite(values)
             if bad.any():
-                errors.append(f"{rf.name}: {int(bad.sum())} of {n} values not finite (NaN/inf/None)")
+                errors[i] = f"{rf.name}: {int(bad.sum())} of {n} values not finite (NaN/inf/None)"
             total += rf.weight * values
-        return Scores(total, errors)
+        return Scores(total, [e for e in errors if e is not None])
 
 
-def _as_floats(out: Any, n: int) -> np.ndarray:
+class _CallFailed(Exception):
+    """A call's failure as the worker (or its death) describes it: 'ExceptionType: message'."""
+
+
+class _Worker:
+    """One reward function's worker process: a fresh interpreter (`_serve`) that imports the function and answers
+    calls over a socket pair; killed with its process group when a call times out or the run ends, and started
+    again by the next call."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.proc: subprocess.Popen | None = None
+        self.conn: Connection | None = None
+        self.ready = False
+        self._poller: Any = None
+
+    def start(self) -> None:
+        ours, theirs = Pipe(duplex=True)  # a socket pair; the child gets its end by descriptor
+        # The worker dies with this process: it watches its parent pid, and where this is the main thread (the
+        # kernel's parent-death signal follows the thread that started the child), by PR_SET_PDEATHSIG too.
+        deathsig = threading.current_thread() is threading.main_thread()
+        try:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-c", _WORKER_MAIN, json.dumps(sys.path), str(theirs.fileno()), self.path,
+                 str(os.getpid()), "1" if deathsig else "0"],
+                stdin=subprocess.DEVNULL, pass_fds=(theirs.fileno(),), start_new_session=True)
+        finally:
+            theirs.close()
+        self.conn, self.ready = ours, False
+        self._poller = select.poll()  # kept: a Connection.poll per call costs a selector each time
+        self._poller.register(ours.fileno(), select.POLLIN)
+
+    def _readable(self, timeout_s: float) -> bool:
+        """Whether the worker has answered (or closed its end) within timeout_s."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                return bool(self._poller.poll(max(0, math.ceil((deadline - time.monotonic()) * 1000))))
+            except InterruptedError:  # pragma: no cover - Python retries EINTR itself since 3.5
+                continue
+
+    def kill(self) -> None:
+        """SIGKILL to the worker's process group (the worker and whatever it started), reaped; never blocks long."""
+        proc, conn, self.proc, self.conn, self.ready = self.proc, self.conn, None, None, False
+        if conn is not None:
+            conn.close()
+        if proc is None:
+            return
+        if proc.returncode is None:  # not reaped yet, so its pid (= its process group) is still its own
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        try:
+            proc.wait(timeout=1.0)
+        except subprocess.TimeoutExpired:  # stuck in the kernel; the kill lands when it can
+            pass
+
+    def send(self, request: tuple) -> None:
+        payload = pickle.dumps(request, pickle.HIGHEST_PROTOCOL)  # an unpicklable row field fails here, not later
+        for attempt in (0, 1):
+            if self.conn is None:
+                self.start()
+            if not self.ready:
+                self._wait_ready()
+            try:
+                self.conn.send_bytes(payload)
+                return
+            except OSError:
+                if attempt == 0:  # it died between calls (its end is closed): the call never started; a fresh one
+                    self.kill()
+                    continue
+                self._died("while taking the call")
+
+    def receive(self, deadline: float, timeout_s: float) -> list[float]:
+        conn = self.conn
+        if conn is None:  # closed by another thread mid-call
+            raise RuntimeError("the reward functions were closed")
+        try:
+            if not self._readable(max(0.0, deadline - time.monotonic())):
+                self.kill()
+                raise _CallFailed(f"TimeoutError: did not return within reward.timeout_s={timeout_s:g} s "
+                                  f"(its worker process was killed; the next call starts a fresh one)")
+            status, value = pickle.loads(conn.recv_bytes())
+        except (EOFError, OSError):
+            if self.conn is None:
+                raise RuntimeError("the reward functions were closed") from None
+            self._died("during the call")
+        if status == "err":
+            raise _CallFailed(value)
+        return value
+
+    def _wait_ready(self) -> None:
+        try:
+            if not self._readable(START_TIMEOUT_S):
+                self.kill()
+                raise _CallFailed(f"RewardWorkerError: its worker process did not start within {START_TIMEOUT_S:g} s")
+            status, value = pickle.loads(self.conn.recv_bytes())
+        except (EOFError, OSError):
+            self._died("while starting")
+        if status != "ready":
+            self.kill()
+            raise _CallFailed(f"RewardWorkerError: its worker process could not load it: {value}")
+        self.ready = True
+
+    def _died(self, when: str) -> None:
+        proc = self.proc
+        code = None
+        if proc is not None:
+            try:
+                code = proc.wait(timeout=2.0)
+            except subprocess.TimeoutExpired:
+                pass
+        self.kill()
+        if code is None:
+            how = "closed its connection"
+        elif code < 0:
+            try:
+                how = f"was killed by signal {signal.Signals(-code).name} (exit code {code})"
+            except ValueError:
+                how = f"exited with code {code}"
+        else:
+            how = f"exited with code {code}"
+        raise _CallFailed(f"RewardWorkerDied: its worker process {how} {when} (the next call starts a fresh one)")
+
+
+def _kill_all(workers: list[_Worker]) -> None:
+    for w in workers:
+        w.kill()
+
+
+_WORKER_MAIN = ("import json, sys; sys.path[:] = json.loads(sys.argv[1]); "
+                "from moe_grpo.reward.functions import _serve; _serve(*sys.argv[2:])")
+"""What a worker runs: the driver's sys.path (so it imports what the driver imports), then `_serve`."""
+
+
+def _serve(fd: str, path: str, parent: str, deathsig: str) -> None:
+    """A worker's life: load the function, then answer (prompts, completions, kwargs, n) with ('ok', floats) or
+    ('err', 'Type: message') until the driver closes its end (or dies)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the driver's to handle; it kills the workers
+    parent_pid = int(parent)
+    if deathsig == "1":
+        try:
+            import ctypes
+
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG (Linux)
+        except Exception:  # noqa: BLE001 - not Linux: the watcher thread below still notices
+            pass
+    if os.getppid() != parent_pid:
+        os._exit(1)
+
+    def watch_parent() -> None:
+        while True:
+            time.sleep(1.0)
+            if os.getppid() != parent_pid:
+                os._exit(1)
+
+    threading.Thread(target=watch_parent, name="watch-parent", daemon=True).start()
+    conn = Connection(int(fd))
+    try:
+        fn = load_function(path)
+    except BaseException as e:  # noqa: BLE001 - told to the driver, which names the function
+        conn.send_bytes(pickle.dumps(("err", f"{type(e).__name__}: {e}")))
+        os._exit(1)
+    conn.send_bytes(pickle.dumps(("ready", None)))
+    loop = None
+    while True:
+        try:
+            request = conn.recv_bytes()
+        except (EOFError, OSError):
+            os._exit(0)
+        try:
+            prompts, completions, kwargs, n = pickle.loads(request)
+            out = fn(prompts, completions, **kwargs)
+            if inspect.isawaitable(out):  # an async function (or a plain one that returned a coroutine)
+                if loop is None:
+                    import asyncio
+
+                    loop = asyncio.new_event_loop()  # the worker's own, kept across calls
+                    asyncio.set_event_loop(loop)
+                out = loop.run_until_complete(out)
+            reply = ("ok", _as_floats(out, n))
+        except BaseException as e:  # noqa: BLE001 - SystemExit too: a reward failure costs its samples
+            reply = ("err", f"{type(e).__name__}: {e}")
+        conn.send_bytes(pickle.dumps(reply, pickle.HIGHEST_PROTOCOL))
+
+
+def _as_floats(out: Any, n: int) -> list[float]:
+    """The n values as floats; one that is None or not a number is NaN."""
     if isinstance(out, (str, bytes)) or not hasattr(out, "__len__"):
         raise TypeError(f"returned {type(out).__name__}, expected a list of {n} floats")
     if len(out) != n:
         raise ValueError(f"returned {len(out)} values for {n} completions")
-    values = np.full(n, np.nan)
-    for i, v in enumerate(out):
+    values = []
+    for v in out:
         try:
             f = float(v) if v is not None else math.nan
         except (TypeError, ValueError):
             f = math.nan
-        values[i] = f
+        values.append(f)
     return values
