@@ -1,7 +1,7 @@
 """Entry point: `python -m moe_grpo.train model=deepseek_moe [overrides...]`.
 
 Composes the Hydra config, converts it once into `RunConfig`, and hands it to
-the driver (`orchestrator/loop.py`). Heavy libraries (torch, Ray, vLLM,
+the driver (`orchestrator/driver.py`). Heavy libraries (torch, Ray, vLLM,
 megatron-core) are imported only after the config is composed, so `--help`
 and config errors answer at once.
 """
@@ -23,13 +23,20 @@ def main(cfg: DictConfig) -> None:
     from omegaconf import OmegaConf
 
     from moe_grpo.config import from_hydra
-    from moe_grpo.orchestrator.loop import train
+    from moe_grpo.orchestrator.driver import train
 
     run = from_hydra(cfg)
     run_dir = HydraConfig.get().runtime.output_dir
     with open(f"{run_dir}/config.yaml", "w") as f:
         f.write(OmegaConf.to_yaml(cfg, resolve=True))
     summary = train(run, run_dir)
+    if summary["stopped"]:
+        global _exit_code
+        _exit_code = 128 + 15  # what a shell reports for SIGTERM: schedulers see the run did not finish
+        print(f"[moe_grpo] stopped by {summary['stopped']} after step {summary['steps']}; checkpoint "
+              f"{summary['checkpoint']}; continue with the same command and resume=true hydra.run.dir={run_dir}",
+              file=sys.stderr)
+        return
     print(f"[moe_grpo] {summary['steps']} steps in {summary['seconds'] / 60:.1f} min ({run.mode}); held-out reward "
           f"{summary['eval_start']:.3f} at step 0 -> {summary['eval_end']:.3f} at the end; record in {run_dir}",
           file=sys.stderr)

@@ -35,7 +35,7 @@ import tempfile
 
 def run_mode(mode: str, args: argparse.Namespace) -> list[dict]:
     from moe_grpo.config import from_hydra, load_model_spec
-    from moe_grpo.orchestrator.loop import train
+    from moe_grpo.orchestrator.driver import train
 
     tree = {"model": dataclasses.asdict(load_model_spec("deepseek_moe")), "mode": mode, "steps": args.steps,
             "warm_start_steps": 0, "eval_every": 0,

@@ -1,6 +1,6 @@
 """Routing modes (r3 / r2 / off) or losses side by side on the built-in task, a bf16 engine and an fp32 learner.
 
-Each arm is one full training run through the driver (`orchestrator.loop.train`,
+Each arm is one full training run through the driver (`orchestrator.driver.train`,
 `mode=sync`, so the only train-inference gap is the engine's: bf16 weights and
 CPU kernels against the fp32 Megatron learner, not staleness), with the same
 budget: warm start, RL steps, batch, evaluation schedule. Per run it keeps the
@@ -30,7 +30,7 @@ import time
 
 def run_one(args: argparse.Namespace, *, replay: str, loss: str, seed: int, run_dir: str) -> dict:
     from moe_grpo.config import from_hydra, load_model_spec
-    from moe_grpo.orchestrator.loop import train
+    from moe_grpo.orchestrator.driver import train
 
     tree = {"model": dataclasses.asdict(load_model_spec(args.model)), "mode": "sync", "steps": args.steps,
             "warm_start_steps": args.warm_start, "eval_every": args.eval_every,

@@ -25,9 +25,17 @@ class PromptSource:
 
     held_out: list[Example]
     bad: list[BadRow]
+    rng: np.random.Generator
 
     def take(self, n: int) -> list[Example]:
         raise NotImplementedError
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where the source stands (its generator's state, and a dataset's place in its shuffled pass)."""
+        return {"rng": self.rng.bit_generator.state}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.rng.bit_generator.state = state["rng"]
 
     @property
     def bad_rows(self) -> int:
@@ -75,6 +83,16 @@ class DatasetPrompts(PromptSource):
                 self._order = list(self.rng.permutation(len(self.train)))
             out.append(self.train[self._order.pop()])
         return out
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "order": [int(i) for i in self._order], "rows": len(self.train)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("rows", len(self.train)) != len(self.train):
+            raise ValueError(f"data.train_path now has {len(self.train)} usable rows, the checkpoint's run had "
+                             f"{state['rows']}; resume with the same dataset")
+        super().load_state_dict(state)
+        self._order = list(state.get("order", []))
 
 
 def required_fields(run: Any) -> list[str]:

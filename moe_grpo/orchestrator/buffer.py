@@ -76,6 +76,25 @@ class RolloutBuffer:
         self.dropped_stale += dropped
         return dropped
 
+    def state_dict(self) -> dict[str, Any]:
+        """Every group with its completions (tokens, log-probs, per-token versions, routing traces)."""
+        return {"groups": list(self._groups), "dropped_stale": self.dropped_stale}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        groups = list(state["groups"])
+        if len(groups) > self.capacity:
+            raise OverflowError(f"the checkpoint's buffer holds {len(groups)} groups, this run's capacity is "
+                                f"{self.capacity} (algo.prompts_per_step x (algo.max_staleness + 1)); resume with the "
+                                "checkpoint's algo settings")
+        self._groups = deque(groups)
+        self.dropped_stale = int(state["dropped_stale"])
+
+    def clear(self) -> int:
+        """Drop every group (a rollback: they were sampled by weights that are gone); returns how many."""
+        n = len(self._groups)
+        self._groups.clear()
+        return n
+
     def take(self, n: int, trained_version: int) -> list[Group] | None:
         """`n` groups (oldest first) fit to train weights of `trained_version`, or None if fewer are ready."""
         self.drop_stale(trained_version)

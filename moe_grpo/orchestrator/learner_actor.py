@@ -86,6 +86,23 @@ class LearnerWorker:
         self._collect()
         return dict(self._last_report)
 
+    def save_run_state(self, directory: str) -> None:
+        """This rank's part of a run checkpoint (weights, optimizer, learning rate, KL reference, RNG); a
+        collective: every rank is called. Waits for a background publish still reading the weights."""
+        if self._handle is not None:
+            self._handle.wait()
+        self.learner.save_run_state(directory)
+
+    def load_run_state(self, directory: str, lr: float | None = None) -> int:
+        """Load a run checkpoint written at any layout; `lr` replaces the saved learning rate (a rollback lowers
+        it). Returns the learner's step count."""
+        if self._handle is not None:
+            self._handle.wait()
+        self.learner.load_run_state(directory)
+        if lr is not None:
+            self.learner.set_lr(lr)
+        return int(self.learner.step_count)
+
     def export_version(self, version: int, directory: str) -> str:
         """Rank 0: write a published version as a model directory an engine starts from (with the tokenizer of
         `init.hf` when the run started from a checkpoint)."""

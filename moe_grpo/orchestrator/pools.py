@@ -10,14 +10,42 @@ from typing import Any
 
 
 @dataclass
+class EngineFactory:
+    """Starts the engine actor of one placement bundle (at start, and again when an engine's actor died)."""
+
+    run: Any
+    run_dir: str
+    sync_root: str
+    model_dir: str
+    """The model directory engines start from (version 0)."""
+    placement_group: Any
+
+    def __call__(self, bundle: int) -> Any:
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        from moe_grpo.orchestrator.engine_actor import EngineWorker
+
+        c = self.run.cluster
+        strategy = PlacementGroupSchedulingStrategy(placement_group=self.placement_group,
+                                                    placement_group_bundle_index=bundle)
+        return ray.remote(EngineWorker).options(
+            num_cpus=c.engine_cpus, num_gpus=c.engine_gpus, scheduling_strategy=strategy, max_concurrency=10_000,
+        ).remote(f"engine{bundle}", self.model_dir, self.run.model, self.run.rollout, self.run_dir, self.sync_root,
+                 _cores(c, bundle, c.engine_cpus, 0), self.run.seed + bundle)
+
+
+@dataclass
 class Pools:
     engines: list[tuple[str, Any]]
-    """(name, actor handle) per vLLM engine."""
+    """(name, actor handle) per vLLM engine, as started."""
     learners: list[Any]
     """Actor handle per learner rank, rank order."""
     infos: list[dict[str, Any]]
     """Per learner rank: its Megatron coordinates (dp, dp_size, ...)."""
     placement_group: Any
+    make_engine: EngineFactory | None = None
+    """Starts a replacement engine actor in a given bundle."""
 
     @property
     def dp_size(self) -> int:
@@ -72,7 +100,6 @@ def start_pools(run: Any, run_dir: str, sync_root: str, model_dir_fn: Any, learn
     from ray.util.placement_group import placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    from moe_grpo.orchestrator.engine_actor import EngineWorker
     from moe_grpo.orchestrator.learner_actor import LearnerWorker
 
     c = run.cluster
@@ -99,30 +126,28 @@ def start_pools(run: Any, run_dir: str, sync_root: str, model_dir_fn: Any, learn
         raise RuntimeError(f"learner ranks did not start within {c.start_timeout_s:.0f} s "
                            f"(rendezvous {addr}:{port}, world size {world})") from e
     model_dir = model_dir_fn(learners)
-    engine_cls = ray.remote(EngineWorker)
-    engines = []
-    for i in range(c.num_engines):
-        name = f"engine{i}"
-        handle = engine_cls.options(num_cpus=c.engine_cpus, num_gpus=c.engine_gpus, scheduling_strategy=at(i),
-                                    max_concurrency=10_000).remote(
-            name, model_dir, run.model, run.rollout, run_dir, sync_root, _cores(c, i, c.engine_cpus, 0), run.seed + i)
-        engines.append((name, handle))
+    make_engine = EngineFactory(run, run_dir, sync_root, model_dir, pg)
+    engines = [(f"engine{i}", make_engine(i)) for i in range(c.num_engines)]
     t0 = time.perf_counter()
     for name, handle in engines:
         try:
             ray.get(handle.pid.remote(), timeout=max(1.0, c.start_timeout_s - (time.perf_counter() - t0)))
         except ray.exceptions.GetTimeoutError as e:
             raise RuntimeError(f"{name} (vLLM) did not start within {c.start_timeout_s:.0f} s") from e
-    return Pools(engines, learners, infos, pg)
+    return Pools(engines, learners, infos, pg, make_engine)
 
 
-def stop_pools(pools: Pools | None) -> None:
+def stop_pools(pools: Pools | None, engines: list[Any] | None = None) -> None:
+    """Shut the engines down (`engines`: the handles now serving, replacements included), then Ray."""
     import ray
 
-    if pools is not None:
-        for _, handle in pools.engines:
-            try:
-                ray.get(handle.shutdown.remote(), timeout=30)
-            except Exception:
-                pass
+    handles = engines if engines is not None else [h for _, h in pools.engines] if pools is not None else []
+    refs = []
+    for handle in handles:
+        try:
+            refs.append(handle.shutdown.remote())
+        except Exception:  # noqa: BLE001 - a dead actor has nothing left to shut down
+            pass
+    if refs:
+        ray.wait(refs, num_returns=len(refs), timeout=30)
     ray.shutdown()

@@ -19,20 +19,35 @@ REQUIRED_KEYS = (
     "throughput/train_tokens_per_s", "util/train_busy", "util/infer_busy", "sync/seconds", "sync/bytes",
     "eval/reward/mean", "reward/failed", "data/bad_rows",
     "correction/truncated_fraction", "correction/masked_fraction", "kl/reference", "dynamic_sampling/dropped_groups",
-    "watch/jumps",
+    "watch/jumps", "watch/rollbacks", "faults/engine_restarts", "faults/requests_resubmitted", "faults/requests_lost",
+    "faults/steps_skipped",
 )
-"""Keys on every line of metrics.jsonl (plus `faults/*`); `kl/reference` is NaN unless algo.kl_coef > 0."""
+"""Keys on every line of metrics.jsonl; `kl/reference` is NaN unless algo.kl_coef > 0."""
 
 
 class RunRecord:
     """Writes one step at a time; `close()` draws the PNG."""
 
-    def __init__(self, run_dir: str | Path, total_steps: int, *, progress: bool = True) -> None:
+    def __init__(self, run_dir: str | Path, total_steps: int, *, progress: bool = True,
+                 resume_step: int | None = None) -> None:
+        """`resume_step`: continue the record of a run resumed from the checkpoint of that step (rows written after
+        it, by the process that was interrupted, are dropped: the resumed run writes those steps again)."""
         self.dir = Path(run_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.path = self.dir / "metrics.jsonl"
-        self._file = open(self.path, "a")
         self.rows: list[dict[str, float]] = []
+        if resume_step is not None and self.path.exists():
+            for line in self.path.read_text().splitlines():
+                try:
+                    row = json.loads(line)
+                except ValueError:  # the interrupted process's last line may be cut short
+                    continue
+                if row.get("step", 0) <= resume_step:
+                    self.rows.append(row)
+            tmp = self.path.with_name(self.path.name + ".tmp")
+            tmp.write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in self.rows))
+            tmp.replace(self.path)
+        self._file = open(self.path, "a")
         self._tb: Any = None
         try:
             from torch.utils.tensorboard import SummaryWriter
@@ -44,7 +59,8 @@ class RunRecord:
         if progress:
             from tqdm import tqdm
 
-            self._bar = tqdm(total=total_steps, desc="train", unit="step", dynamic_ncols=True, file=sys.stderr)
+            self._bar = tqdm(total=total_steps, initial=len(self.rows), desc="train", unit="step", dynamic_ncols=True,
+                             file=sys.stderr)
 
     def log(self, row: dict[str, float]) -> None:
         missing = [k for k in REQUIRED_KEYS if k not in row]
@@ -105,3 +121,63 @@ def plot(rows: list[dict[str, float]], path: Path) -> Path:
     fig.savefig(path, dpi=90)
     plt.close(fig)
     return path
+
+
+def step_row(run: Any, state: Any, metrics: dict[str, float], groups: list[Any], *, trained_version: int,
+             interval: float, train_seconds: float, infer_busy: float, rollout_tokens: int, sync: dict[str, float],
+             buffer: Any, engines: Any, abort_resubmits: float) -> dict[str, float]:
+    """One optimizer step's line of metrics.jsonl, from the learner's metrics and the driver's state."""
+    import numpy as np
+
+    rewards = np.concatenate([g.rewards for g in groups])
+    stale = np.concatenate([trained_version - c.versions for g in groups for c in g.completions])
+    train_tokens = sum(len(c.prompt_ids) + len(c.token_ids) - 1 for g in groups for c in g.completions)
+    nan = float("nan")
+    return {
+        "step": state.step,
+        "policy_version": state.step,
+        "reward/mean": float(rewards.mean()),
+        "reward/std": float(rewards.std()),
+        "mismatch/kl": metrics.get("mismatch/kl", nan),
+        "mismatch/router_disagreement": metrics.get("mismatch/router_disagreement", nan),
+        "replay/applied": metrics.get("replay/applied", nan),
+        "staleness/mean": float(stale.mean()),
+        "staleness/max": float(stale.max()),
+        "throughput/rollout_tokens_per_s": rollout_tokens / interval,
+        "throughput/train_tokens_per_s": train_tokens / max(train_seconds, 1e-9),
+        "util/train_busy": min(1.0, train_seconds / interval),
+        "util/infer_busy": min(1.0, infer_busy),
+        "sync/seconds": sync.get("sync/seconds", 0.0),
+        "sync/bytes": sync.get("sync/bytes", 0.0),
+        "eval/reward/mean": state.last_eval,
+        "eval/step": float(state.last_eval_step),
+        "eval/policy_version": float(state.last_eval_version),
+        "reward/failed": float(state.reward_failed),
+        "data/bad_rows": float(state.bad_rows),
+        "loss": metrics.get("loss", nan),
+        "nll": metrics.get("nll", nan),
+        "grad_norm": metrics.get("grad_norm", nan),
+        "clip_fraction": metrics.get("clip_fraction", nan),
+        "ratio_mean": metrics.get("ratio_mean", nan),
+        "correction/truncated_fraction": metrics.get("correction/truncated_fraction", nan),
+        "correction/masked_fraction": metrics.get("correction/masked_fraction", nan),
+        "kl/reference": metrics.get("kl/reference", nan),
+        "dynamic_sampling/dropped_groups": float(state.dropped_uniform),
+        "response_length/mean": float(np.mean([len(c.token_ids) for g in groups for c in g.completions])),
+        "buffer/groups": float(len(buffer)),
+        "buffer/dropped_stale": float(buffer.dropped_stale),
+        "faults/engine_restarts": float(engines.restarts),
+        "faults/requests_resubmitted": float(engines.requests_resubmitted),
+        "faults/requests_lost": float(state.requests_lost),
+        "faults/steps_skipped": float(state.steps_skipped),
+        "faults/sync_failures": float(engines.sync_failures),
+        "rollout/resubmitted": abort_resubmits,
+        "watch/rollbacks": float(state.rollbacks),
+        "watch/discarded_groups": float(state.discarded_groups),
+        "learner/lr_scale": float(state.lr_scale),
+        "resume/from_step": float(state.resumed_from),
+        "resume/requests_resubmitted": float(state.resume_resubmitted),
+        "resume/buffered_groups": float(state.resume_buffered_groups),
+        "time/step_seconds": interval,
+        "time/train_seconds": train_seconds,
+    }

@@ -1,4 +1,4 @@
-"""An early warning: router disagreement or mismatch KL jumping well above its running level.
+"""An early warning (and, on request, a guard): router disagreement or mismatch KL jumping above its running level.
 
 Rollout routing replay exists because, without it, MoE RL runs can collapse: the
 learner's routing drifts from the engine's, the train-inference KL grows, and
@@ -9,12 +9,16 @@ running level, the 90th percentile of the previous `window` steps (a high
 percentile, because in async mode one-version-stale steps regularly show more
 mismatch than fresh ones, and those are not news), and names the step when the
 value exceeds `factor` times that level and an absolute floor.
+
+`in_a_row` counts consecutive steps with a jump; the driver's collapse guard
+(`routing.on_jump=rollback`) acts when it reaches `routing.jump_sustain`.
 """
 
 from __future__ import annotations
 
 import math
 from collections import deque
+from typing import Any
 
 import numpy as np
 
@@ -33,6 +37,8 @@ class JumpWatch:
         self.history = {key: deque(maxlen=window) for key in WATCHED}
         self.jumps = 0
         """Warnings issued so far."""
+        self.in_a_row = 0
+        """Consecutive steps (up to the last one seen) with at least one jump."""
 
     def update(self, row: dict[str, float]) -> list[str]:
         messages = []
@@ -52,4 +58,16 @@ class JumpWatch:
                         "is an early sign of the train-inference drift that routing replay (routing.replay=r3) "
                         "is meant to prevent")
             past.append(float(value))
+        self.in_a_row = self.in_a_row + 1 if messages else 0
         return messages
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"history": {k: list(v) for k, v in self.history.items()}, "jumps": self.jumps,
+                "in_a_row": self.in_a_row}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for key, values in state["history"].items():
+            if key in self.history:
+                self.history[key].clear()
+                self.history[key].extend(values)
+        self.jumps, self.in_a_row = int(state["jumps"]), int(state["in_a_row"])

@@ -65,7 +65,7 @@ def hf_run(hf, cache, layout, **extra):
 def test_run_from_a_transformers_checkpoint_trains_exports_and_vllm_serves_the_export(
         checkpoints, kind, layout, tmp_path, caplog, monkeypatch):
     from export_check import served_vs_learner
-    from moe_grpo.orchestrator.loop import train
+    from moe_grpo.orchestrator.driver import train
 
     paths, root = checkpoints
     gsm8k = kind == "qwen3_moe" and layout == "EP=2"

@@ -32,7 +32,7 @@ def rows_of(run_dir):
 
 
 def test_with_a_slow_learner_no_trained_token_is_older_than_max_staleness(tmp_path):
-    from moe_grpo.orchestrator.loop import train
+    from moe_grpo.orchestrator.driver import train
     from slow_learner import SlowLearner
 
     run = small_run(**{"algo.max_staleness": 1, "eval_every": 0, "steps": 5})
@@ -45,7 +45,7 @@ def test_with_a_slow_learner_no_trained_token_is_older_than_max_staleness(tmp_pa
 
 
 def test_sync_mode_trains_on_policy_and_records_every_key(tmp_path):
-    from moe_grpo.orchestrator.loop import train
+    from moe_grpo.orchestrator.driver import train
 
     summary = train(small_run(mode="sync", steps=4, eval_every=2), tmp_path)
     rows = rows_of(tmp_path)
@@ -61,7 +61,7 @@ def test_sync_mode_trains_on_policy_and_records_every_key(tmp_path):
 
 
 def test_r2_and_dapo_with_a_kl_penalty_train_and_record_their_keys(tmp_path):
-    from moe_grpo.orchestrator.loop import train
+    from moe_grpo.orchestrator.driver import train
 
     run = small_run(mode="sync", steps=3, eval_every=0,
                     **{"routing.replay": "r2", "algo.loss": "dapo", "algo.kl_coef": 0.05})

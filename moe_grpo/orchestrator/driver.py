@@ -1,0 +1,631 @@
+"""The driver: runs the schedule, owns no model. `mode=sync` and `mode=async` share every line but two decisions.
+
+    prompts -> engine pool (tokens, log-probs, per-token versions, routing traces)
+            -> rewards, group-relative advantages -> RolloutBuffer (bounded, staleness-checked)
+            -> learner actors (routing replayed, GRPO step) -> weight sync -> engines (version + 1)
+
+One pass of the schedule: `admit` prompts, `collect` what came back, `start_step`
+when a batch is ready, and when a step finishes `finish_step`, `publish`, `evaluate`,
+`log`, `guard` (the collapse guard) and `checkpoint`. Everything a run needs to go
+on lives in objects the `Driver` owns (`RunState`, `EnginePool`, `RolloutBuffer`,
+the prompt source, `JumpWatch`), each with `state_dict()` / `load_state_dict()`;
+a run checkpoint (run_checkpoint.py) saves them with the learner's state.
+
+The two decisions a schedule makes:
+- when new prompts may be sent: async whenever the buffer has room (engines
+  never idle for the learner); sync only when nothing is training and the
+  engines serve the newest weights;
+- how a new version is published: async in the background, overlapped with the
+  next step, engines taking it between forward passes; sync in the foreground,
+  waiting until every engine serves it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import random
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from moe_grpo.orchestrator.engine_pool import EngineFailedError, EnginePool, EngineSlot, Request
+from moe_grpo.orchestrator.state import RunState
+
+log = logging.getLogger("moe_grpo")
+
+RESUME_MUST_MATCH = ("model", "algo", "task", "data", "reward", "mode", "routing.replay", "rollout.max_tokens",
+                     "rollout.temperature", "rollout.top_p", "learner.seed", "init")
+"""Config a resumed run must share with its checkpoint (what the saved buffer, prompts and optimizer mean)."""
+
+
+class LearnerFailedError(RuntimeError):
+    """A learner rank died or did not answer in time; names the rank and the last checkpoint."""
+
+
+class Stopped(Exception):
+    """The run was asked to stop (SIGTERM) and has written its checkpoint."""
+
+
+class Driver:
+    """The schedule and the state it runs on."""
+
+    def __init__(self, run: Any, run_dir: str, pools: Any, tokenizer: Any, source: Any, rewards: Any,
+                 state: RunState) -> None:
+        from moe_grpo.orchestrator.buffer import RolloutBuffer
+        from moe_grpo.orchestrator.groups import sampling_settings
+        from moe_grpo.orchestrator.watch import JumpWatch
+
+        self.run, self.run_dir, self.pools = run, run_dir, pools
+        self.tokenizer, self.source, self.rewards, self.state = tokenizer, source, rewards, state
+        self.is_async = run.mode == "async"
+        per_step = run.algo.prompts_per_step
+        self.buffer = RolloutBuffer(per_step * (run.algo.max_staleness + 1) if self.is_async else per_step,
+                                    run.algo.max_staleness)
+        self.watch = JumpWatch(run.routing.jump_factor, run.routing.jump_window)
+        self.engines = EnginePool([EngineSlot(name, i, handle) for i, (name, handle) in enumerate(pools.engines)],
+                                  run.rollout, pools.make_engine, run.cluster.start_timeout_s)
+        self.greedy = sampling_settings(run, tokenizer, greedy=True)
+        self.record: Any = None
+        self.epoch = 0
+        """Bumped by a rollback: requests sent before it are thrown away when they return."""
+        self.train_refs: list[Any] = []
+        self.train_batch: list[Any] = []
+        self.train_started = 0.0
+        self.eval_results: dict[int, Any] = {}
+        self.last_checkpoint: Path | None = None
+        self.due: str | None = None
+        """Why a checkpoint is owed at the next step boundary ('SIGTERM', 'SIGUSR1'), or None."""
+        self.stop_after_checkpoint = False
+        self.t_last = time.perf_counter()
+        self.busy_last: dict[str, float] = {}
+        self.tokens_at_last = 0
+
+    # ------------------------------------------------------------------ the schedule
+    def run_schedule(self) -> None:
+        """Take optimizer steps until `steps`; returns with every engine serving the last published version."""
+        import ray
+
+        self.t_last = time.perf_counter()
+        self.tokens_at_last = self.state.generated_tokens
+        while self.state.step < self.run.steps:
+            if self.due and not self.train_refs:
+                self.checkpoint(self.due)
+            self.admit()
+            self.start_step()
+            ready, _ = ray.wait(self.engines.refs() + self.train_refs, num_returns=1, timeout=1.0)
+            self.collect(ready)
+            self.engines.check_hung()
+            self.engines.settle(block=False)
+            if self.step_done():
+                metrics = self.finish_step()
+                self.publish(metrics)
+                self.evaluate_if_due()
+                row = self.log(metrics)
+                self.guard(row)
+                if self.run.checkpoint.every and self.state.step % self.run.checkpoint.every == 0:
+                    self.due = self.due or "every"
+                if self.due:
+                    self.checkpoint(self.due)
+        self.engines.settle(block=True)
+
+    def admit(self) -> None:
+        """Send prompts: first those to send again (failed engine, resume), then new ones where there is room."""
+        from moe_grpo.orchestrator.groups import prompt_seed
+
+        self.admit_retries()
+        if not self.engines.up():
+            return
+        per_step = self.run.algo.prompts_per_step
+        in_flight = self.engines.in_flight_count("train")
+        if self.is_async:
+            # AReaL's admission rule: a group started now samples at version >= the engines' oldest, and is
+            # trainable up to version (that + max_staleness), i.e. by the first (that + max_staleness + 1)
+            # batches. Starting more than those batches hold would only produce groups dropped as stale.
+            oldest = min((s.served for s in self.engines.up()), default=self.state.published)
+            horizon = (oldest + self.run.algo.max_staleness + 1) * per_step
+            room = min(self.buffer.room(in_flight), horizon - (self.state.admitted - self._wasted()))
+        else:  # sync: a whole batch, only between steps, on the newest weights; refills what dynamic sampling
+            # dropped or a failure lost (same weights: nothing trains until the batch is full)
+            idle = not self.train_refs and self.engines.all_current()
+            room = per_step - len(self.buffer) - in_flight if idle else 0
+        for example in self.source.take(max(room, 0)):
+            request = Request("train", example, prompt_seed(self.run, self.state.admitted), epoch=self.epoch)
+            self.state.admitted += 1
+            if not self.engines.submit(request, self._sampling(request)):
+                self.engines.retry.append(request)
+
+    def _sampling(self, request: Request) -> Any:
+        from moe_grpo.orchestrator.groups import sampling_settings
+
+        return self.greedy if request.kind == "eval" else sampling_settings(self.run, self.tokenizer,
+                                                                            seed=request.seed)
+
+    def _wasted(self) -> int:
+        """Admitted groups that will never be trained on (dropped stale, lost, discarded): their slots are free."""
+        return self.buffer.dropped_stale + self.state.lost_groups + self.state.discarded_groups
+
+    def collect(self, ready: list[Any]) -> None:
+        """Score finished groups into the buffer; hand weight loads, restarts and failures to the engine pool."""
+        from moe_grpo.orchestrator.groups import score_group, shape_group
+
+        for ref in ready:
+            if ref in self.train_refs:
+                continue
+            out = self.engines.result(ref)
+            if out is None:
+                continue
+            request, engine, completions = out
+            if request.epoch != self.epoch:  # sampled by weights a rollback threw away
+                self.state.discarded_groups += request.kind == "train"
+                if request.kind == "eval":
+                    self.engines.retry.append(dataclasses.replace(request, epoch=self.epoch))
+                continue
+            if request.kind == "eval":
+                self.eval_results[request.index] = completions[0]
+                continue
+            self.state.generated_tokens += sum(len(c.token_ids) for c in completions)
+            group = score_group(self.run, self.tokenizer, request.example, completions, self.state, engine,
+                                self.rewards)
+            group = shape_group(self.run, group, self.state)
+            if group is not None:
+                self.buffer.put(group)
+            else:
+                self.state.lost_groups += 1
+
+    def start_step(self) -> None:
+        """Hand the learner ranks the next batch, if none is training and the buffer holds one."""
+        from moe_grpo.orchestrator.groups import learner_sequences
+
+        if self.train_refs:
+            return
+        groups = self.buffer.take(self.run.algo.prompts_per_step, self.state.step)
+        if groups is None:
+            return
+        self.train_batch = groups
+        seqs = learner_sequences(groups)
+        self.train_refs = [a.train.remote(seqs[i["dp"]::i["dp_size"]], self.state.step, self.run.routing.replay)
+                           for a, i in zip(self.pools.learners, self.pools.infos)]
+        self.train_started = time.monotonic()
+
+    def step_done(self) -> bool:
+        """Whether the training step in flight has finished on every rank; a dead or hung rank stops the run."""
+        import ray
+
+        if not self.train_refs:
+            return False
+        done, _ = ray.wait(self.train_refs, num_returns=len(self.train_refs), timeout=0)
+        for ref in done:  # a dead rank is named at once, before the others time out in their collectives
+            self._learner_result(ref, self.train_refs.index(ref), f"step {self.state.step + 1}")
+        if len(done) == len(self.train_refs):
+            return True
+        if time.monotonic() - self.train_started > self.run.cluster.learner_timeout_s:
+            late = [r for r, ref in enumerate(self.train_refs) if ref not in done]
+            raise LearnerFailedError(f"learner rank(s) {late} did not finish step {self.state.step + 1} within "
+                                     f"cluster.learner_timeout_s={self.run.cluster.learner_timeout_s:.0f} s (a hung "
+                                     f"collective?); {self._checkpoint_hint()}")
+        return False
+
+    def finish_step(self) -> dict[str, float]:
+        """The finished step's metrics (rank 0's); a skipped step is counted, too many in a row stop the run."""
+        import ray
+
+        results = ray.get(self.train_refs)
+        self.train_refs = []
+        self.state.step += 1
+        metrics = dict(results[0])
+        metrics["train_seconds"] = max(r.get("train_seconds", 0.0) for r in results)
+        if metrics.get("skipped"):
+            self.state.steps_skipped += 1
+            self.state.skipped_in_a_row += 1
+            log.warning("step %d skipped: %s", self.state.step, metrics.get("error"))
+            limit = self.run.learner.max_skipped_in_a_row
+            if self.state.skipped_in_a_row >= limit:
+                raise RuntimeError(f"{self.state.skipped_in_a_row} steps in a row (through step {self.state.step}) "
+                                   f"had a non-finite loss or gradient (learner.max_skipped_in_a_row={limit}); "
+                                   f"last: {metrics.get('error')}; {self._checkpoint_hint()}")
+        else:
+            self.state.skipped_in_a_row = 0
+        return metrics
+
+    def publish(self, metrics: dict[str, float]) -> None:
+        """Every `sync_every` steps: the learner ranks publish the step's weights, the engines are offered them."""
+        if metrics.get("skipped") or self.state.step % self.run.algo.sync_every:
+            return
+        self.state.published = self.state.step
+        self.learners_call("publish", self.state.published, self.is_async, what=f"publishing {self.state.published}")
+        self.engines.offer(self.state.published)
+        if not self.is_async:
+            self.engines.settle(block=True)
+
+    def evaluate_if_due(self) -> None:
+        every, step = self.run.eval_every, self.state.step
+        if every and self.source.held_out and (step % every == 0 or step == self.run.steps):
+            self.evaluate()
+
+    def evaluate(self) -> None:
+        """Greedy reward on the held-out set, spread over the engines (groups keep arriving meanwhile)."""
+        import ray
+
+        from moe_grpo.reward.scoring import score_held_out
+
+        examples = self.source.held_out
+        self.eval_results = {}
+        for i, example in enumerate(examples):
+            request = Request("eval", example, index=i, epoch=self.epoch)
+            if not self.engines.submit(request, self.greedy):
+                self.engines.retry.append(request)
+        while len(self.eval_results) < len(examples):
+            self.admit_retries()
+            refs = self.engines.refs()
+            ready = ray.wait(refs, num_returns=1, timeout=1.0)[0] if refs else []
+            self.collect(ready)
+            self.engines.check_hung()
+            self.engines.settle(block=False)
+        outs = [self.eval_results[i] for i in range(len(examples))]
+        self.state.last_eval = score_held_out(self.rewards, self.tokenizer, examples, [o.token_ids for o in outs])
+        self.state.last_eval_version = int(min(int(o.versions.min()) if len(o.versions) else 0 for o in outs))
+        self.state.last_eval_step = self.state.step
+        self.state.evals.append((self.state.step, self.state.last_eval))
+        log.info("held-out reward at step %d (greedy, %d prompts): %.3f", self.state.step, len(examples),
+                 self.state.last_eval)
+
+    def admit_retries(self) -> None:
+        while self.engines.retry and self.engines.up():
+            request = self.engines.retry.popleft()
+            if request.epoch == self.epoch:
+                self.engines.submit(request, self._sampling(request))
+
+    def log(self, metrics: dict[str, float]) -> dict[str, float]:
+        """The step's line of the run record (the jump watch reads it first)."""
+        import ray
+
+        from moe_grpo.orchestrator.run_record import step_row
+
+        now = time.perf_counter()
+        interval = max(now - self.t_last, 1e-9)
+        busy, abort_resubmits = 0.0, 0.0
+        for slot in self.engines.up():
+            try:
+                stats = ray.get(slot.handle.stats.remote(), timeout=10)
+            except Exception:  # noqa: BLE001 - a failing engine is the pool's business, not the record's
+                continue
+            busy += max(0.0, stats["busy_seconds"] - self.busy_last.get(slot.name, 0.0))
+            self.busy_last[slot.name] = stats["busy_seconds"]
+            abort_resubmits += stats.get("resubmitted", 0.0)
+        sync = self.learners_call("sync_metrics", what="reading sync metrics")[0]
+        row = step_row(self.run, self.state, metrics, self.train_batch, trained_version=self.state.step - 1,
+                       interval=interval, train_seconds=metrics["train_seconds"],
+                       infer_busy=busy / (interval * len(self.engines.slots)),
+                       rollout_tokens=self.state.generated_tokens - self.tokens_at_last, sync=sync,
+                       buffer=self.buffer, engines=self.engines, abort_resubmits=abort_resubmits)
+        for message in self.watch.update(row):
+            log.warning(message)
+        row["watch/jumps"] = float(self.watch.jumps)
+        self.record.log(row)
+        self.tokens_at_last = self.state.generated_tokens
+        self.t_last = now
+        return row
+
+    # ------------------------------------------------------------------ the collapse guard
+    def guard(self, row: dict[str, float]) -> None:
+        """`routing.on_jump=rollback`: a jump sustained for `jump_sustain` steps restores the last checkpoint."""
+        cfg = self.run.routing
+        if cfg.on_jump != "rollback" or self.watch.in_a_row < cfg.jump_sustain:
+            return
+        seen = (f"mismatch/kl {row.get('mismatch/kl', float('nan')):.3g}, mismatch/router_disagreement "
+                f"{row.get('mismatch/router_disagreement', float('nan')):.3g} jumped for {self.watch.in_a_row} steps "
+                f"in a row through step {self.state.step}")
+        if self.state.rollbacks >= cfg.max_rollbacks:
+            raise RuntimeError(f"collapse guard: {seen}, after {self.state.rollbacks} rollback(s) "
+                               f"(routing.max_rollbacks={cfg.max_rollbacks}); stopping. {self._checkpoint_hint()}")
+        if self.last_checkpoint is None:
+            raise RuntimeError(f"collapse guard: {seen}, and there is no checkpoint to roll back to yet "
+                               "(checkpoint.every); stopping")
+        from moe_grpo.orchestrator import run_checkpoint
+
+        t0 = time.perf_counter()
+        self.state.rollbacks += 1
+        self.state.lr_scale *= cfg.rollback_lr_factor
+        lr = self.run.learner.lr * self.state.lr_scale
+        self.learners_call("load_run_state", str(self.last_checkpoint / "learner"), lr,
+                           what=f"rollback to {self.last_checkpoint.name}")
+        saved = run_checkpoint.load_driver_state(self.last_checkpoint)
+        self.watch.load_state_dict(saved["watch"])
+        self.epoch += 1  # what is in flight was sampled by the weights being thrown away
+        self.state.discarded_groups += self.buffer.clear()
+        self.engines.retry = type(self.engines.retry)(r for r in self.engines.retry if r.kind != "train")
+        # The restored weights go out as the current step's version (versions only grow), fresh prompts follow.
+        self.state.published = self.state.step
+        self.learners_call("publish", self.state.published, False, what=f"publishing {self.state.published}")
+        self.engines.offer(self.state.published)
+        self.engines.settle(block=True)
+        log.warning("collapse guard: %s; restored %s, learning rate now %.3g (x%g), continuing with fresh prompts "
+                    "(rollback %d of at most %d, %.1f s)", seen, self.last_checkpoint.name, lr,
+                    cfg.rollback_lr_factor, self.state.rollbacks, cfg.max_rollbacks, time.perf_counter() - t0)
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """The driver's part of a run checkpoint (the learner ranks write theirs alongside)."""
+        engines = self.engines.state_dict()
+        engines["requests"] = [r for r in engines["requests"] if r.kind == "train" and r.epoch == self.epoch]
+        return {"run_state": self.state.state_dict(), "buffer": self.buffer.state_dict(),
+                "source": self.source.state_dict(), "engines": engines, "watch": self.watch.state_dict(),
+                "rng": {"python": random.getstate(), "numpy": np.random.get_state()},
+                "config": dataclasses.asdict(self.run)}
+
+    def load_state_dict(self, saved: dict[str, Any]) -> None:
+        self.state.load_state_dict(saved["run_state"])
+        self.buffer.load_state_dict(saved["buffer"])
+        self.source.load_state_dict(saved["source"])
+        self.watch.load_state_dict(saved["watch"])
+        random.setstate(saved["rng"]["python"])
+        np.random.set_state(saved["rng"]["numpy"])
+        requests = [dataclasses.replace(r, epoch=0) for r in saved["engines"]["requests"]]
+        self.engines.load_state_dict({**saved["engines"], "requests": requests})
+        self.state.resume_resubmitted = len(requests)
+        self.state.resume_buffered_groups = len(self.buffer)
+        self.state.resumed_from = self.state.step
+        self.state.published = self.state.step  # the resumed learner published its weights as this step's version
+
+    def checkpoint(self, reason: str) -> Path:
+        """Write a run checkpoint of the current step (no training step may be in flight)."""
+        from moe_grpo.orchestrator import run_checkpoint
+
+        assert not self.train_refs, "a checkpoint is taken between steps"
+        t0 = time.perf_counter()
+        tmp = run_checkpoint.begin(self.run_dir, self.state.step)
+        self.learners_call("save_run_state", str(tmp / "learner"), what=f"checkpoint of step {self.state.step}")
+        meta = {"step": self.state.step, "reason": reason, "learner_ranks": len(self.pools.learners),
+                "parallel": dataclasses.asdict(self.run.parallel), "written": time.strftime("%Y-%m-%dT%H:%M:%S")}
+        self.last_checkpoint = run_checkpoint.finish(tmp, self.state_dict(), meta, self.run.checkpoint.keep)
+        log.info("checkpoint of step %d written to %s (%.1f s%s)", self.state.step, self.last_checkpoint,
+                 time.perf_counter() - t0, "" if reason == "every" else f", on {reason}")
+        self.due = None
+        if self.stop_after_checkpoint:
+            raise Stopped(reason)
+        return self.last_checkpoint
+
+    def _checkpoint_hint(self) -> str:
+        if self.last_checkpoint is None:
+            return "no run checkpoint was written yet"
+        return f"last checkpoint: {self.last_checkpoint} (resume=true continues from it)"
+
+    # ------------------------------------------------------------------ learner calls
+    def learners_call(self, method: str, *args: Any, what: str) -> list[Any]:
+        """Call `method` on every learner rank and wait, naming a rank that died or did not answer in time."""
+        import ray
+
+        refs = [getattr(a, method).remote(*args) for a in self.pools.learners]
+        deadline = time.monotonic() + self.run.cluster.learner_timeout_s
+        pending = list(refs)
+        while pending:
+            done, pending = ray.wait(pending, num_returns=len(pending), timeout=1.0)
+            for ref in done:
+                self._learner_result(ref, refs.index(ref), what)
+            if pending and time.monotonic() > deadline:
+                late = [refs.index(r) for r in pending]
+                raise LearnerFailedError(f"learner rank(s) {late} did not finish {what} within "
+                                         f"cluster.learner_timeout_s={self.run.cluster.learner_timeout_s:.0f} s; "
+                                         f"{self._checkpoint_hint()}")
+        return ray.get(refs)
+
+    def _learner_result(self, ref: Any, rank: int, what: str) -> Any:
+        import ray
+
+        try:
+            return ray.get(ref)
+        except ray.exceptions.RayActorError as e:
+            pid = self.pools.infos[rank].get("pid", "?")
+            raise LearnerFailedError(f"learner rank {rank} (pid {pid}) died during {what}; "
+                                     f"{self._checkpoint_hint()}") from e
+        except ray.exceptions.RayTaskError as e:
+            raise LearnerFailedError(f"learner rank {rank} failed during {what}: {str(e).strip().splitlines()[-1]}; "
+                                     f"{self._checkpoint_hint()}") from e
+
+    # ------------------------------------------------------------------ signals
+    def on_signal(self, signum: int) -> None:
+        """SIGUSR1: checkpoint at the next step boundary and go on; SIGTERM: checkpoint there, then stop."""
+        name = signal.Signals(signum).name
+        self.due = name
+        if signum == signal.SIGTERM:
+            self.stop_after_checkpoint = True
+        log.warning("%s received: %s at the end of step %d", name,
+                    "checkpointing and stopping" if signum == signal.SIGTERM else "checkpointing",
+                    self.state.step + (1 if self.train_refs else 0))
+
+
+def check_resumable(run: Any, saved_config: dict[str, Any]) -> None:
+    """Refuse a resume whose config changes what the checkpoint's buffer, prompts and optimizer mean."""
+    now = dataclasses.asdict(run)
+    changed = []
+    for key in RESUME_MUST_MATCH:
+        section, _, name = key.partition(".")
+        a, b = now.get(section), saved_config.get(section)
+        if name:
+            a, b = (a or {}).get(name), (b or {}).get(name)
+        if a != b:
+            changed.append(key)
+    if changed:
+        raise ValueError(f"resume=true: the config differs from the checkpoint's in {changed}; a resumed run must "
+                         f"keep {list(RESUME_MUST_MATCH)} (steps, timeouts, cluster and the learner layout may change)")
+
+
+def _warm_start(run: Any, learners: list[Any], infos: list[dict[str, Any]], tokenizer: Any, source: Any) -> list[float]:
+    import ray
+
+    from moe_grpo.data.tasks import supervised_sequences
+    from moe_grpo.learner.batch import LearnerSequence
+
+    batches = []
+    for _ in range(run.warm_start_steps):
+        pairs = supervised_sequences(source.take(run.algo.prompts_per_step), tokenizer)
+        batches.append([LearnerSequence(np.asarray(t), prompt_len=p, advantage=1.0) for t, p in pairs])
+    if not batches:
+        return []
+    shares = [[b[i["dp"]::i["dp_size"]] for b in batches] for i in infos]
+    return ray.get([a.warm_start.remote(s) for a, s in zip(learners, shares)])[0]
+
+
+@dataclasses.dataclass
+class InitialWeights:
+    """What the learner ranks do before the engines start: warm start (fresh run) or load (resume), then publish
+    the weights the engines start from and write the model directory they load."""
+
+    run: Any
+    run_dir: str
+    tokenizer: Any
+    source: Any
+    state: RunState
+    resume_from: Path | None = None
+
+    def __call__(self, learners: list[Any]) -> str:
+        import ray
+
+        from moe_grpo.checkpoint import hf_init
+
+        infos = ray.get([a.info.remote() for a in learners])
+        t0 = time.perf_counter()
+        if self.resume_from is not None:
+            lr = self.run.learner.lr * self.state.lr_scale
+            ray.get([a.load_run_state.remote(str(self.resume_from / "learner"), lr) for a in learners])
+            version = self.state.step
+            log.info("resume: learner state of step %d loaded in %.1f s", version, time.perf_counter() - t0)
+        else:
+            version = 0
+            self.state.warm_start_loss = _warm_start(self.run, learners, infos, self.tokenizer, self.source)
+            warm = self.state.warm_start_loss
+            if warm:
+                log.info("warm start: %d supervised steps in %.1fs, answer NLL %.3f -> %.3f", len(warm),
+                         time.perf_counter() - t0, warm[0], warm[-1])
+        self.state.published = version
+        ray.get([a.publish.remote(version, False) for a in learners])
+        if self.run.init.hf and not self.state.warm_start_loss and self.resume_from is None:
+            return str(hf_init.engine_dir(self.run.init.hf, self.run.model, os.path.join(self.run_dir, "model_v0")))
+        return ray.get(learners[0].export_version.remote(version, os.path.join(self.run_dir, f"model_v{version}")))
+
+
+def train(run: Any, run_dir: str | Path, *, learner_cls: type | None = None) -> dict[str, Any]:
+    """Run `run.steps` optimizer steps (from the newest checkpoint with `run.resume`); returns a summary.
+
+    `learner_cls`: a `LearnerWorker` subclass to run instead (tests inject slow or failing learners)."""
+    import shutil
+
+    from moe_grpo.checkpoint import hf_init
+    from moe_grpo.data.prompts import prompt_source
+    from moe_grpo.data.tokenizer import load_tokenizer
+    from moe_grpo.orchestrator import run_checkpoint
+    from moe_grpo.orchestrator.pools import start_pools, start_ray, stop_pools
+    from moe_grpo.orchestrator.run_record import RunRecord
+    from moe_grpo.sync.transport import SharedMemoryTransport, default_root
+
+    t_start = time.perf_counter()
+    run_dir = str(Path(run_dir).resolve())
+    tokenizer = load_tokenizer(run.model, run.init.hf)
+    source = prompt_source(run, tokenizer, np.random.default_rng(run.seed), run_dir)  # bad rows reported here
+    state = RunState(bad_rows=source.bad_rows)
+    saved, resume_from = None, None
+    if run.resume:
+        found = run_checkpoint.newest_valid(run_dir)
+        if found is None:
+            log.info("resume=true: no complete checkpoint in %s; starting from the beginning", run_dir)
+        else:
+            resume_from = found[0]
+            saved = run_checkpoint.load_driver_state(resume_from)
+            check_resumable(run, saved["config"])
+            state.load_state_dict(saved["run_state"])  # step and lr_scale, for the learner ranks' start
+            log.info("resume: continuing from %s (step %d of %d)", resume_from, state.step, run.steps)
+    rewards = _rewards(run)
+    run = hf_init.prepare(run, run_dir)  # init.hf: the learner's converted checkpoint (cached next to the run)
+    sync_root = os.path.join(default_root(), f"run-{os.getpid()}-{int(time.time())}")
+    SharedMemoryTransport(sync_root)  # created (private) before any actor opens it
+    pools, driver = None, None
+    previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1)}
+    stopped = None
+    try:
+        start_ray(run.cluster, run_dir)
+        _install_signals(lambda: driver)  # after Ray, whose own SIGTERM handler would exit without cleaning up
+        t0 = time.perf_counter()
+        initial = InitialWeights(run, run_dir, tokenizer, source, state, resume_from)
+        pools = start_pools(run, run_dir, sync_root, initial, learner_cls)
+        log.info("pools up in %.0fs: %d engine(s), %d learner rank(s) (%.2fM parameters on rank 0)",
+                 time.perf_counter() - t0, len(pools.engines), len(pools.learners), pools.infos[0]["parameters"] / 1e6)
+        driver = Driver(run, run_dir, pools, tokenizer, source, rewards, state)
+        driver.last_checkpoint = resume_from
+        if saved is not None:
+            driver.load_state_dict(saved)
+            log.info("resume: %d buffered group(s) restored, %d prompt(s) that were in flight sent again",
+                     state.resume_buffered_groups, state.resume_resubmitted)
+        driver.engines.offer(state.published)
+        driver.engines.settle(block=True)
+        if run.eval_every and not source.held_out:
+            log.info("no held-out set (data.eval_path is not set): no evaluation")
+        if run.eval_every and source.held_out and resume_from is None:
+            driver.evaluate()
+        driver.record = RunRecord(run_dir, run.steps, resume_step=state.step if resume_from is not None else None)
+        try:
+            driver.run_schedule()
+        except Stopped as e:
+            stopped = str(e)
+        if stopped is None:
+            if run.checkpoint.at_end and (driver.last_checkpoint is None
+                                          or driver.last_checkpoint.name != run_checkpoint.step_name(state.step)):
+                driver.checkpoint("end")
+            policy_dir = export_policy(driver)
+            log.info("final policy (version %d) exported to %s", state.step, policy_dir)
+    except EngineFailedError as e:
+        raise EngineFailedError(f"{e}; {driver._checkpoint_hint() if driver else 'no run checkpoint was written'}") from e
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        rewards.close()
+        if driver is not None and driver.record is not None:
+            png = driver.record.close()
+            if png:
+                log.info("plots: %s", png)
+        stop_pools(pools, list(driver.engines.handles().values()) if driver is not None else None)
+        shutil.rmtree(sync_root, ignore_errors=True)
+    engines = driver.engines
+    return {"steps": state.step, "eval_start": state.evals[0][1] if state.evals else float("nan"),
+            "eval_end": state.evals[-1][1] if state.evals else float("nan"), "evals": state.evals,
+            "warm_start_loss": state.warm_start_loss, "seconds": time.perf_counter() - t_start, "run_dir": run_dir,
+            "policy_dir": os.path.join(run_dir, "policy"), "reward_failed": state.reward_failed,
+            "bad_rows": state.bad_rows, "stopped": stopped,
+            "checkpoint": str(driver.last_checkpoint) if driver.last_checkpoint else None,
+            "faults": {"requests_lost": state.requests_lost, "steps_skipped": state.steps_skipped,
+                       "sync_failures": engines.sync_failures, "engine_restarts": engines.restarts,
+                       "requests_resubmitted": engines.requests_resubmitted, "rollbacks": state.rollbacks}}
+
+
+def _install_signals(driver_of: Any) -> None:
+    """SIGTERM / SIGUSR1 (what SLURM sends before preemption) -> a checkpoint at the next step boundary. Before the
+    schedule runs there is nothing to checkpoint: SIGTERM then stops the start-up at once (cleanly)."""
+
+    def handler(signum: int, frame: Any) -> None:
+        driver = driver_of()
+        if driver is not None and driver.record is not None:
+            driver.on_signal(signum)
+        elif signum == signal.SIGTERM:
+            raise KeyboardInterrupt(f"{signal.Signals(signum).name} during start-up")
+
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGUSR1, handler)
+
+
+def _rewards(run: Any) -> Any:
+    from moe_grpo.reward.functions import Rewards
+
+    return Rewards(*run.reward.resolved(run.task.name), timeout_s=run.reward.timeout_s)
+
+
+def export_policy(driver: Driver) -> str:
+    """The final weights as an HF directory vLLM serves (`run_dir/policy`, with the checkpoint's tokenizer)."""
+    step = driver.state.step
+    if driver.state.published != step:  # the last steps were not published (sync_every, or a skipped step)
+        driver.learners_call("publish", step, False, what=f"publishing {step}")
+    return driver.learners_call("export_version", step, os.path.join(driver.run_dir, "policy"),
+                                what="exporting the policy")[0]

@@ -1,0 +1,307 @@
+"""The inference pool as the driver sees it: engine handles, their load, served versions, requests in flight.
+
+Every request the driver sends goes through `EnginePool.submit` and comes
+back through `EnginePool.result`; that is how a failed engine is noticed and
+repaired in one place:
+
+- a request whose engine died (its vLLM process or its Ray actor) or hung
+  (no answer within `rollout.request_timeout_s`) fails; its prompt goes back
+  on the retry queue (`requests_resubmitted`), and the engine is restarted in
+  its placement bundle: the vLLM engine inside the actor when the actor lives,
+  a new actor in the same bundle when it does not;
+- a restarted engine gets no work until it serves the newest published
+  version (it restarts on the version it served, then takes the newest);
+- an engine that fails more than `rollout.max_restarts` times within
+  `rollout.restart_window_s` stops the run (`EngineFailedError`, naming it).
+
+"Offer a version to the engines" lives here too (`offer` / `settle`): every
+engine not already loading one is asked to load it between forward passes;
+an engine that fails to load keeps its version and is offered the next.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+log = logging.getLogger("moe_grpo")
+
+
+class EngineFailedError(RuntimeError):
+    """An engine failed more often than `rollout.max_restarts` allows; names the engine and its last failure."""
+
+
+@dataclass
+class Request:
+    """One prompt the driver wants sampled: `kind` 'train' (a group) or 'eval' (one greedy completion)."""
+
+    kind: str
+    example: Any
+    seed: int | None = None
+    index: int = 0
+    """For 'eval': the example's position in the held-out set."""
+    epoch: int = 0
+    """The driver's rollback count when it was sent (results of an older epoch are thrown away)."""
+
+
+@dataclass
+class _InFlight:
+    request: Request
+    engine: str
+    generation: int
+    submitted: float
+
+
+@dataclass
+class EngineSlot:
+    """One engine: its actor, the version it serves, and its health."""
+
+    name: str
+    bundle: int
+    """Placement-group bundle the engine lives in (a replacement actor goes to the same one)."""
+    handle: Any
+    served: int = 0
+    load: int = 0
+    """Requests in flight on it."""
+    generation: int = 0
+    """Restarts so far: a request's failure restarts the engine only if it was sent to the current generation."""
+    status: str = "up"
+    """'up' (takes work), 'restarting' (vLLM or the actor starting again), 'catching_up' (loading the newest
+    version before it takes work)."""
+    pending: tuple[str, Any, float] | None = None
+    """(what, ref, since) of a restart, replacement or catch-up load in progress."""
+    applying: tuple[int, Any] | None = None
+    """(version, ref) of a weight load offered while up (requests keep running)."""
+    catching_up_to: int = 0
+    """The version a 'catching_up' engine is loading."""
+    failures: deque = field(default_factory=deque)
+    """Times of recent failures (for `max_restarts` within `restart_window_s`)."""
+    last_failure: str = ""
+
+
+class EnginePool:
+    """The engines, what runs on them, and their repair."""
+
+    def __init__(self, slots: list[EngineSlot], rollout: Any, make_engine: Callable[[int], Any],
+                 start_timeout_s: float) -> None:
+        self.slots = {s.name: s for s in slots}
+        self.rollout, self.make_engine, self.start_timeout_s = rollout, make_engine, start_timeout_s
+        self.in_flight: dict[Any, _InFlight] = {}
+        self.retry: deque[Request] = deque()
+        """Requests to send again (their engine failed, or they were in flight at checkpoint time)."""
+        self.published = 0
+        self.restarts = 0
+        self.requests_resubmitted = 0
+        self.sync_failures = 0
+
+    # ------------------------------------------------------------------ state a checkpoint keeps
+    def state_dict(self) -> dict[str, Any]:
+        """What a resumed run needs: the requests that were in flight (sent again after resume), the counters."""
+        pending = [f.request for f in self.in_flight.values()] + list(self.retry)
+        return {"requests": pending, "restarts": self.restarts, "requests_resubmitted": self.requests_resubmitted,
+                "sync_failures": self.sync_failures, "served": {n: s.served for n, s in self.slots.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> int:
+        """Queue the checkpoint's in-flight requests to be sent again; returns how many."""
+        self.restarts = int(state.get("restarts", 0))
+        self.requests_resubmitted = int(state.get("requests_resubmitted", 0))
+        self.sync_failures = int(state.get("sync_failures", 0))
+        requests = list(state.get("requests", []))
+        self.retry.extend(requests)
+        return len(requests)
+
+    # ------------------------------------------------------------------ sending work
+    def up(self) -> list[EngineSlot]:
+        return [s for s in self.slots.values() if s.status == "up"]
+
+    def submit(self, request: Request, sampling: Any) -> bool:
+        """Send `request` to the least-loaded engine that is up; False when none is."""
+        ready = self.up()
+        if not ready:
+            return False
+        slot = min(ready, key=lambda s: s.load)
+        ref = slot.handle.generate.remote(list(request.example.prompt_ids), sampling)
+        self.in_flight[ref] = _InFlight(request, slot.name, slot.generation, time.monotonic())
+        slot.load += 1
+        return True
+
+    def in_flight_count(self, kind: str = "train") -> int:
+        return sum(1 for f in self.in_flight.values() if f.request.kind == kind) + sum(
+            1 for r in self.retry if r.kind == kind)
+
+    def refs(self) -> list[Any]:
+        """Everything the driver may wait on: requests, weight loads, restarts."""
+        out = list(self.in_flight)
+        for s in self.slots.values():
+            if s.applying is not None:
+                out.append(s.applying[1])
+            if s.pending is not None:
+                out.append(s.pending[1])
+        return out
+
+    # ------------------------------------------------------------------ results and failures
+    def result(self, ref: Any) -> tuple[Request, str, list[Any]] | None:
+        """(request, engine, completions) for a finished request; None if `ref` is not a request or it failed
+        (then its request is queued again and its engine repaired). Also advances loads and restarts."""
+        import ray
+
+        if ref not in self.in_flight:
+            self._advance(ref)
+            return None
+        flight = self.in_flight.pop(ref)
+        slot = self.slots[flight.engine]
+        slot.load -= 1
+        try:
+            return flight.request, flight.engine, ray.get(ref)
+        except Exception as e:  # noqa: BLE001 - dead or hung engine (EngineError) or dead actor (RayActorError)
+            self.retry.append(flight.request)
+            self.requests_resubmitted += 1
+            if flight.generation == slot.generation and slot.status == "up":
+                self._fail(slot, _reason(e), actor_dead=isinstance(e, ray.exceptions.RayActorError))
+            return None
+
+    def check_hung(self) -> None:
+        """An actor that has not answered a request well past the engine's own timeout is hung itself: replace it."""
+        now = time.monotonic()
+        limit = self.rollout.request_timeout_s + 30.0
+        for flight in list(self.in_flight.values()):
+            slot = self.slots[flight.engine]
+            if flight.generation == slot.generation and slot.status == "up" and now - flight.submitted > limit:
+                self._fail(slot, f"a rollout has not returned after {now - flight.submitted:.0f} s "
+                                 f"(rollout.request_timeout_s={self.rollout.request_timeout_s:.0f}); the engine actor "
+                                 "is hung", actor_dead=True)
+        for slot in self.slots.values():
+            if slot.pending is not None and now - slot.pending[2] > self.start_timeout_s:
+                what = slot.pending[0]
+                slot.pending = None
+                self._fail(slot, f"its {what} did not finish within {self.start_timeout_s:.0f} s", actor_dead=True)
+
+    def _fail(self, slot: EngineSlot, reason: str, *, actor_dead: bool) -> None:
+        import ray
+
+        now = time.monotonic()
+        slot.failures.append(now)
+        while slot.failures and now - slot.failures[0] > self.rollout.restart_window_s:
+            slot.failures.popleft()
+        slot.last_failure = reason
+        if len(slot.failures) > self.rollout.max_restarts:
+            raise EngineFailedError(
+                f"{slot.name} failed {len(slot.failures)} times within {self.rollout.restart_window_s:.0f} s "
+                f"(rollout.max_restarts={self.rollout.max_restarts}); last failure: {reason}")
+        slot.generation += 1
+        slot.status, slot.applying = "restarting", None
+        self.restarts += 1
+        log.warning("%s: %s; restarting it (%s, failure %d of at most %d within %.0f s); its %d request(s) in "
+                    "flight are sent again", slot.name, reason, "new actor" if actor_dead else "new vLLM process",
+                    len(slot.failures), self.rollout.max_restarts + 1, self.rollout.restart_window_s, slot.load)
+        if actor_dead:
+            self._replace(slot)
+        else:
+            slot.pending = ("restart", slot.handle.restart.remote(), time.monotonic())
+
+    def _replace(self, slot: EngineSlot) -> None:
+        """A new engine actor in the dead one's placement bundle (it starts from the run's model directory)."""
+        import ray
+
+        try:
+            ray.kill(slot.handle, no_restart=True)
+        except Exception:  # noqa: BLE001 - already gone
+            pass
+        slot.handle = self.make_engine(slot.bundle)
+        slot.served = 0
+        slot.pending = ("replacement", slot.handle.pid.remote(), time.monotonic())
+
+    def _advance(self, ref: Any) -> None:
+        """A restart, replacement or weight load finished: move its engine on."""
+        import ray
+
+        for slot in self.slots.values():
+            if slot.applying is not None and slot.applying[1] == ref:
+                version, slot.applying = slot.applying[0], None
+                try:
+                    ray.get(ref)
+                    slot.served = version
+                except Exception as e:  # noqa: BLE001 - the engine keeps its version and gets the next one
+                    self.sync_failures += 1
+                    log.warning("%s did not take version %d: %s", slot.name, version, _reason(e))
+                    if isinstance(e, ray.exceptions.RayActorError):
+                        self._fail(slot, _reason(e), actor_dead=True)
+                return
+            if slot.pending is not None and slot.pending[1] == ref:
+                what, slot.pending = slot.pending[0], None
+                try:
+                    out = ray.get(ref)
+                except Exception as e:  # noqa: BLE001
+                    self._fail(slot, f"its {what} failed: {_reason(e)}",
+                               actor_dead=what != "catch-up" or isinstance(e, ray.exceptions.RayActorError))
+                    return
+                if what == "restart":
+                    slot.served = int(out.get("policy_version", slot.served)) if isinstance(out, dict) else slot.served
+                elif what == "catch-up":
+                    slot.served = slot.catching_up_to
+                if slot.served < self.published:
+                    slot.status = "catching_up"
+                    slot.catching_up_to = self.published
+                    slot.pending = ("catch-up", slot.handle.apply_version.remote(
+                        self.published, self.rollout.request_timeout_s), time.monotonic())
+                else:
+                    slot.status = "up"
+                    log.info("%s is back, serving version %d", slot.name, slot.served)
+                return
+
+    # ------------------------------------------------------------------ weight versions
+    def offer(self, version: int) -> None:
+        """Ask every engine that is up and not loading to load `version` between forward passes."""
+        self.published = max(self.published, version)
+        for slot in self.up():
+            if slot.applying is None and slot.served < version:
+                slot.applying = (version, slot.handle.apply_version.remote(version, self.rollout.request_timeout_s))
+
+    def settle(self, *, block: bool) -> None:
+        """Collect finished loads; `block`: wait until every engine is up and serves the newest version."""
+        import ray
+
+        deadline = time.monotonic() + self.rollout.request_timeout_s + self.start_timeout_s
+        while True:
+            for slot in self.slots.values():
+                for pair in (slot.applying, slot.pending):
+                    if pair is not None and ray.wait([pair[1]], timeout=0)[0]:
+                        self._advance(pair[1])
+            if not block or self.all_current():
+                return
+            if time.monotonic() > deadline:
+                late = [s.name for s in self.slots.values() if s.status != "up" or s.served < self.published]
+                raise RuntimeError(f"{', '.join(late)}: not serving version {self.published} within "
+                                   f"{self.rollout.request_timeout_s + self.start_timeout_s:.0f} s")
+            refs = self.refs_of_loads()
+            if refs:
+                ray.wait(refs, num_returns=1, timeout=1.0)
+            else:
+                self.offer(self.published)
+                time.sleep(0.05)
+            self.check_hung()
+
+    def refs_of_loads(self) -> list[Any]:
+        return [p[1] for s in self.slots.values() for p in (s.applying, s.pending) if p is not None]
+
+    def all_current(self) -> bool:
+        return all(s.status == "up" and s.served >= self.published and s.applying is None
+                   for s in self.slots.values())
+
+    def oldest_served(self) -> int:
+        return min(s.served for s in self.slots.values())
+
+    def handles(self) -> dict[str, Any]:
+        return {n: s.handle for n, s in self.slots.items()}
+
+
+def _reason(e: BaseException) -> str:
+    """The first line of an actor's error (Ray wraps it in a long traceback)."""
+    text = str(e).strip()
+    for line in text.splitlines():
+        if "EngineError" in line or "engine" in line.lower():
+            return line.strip()[:400]
+    return (text.splitlines()[0] if text else type(e).__name__)[:400]

@@ -1,0 +1,94 @@
+"""What the driver does with one prompt's completions: score them, shape them (DAPO), turn groups into learner rows."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import numpy as np
+
+log = logging.getLogger("moe_grpo")
+
+DYNAMIC_SAMPLING_PATIENCE = 10
+"""Dynamic sampling drops at most this many batches' worth of all-equal groups in a row; after that it lets them
+through (zero advantage, so they only dilute the step) with a warning, instead of sampling forever once a task is
+solved or hopeless."""
+
+
+def sampling_settings(run: Any, tokenizer: Any, *, greedy: bool = False, seed: int | None = None) -> Any:
+    """The engines' sampling for training rollouts (or greedy, for evaluation)."""
+    from moe_grpo.rollout.types import SamplingSettings
+
+    stops = tuple(tokenizer.stop_ids)
+    if greedy:
+        return SamplingSettings(n=1, temperature=0.0, max_tokens=run.rollout.max_tokens, stop_token_ids=stops)
+    return SamplingSettings(n=run.algo.group_size, temperature=run.rollout.temperature, top_p=run.rollout.top_p,
+                            max_tokens=run.rollout.max_tokens, stop_token_ids=stops, seed=seed)
+
+
+def prompt_seed(run: Any, index: int) -> int:
+    """The sampling seed of the run's `index`-th admitted prompt (its samples use seed, seed + 1, ...): the same
+    prompt number draws the same samples in a resumed run as in an uninterrupted one."""
+    return (run.seed * 1_000_003 + index * run.algo.group_size) % (2**62)
+
+
+def learner_sequences(groups: list[Any]) -> list[Any]:
+    """Every completion of `groups` as a learner row (prompt + completion, its trace, advantage, versions)."""
+    from moe_grpo.learner.batch import LearnerSequence
+
+    return [LearnerSequence(np.concatenate([c.prompt_ids, c.token_ids]), prompt_len=len(c.prompt_ids),
+                            routing=c.routing, advantage=float(a), old_logprobs=c.logprobs, versions=c.versions)
+            for g in groups for c, a in zip(g.completions, g.advantages)]
+
+
+def score_group(run: Any, tokenizer: Any, example: Any, completions: list[Any], state: Any, engine: str,
+                rewards: Any) -> Any:
+    """Rewards and advantages of one group, or None when it cannot be trained on (counted in `state`)."""
+    from moe_grpo.algo.advantages import group_relative_advantages
+    from moe_grpo.orchestrator.buffer import Group
+    from moe_grpo.reward.scoring import score_group as score_samples
+
+    bad = [c for c in completions if not c.ok or len(c.token_ids) == 0]
+    if bad:
+        state.requests_lost += len(bad)
+        log.warning("%s: %d completion(s) of prompt %r failed (%s); group dropped", engine, len(bad), example.prompt,
+                    bad[0].error or bad[0].finish_reason)
+        return None
+    # Samples whose reward raised, timed out or was NaN are counted and left out; the rest of the group trains.
+    kept, scores, failed = score_samples(rewards, tokenizer, example, completions)
+    state.reward_failed += failed
+    if len(kept) < 2:  # a group-relative advantage needs at least two samples
+        return None
+    adv = group_relative_advantages(scores[None, :], normalize_std=run.algo.normalize_std)[0]
+    return Group(example, [completions[i] for i in kept], scores.astype(np.float32), adv, engine)
+
+
+def shape_group(run: Any, group: Any, state: Any) -> Any:
+    """DAPO's reward-side pieces on a scored group, or None when dynamic sampling drops it (counted).
+
+    Overlong shaping changes the advantages only: `group.rewards` stay the task's, so `reward/mean` means the
+    same under every loss. Dynamic sampling drops a group whose (shaped) rewards are all equal."""
+    from moe_grpo.algo.advantages import group_relative_advantages
+    from moe_grpo.algo.shaping import carries_signal, overlong_penalty
+
+    if group is None:
+        return None
+    shaped = group.rewards.astype(np.float64)
+    buffer = run.algo.overlong_buffer_tokens(run.rollout.max_tokens)
+    if buffer:
+        lengths = np.array([len(c.token_ids) for c in group.completions])
+        shaped = shaped + overlong_penalty(lengths, max_tokens=run.rollout.max_tokens, buffer=buffer,
+                                           penalty=run.algo.overlong_penalty)
+        group.advantages = group_relative_advantages(shaped[None, :], normalize_std=run.algo.normalize_std)[0]
+    if run.algo.dynamic_sampling and not carries_signal(shaped):
+        if state.uniform_in_a_row < DYNAMIC_SAMPLING_PATIENCE * run.algo.prompts_per_step:
+            state.uniform_in_a_row += 1
+            state.dropped_uniform += 1
+            return None
+        if state.uniform_in_a_row == DYNAMIC_SAMPLING_PATIENCE * run.algo.prompts_per_step:
+            log.warning("dynamic sampling: %d groups in a row had all-equal rewards; letting such groups through "
+                        "(zero advantage) until one with signal arrives", state.uniform_in_a_row)
+            state.uniform_in_a_row += 1
+        return group
+    state.uniform_in_a_row = 0
+    return group

@@ -1,0 +1,157 @@
+"""Run checkpoints on disk: written whole or not at all, verified before they are trusted.
+
+    <run dir>/checkpoints/
+        step_000010/            one complete checkpoint
+            learner/            every learner rank's state (Megatron distributed checkpoint: any layout reloads it)
+            driver.pkl          the driver's state: run state, buffer (completions, versions, routing traces),
+                                prompt source, requests in flight, jump watch, the driver's RNGs
+            manifest.json       every file above with its size (and sha256 up to HASH_LIMIT bytes); written last
+        latest                  "step_000010", replaced atomically after the directory is in place
+
+A checkpoint is written into `step_N.tmp` and renamed into place, then `latest`
+is moved, then checkpoints beyond `checkpoint.keep` are deleted: a crash at any
+point leaves the previous checkpoint whole and `latest` pointing at a complete one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import pickle
+import shutil
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("moe_grpo")
+
+HASH_LIMIT = 256 * 2**20
+"""Files up to this size are checked by sha256 on load; larger ones by size only (hashing a real model's shards
+would cost minutes at every resume)."""
+
+MANIFEST = "manifest.json"
+DRIVER_STATE = "driver.pkl"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, incomplete or corrupt; names the file."""
+
+
+def checkpoints_dir(run_dir: str | Path) -> Path:
+    return Path(run_dir) / "checkpoints"
+
+
+def step_name(step: int) -> str:
+    return f"step_{step:06d}"
+
+
+def begin(run_dir: str | Path, step: int) -> Path:
+    """A fresh temporary directory for the checkpoint of `step` (left-overs of a crashed write are removed)."""
+    tmp = checkpoints_dir(run_dir) / (step_name(step) + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    (tmp / "learner").mkdir()
+    return tmp
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def finish(tmp: Path, driver_state: dict[str, Any], meta: dict[str, Any], keep: int) -> Path:
+    """Write the driver's state and the manifest into `tmp`, rename it into place, move `latest`, prune."""
+    with open(tmp / DRIVER_STATE, "wb") as f:
+        pickle.dump(driver_state, f, protocol=pickle.HIGHEST_PROTOCOL)
+        f.flush()
+        os.fsync(f.fileno())
+    files = {}
+    for path in sorted(p for p in tmp.rglob("*") if p.is_file()):
+        rel = str(path.relative_to(tmp))
+        size = path.stat().st_size
+        files[rel] = {"size": size, **({"sha256": _sha256(path)} if size <= HASH_LIMIT else {})}
+    _write_atomic(tmp / MANIFEST, json.dumps({**meta, "files": files}, indent=1, sort_keys=True))
+    final = tmp.with_name(tmp.name[: -len(".tmp")])
+    old = final.with_name(final.name + ".old")
+    if final.exists():  # the same step checkpointed again (a signal right after a periodic checkpoint)
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
+    os.replace(tmp, final)
+    shutil.rmtree(old, ignore_errors=True)
+    _write_atomic(final.parent / "latest", final.name)
+    _prune(final.parent, keep)
+    return final
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _prune(root: Path, keep: int) -> None:
+    done = sorted(p for p in root.glob("step_*") if p.is_dir() and not p.name.endswith((".tmp", ".old")))
+    for path in done[:-keep]:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def verify(path: str | Path) -> dict[str, Any]:
+    """The manifest of a complete checkpoint; CheckpointError naming the first file that is missing or damaged."""
+    path = Path(path)
+    manifest_path = path / MANIFEST
+    if not manifest_path.is_file():
+        raise CheckpointError(f"{manifest_path}: missing; the checkpoint {path} was not finished")
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{manifest_path}: unreadable ({e}); the checkpoint {path} is damaged") from e
+    for rel, want in manifest.get("files", {}).items():
+        file = path / rel
+        if not file.is_file():
+            raise CheckpointError(f"{file}: missing from checkpoint {path}")
+        size = file.stat().st_size
+        if size != want["size"]:
+            raise CheckpointError(f"{file}: {size} bytes, the manifest says {want['size']}; the checkpoint is "
+                                  "truncated or damaged")
+        if "sha256" in want and _sha256(file) != want["sha256"]:
+            raise CheckpointError(f"{file}: content differs from the manifest's sha256; the checkpoint is corrupt")
+    return manifest
+
+
+def load_driver_state(path: str | Path) -> dict[str, Any]:
+    """The driver's state of a verified checkpoint."""
+    file = Path(path) / DRIVER_STATE
+    try:
+        with open(file, "rb") as f:
+            return pickle.load(f)  # noqa: S301 - the run's own file, checked against its manifest
+    except Exception as e:  # noqa: BLE001
+        raise CheckpointError(f"{file}: cannot be read ({type(e).__name__}: {e})") from e
+
+
+def complete_checkpoints(run_dir: str | Path) -> list[Path]:
+    """Checkpoint directories of a run, newest first (what `latest` names first, then by step)."""
+    root = checkpoints_dir(run_dir)
+    found = sorted((p for p in root.glob("step_*") if p.is_dir() and not p.name.endswith((".tmp", ".old"))),
+                   reverse=True)
+    latest = root / "latest"
+    if latest.is_file():
+        named = root / latest.read_text().strip()
+        found = [named] + [p for p in found if p != named] if named.is_dir() else found
+    return found
+
+
+def newest_valid(run_dir: str | Path) -> tuple[Path, dict[str, Any]] | None:
+    """The newest checkpoint that verifies (a damaged newer one is reported by name and skipped), or None."""
+    for path in complete_checkpoints(run_dir):
+        try:
+            return path, verify(path)
+        except CheckpointError as e:
+            log.error("resume: %s; falling back to the previous checkpoint", e)
+    return None
