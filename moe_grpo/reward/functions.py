@@ -133,7 +133,7 @@ class Rewards:
         cols = {k: list(v) for k, v in (fields or {}).items()}
         prompts, completions = list(prompts), list(completions)
         errors: list[str | None] = [None] * len(self.functions)
-        outcomes: list[Any] = [None] * len(self.functions)
+        values: list[list[float] | None] = [None] * len(self.functions)
         with self._lock:
             deadlines: dict[int, float] = {}
             for i, (rf, w) in enumerate(zip(self.functions, self._workers)):
@@ -144,28 +144,31 @@ class Rewards:
                     w.send((prompts, completions, kwargs, n))
                     deadlines[i] = time.monotonic() + self.timeout_s
                 except Exception as e:  # noqa: BLE001 - a reward failure costs its samples, not the run
-                    outcomes[i] = e
+                    errors[i] = _describe(rf, e)
             for i, deadline in deadlines.items():
                 try:
-                    outcomes[i] = self._workers[i].receive(deadline, self.timeout_s)
+                    values[i] = self._workers[i].receive(deadline, self.timeout_s)
                 except Exception as e:  # noqa: BLE001
-                    outcomes[i] = e
-        for i, (rf, out) in enumerate(zip(self.functions, outcomes)):
-            if isinstance(out, Exception):
-                what = str(out) if isinstance(out, _CallFailed) else f"{type(out).__name__}: {out}"
-                errors[i] = f"{rf.name}: {what}"
+                    errors[i] = _describe(self.functions[i], e)
+        for i, rf in enumerate(self.functions):
+            if errors[i] is not None:
                 total[:] = np.nan
                 continue
-            values = np.asarray(out, np.float64)
-            bad = ~np.isfinite(values)
+            v = np.asarray(values[i], np.float64)
+            bad = ~np.isfinite(v)
             if bad.any():
                 errors[i] = f"{rf.name}: {int(bad.sum())} of {n} values not finite (NaN/inf/None)"
-            total += rf.weight * values
+            total += rf.weight * v
         return Scores(total, [e for e in errors if e is not None])
 
 
 class _CallFailed(Exception):
     """A call's failure as the worker (or its death) describes it: 'ExceptionType: message'."""
+
+
+def _describe(rf: RewardFunction, e: Exception) -> str:
+    """'path: ExceptionType: message' (kept as text: an exception kept would keep the frames that raised it)."""
+    return f"{rf.name}: {e}" if isinstance(e, _CallFailed) else f"{rf.name}: {type(e).__name__}: {e}"
 
 
 class _Worker:

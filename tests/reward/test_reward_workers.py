@@ -1,0 +1,156 @@
+"""Reward functions run in worker processes: a hung call is timed out by killing its worker, which frees it; a worker
+that dies fails only its call; the next call gets a fresh worker; the process exits without waiting on either."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from moe_grpo.reward.functions import Rewards
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if ROOT not in sys.path:  # the helpers are named `tests.reward.hanging_rewards:...`, here and in the workers
+    sys.path.insert(0, ROOT)
+
+from tests.reward.procs import alive as _alive, workers_of as _workers_of  # noqa: E402
+
+HELPERS = "tests.reward.hanging_rewards"
+
+
+def test_a_reward_hanging_every_third_call_costs_only_those_calls(tmp_path, monkeypatch):
+    """15 calls, 5 of them hung: a thread pool of 4 would have every thread stuck by the 13th and time that one out
+    too; with workers each hung call costs its timeout and nothing after it."""
+    monkeypatch.setenv("HANG_COUNTER", str(tmp_path / "calls"))
+    timeout = 0.5
+    fn = f"{HELPERS}:hangs_every_third_call"
+    r = Rewards([fn], [1.0], timeout_s=timeout)
+    try:
+        t_all = time.perf_counter()
+        for call in range(1, 16):
+            completions = ["a" * call, "b" * (call + 1)]
+            t0 = time.perf_counter()
+            s = r.score(["p", "p"], completions)
+            took = time.perf_counter() - t0
+            if call % 3 == 0:
+                assert s.failed.all(), (call, s.rewards)
+                assert len(s.errors) == 1 and s.errors[0].startswith(
+                    f"{fn}: TimeoutError: did not return within reward.timeout_s=0.5 s"), (call, s.errors)
+                assert timeout <= took < timeout + 1.5, (call, took)
+            else:
+                assert s.errors == [] and s.rewards.tolist() == [call, call + 1], (call, s.errors, s.rewards)
+            assert len(_workers_of(os.getpid(), fn)) <= 1, "a hung worker was left behind"
+        total = time.perf_counter() - t_all
+        assert 5 * timeout <= total < 5 * timeout + 6.0, total
+    finally:
+        r.close()
+    assert _workers_of(os.getpid(), fn) == []
+
+
+def test_an_async_reward_that_blocks_its_event_loop_is_timed_out(tmp_path):
+    """asyncio's own timeout cannot cancel a coroutine stuck in a blocking call; killing its worker can."""
+    fn = f"{HELPERS}:blocks_its_event_loop"
+    r = Rewards([fn, f"{HELPERS}:async_length"], [1.0, 1.0], timeout_s=0.5)
+    try:
+        t0 = time.perf_counter()
+        s = r.score(["p"], ["abc"])
+        assert time.perf_counter() - t0 < 2.5
+        assert s.failed.all() and s.errors == [f"{fn}: TimeoutError: did not return within reward.timeout_s=0.5 s "
+                                               "(its worker process was killed; the next call starts a fresh one)"]
+        ok = Rewards([f"{HELPERS}:async_length"], [2.0], timeout_s=5)
+        assert ok.score(["p", "p"], ["abc", "de"]).rewards.tolist() == [6.0, 4.0]
+        ok.close()
+    finally:
+        r.close()
+
+
+def test_a_reward_that_kills_its_worker_fails_that_call_by_name_and_the_next_call_works():
+    fn = f"{HELPERS}:exits"
+    r = Rewards([fn], [1.0], timeout_s=10)
+    try:
+        assert r.score(["p"] * 2, ["a", "b"]).rewards.tolist() == [1.0, 1.0]
+        first = r._workers[0].proc.pid
+        s = r.score(["p"] * 2, ["a", "b"], {"how": ["exit", None]})
+        assert s.failed.all() and len(s.errors) == 1, s.errors
+        assert s.errors[0].startswith(f"{fn}: RewardWorkerDied: its worker process exited with code 3 during the call")
+        assert r.score(["p"] * 2, ["a", "b"], {"how": [None, None]}).rewards.tolist() == [1.0, 1.0]
+        assert r._workers[0].proc.pid != first
+        s = r.score(["p"], ["a"], {"how": ["segfault"]})
+        assert s.failed.all() and "killed by signal SIGSEGV (exit code -11) during the call" in s.errors[0], s.errors
+        assert r.score(["p"], ["a"]).rewards.tolist() == [1.0]
+        # A worker that dies between calls (killed from outside) costs nothing: the call goes to a fresh one.
+        os.kill(r._workers[0].proc.pid, 9)
+        time.sleep(0.2)
+        s = r.score(["p"], ["a"])
+        assert s.errors == [] and s.rewards.tolist() == [1.0]
+    finally:
+        r.close()
+
+
+def test_workers_are_fresh_interpreters():
+    """Not forks of the caller: they see none of its state (here a module attribute set in this process)."""
+    import tests.reward.hanging_rewards as helpers
+
+    helpers.MARK = "set in the test process"
+    r = Rewards([f"{HELPERS}:pid_and_mark"], [1.0])
+    try:
+        pid, mark = r.score(["p", "p"], ["a", "b"]).rewards.tolist()
+        assert pid != os.getpid() and pid == r._workers[0].proc.pid and mark == 0.0
+    finally:
+        r.close()
+        helpers.MARK = None
+
+
+SCRIPT = textwrap.dedent('''
+    import json, os, sys, threading, time
+    from moe_grpo.reward.functions import Rewards
+    from tests.reward.procs import workers_of as _workers_of
+
+    timed_out = Rewards(["tests.reward.hanging_rewards:hangs"], [1.0], timeout_s=0.5)
+    s = timed_out.score(["p"], ["a"])
+    assert s.failed.all() and "did not return within reward.timeout_s=0.5" in s.errors[0], s.errors
+    # A call still hung when the run ends (here in a thread, with a long timeout), and an idle worker.
+    hung = Rewards(["tests.reward.hanging_rewards:hangs"], [1.0], timeout_s=600)
+    result = []
+    thread = threading.Thread(target=lambda: result.append(hung.score(["p"], ["a"])), daemon=True)
+    thread.start()
+    idle = Rewards(["tests.reward.hanging_rewards:exits"], [1.0])
+    assert idle.score(["p"], ["a"]).rewards.tolist() == [1.0]
+    time.sleep(0.5)
+    out = {"workers": _workers_of(os.getpid())}
+    if sys.argv[1] == "close":
+        t0 = time.monotonic()
+        timed_out.close(); hung.close(); idle.close()
+        out["close_s"] = time.monotonic() - t0
+        thread.join(5)
+        out["hung_errors"] = result[0].errors if result else None
+        out["left"] = _workers_of(os.getpid())
+    print(json.dumps(out), flush=True)
+''')
+
+
+@pytest.mark.parametrize("end", ["close", "no-close"])
+def test_the_process_exits_at_once_with_a_reward_call_hung(tmp_path, end):
+    """A script that times a call out, leaves another hung, and returns (after close(), or without): it exits within
+    seconds, and none of its workers outlives it."""
+    script = tmp_path / "run.py"
+    script.write_text(SCRIPT)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, str(script), end], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=120)
+    took = time.perf_counter() - t0
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(out["workers"]) == 2, out  # the hung call's and the idle one's (the timed-out one's was killed)
+    assert took < 15.0, f"the script took {took:.1f} s to exit"
+    if end == "close":
+        assert out["close_s"] < 2.0 and out["left"] == [], out
+        assert out["hung_errors"] and "closed" in out["hung_errors"][0], out
+    deadline = time.monotonic() + 3.0  # reaped by the script itself; an orphan would be its init's to reap
+    while any(_alive(p) for p in out["workers"]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(_alive(p) for p in out["workers"]), out
