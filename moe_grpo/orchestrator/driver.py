@@ -67,7 +67,8 @@ class Driver:
         self.buffer = RolloutBuffer(per_step * (run.algo.max_staleness + 1) if self.is_async else per_step,
                                     run.algo.max_staleness)
         self.watch = JumpWatch(run.routing.jump_factor, run.routing.jump_window)
-        self.engines = EnginePool([EngineSlot(name, i, handle) for i, (name, handle) in enumerate(pools.engines)],
+        self.engines = EnginePool([EngineSlot(name, i, handle, pid=pid)
+                                   for i, ((name, handle), pid) in enumerate(zip(pools.engines, pools.engine_pids))],
                                   run.rollout, pools.make_engine, run.cluster.start_timeout_s)
         self.greedy = sampling_settings(run, tokenizer, greedy=True)
         self.record: Any = None
@@ -307,9 +308,25 @@ class Driver:
             log.warning(message)
         row["watch/jumps"] = float(self.watch.jumps)
         self.record.log(row)
+        self.write_processes()
         self.tokens_at_last = self.state.generated_tokens
         self.t_last = now
         return row
+
+    def write_processes(self) -> None:
+        """`processes.json` in the run directory: which process is which (rewritten when an engine restarts), for
+        whoever operates the run (and the fault tests, which signal them)."""
+        import json
+
+        if not self.engines.changed:
+            return
+        self.engines.changed = False
+        info = {"driver": os.getpid(), "learners": [i.get("pid") for i in self.pools.infos],
+                "engines": {n: s.pid for n, s in self.engines.slots.items()}}
+        path = Path(self.run_dir) / "processes.json"
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps(info, indent=1))
+        tmp.replace(path)
 
     # ------------------------------------------------------------------ the collapse guard
     def guard(self, row: dict[str, float]) -> None:
@@ -556,6 +573,7 @@ def train(run: Any, run_dir: str | Path, *, learner_cls: type | None = None) -> 
                  time.perf_counter() - t0, len(pools.engines), len(pools.learners), pools.infos[0]["parameters"] / 1e6)
         driver = Driver(run, run_dir, pools, tokenizer, source, rewards, state)
         driver.last_checkpoint = resume_from
+        driver.write_processes()
         if saved is not None:
             driver.load_state_dict(saved)
             log.info("resume: %d buffered group(s) restored, %d prompt(s) that were in flight sent again",

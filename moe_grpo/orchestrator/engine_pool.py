@@ -75,6 +75,8 @@ class EngineSlot:
     """(what, ref, since) of a restart, replacement or catch-up load in progress."""
     applying: tuple[int, Any] | None = None
     """(version, ref) of a weight load offered while up (requests keep running)."""
+    pid: int = 0
+    """The vLLM engine-core process serving now (what `processes.json` lists)."""
     catching_up_to: int = 0
     """The version a 'catching_up' engine is loading."""
     failures: deque = field(default_factory=deque)
@@ -96,6 +98,8 @@ class EnginePool:
         self.restarts = 0
         self.requests_resubmitted = 0
         self.sync_failures = 0
+        self.changed = True
+        """Set when an engine's process changed (the driver rewrites `processes.json`)."""
 
     # ------------------------------------------------------------------ state a checkpoint keeps
     def state_dict(self) -> dict[str, Any]:
@@ -239,7 +243,10 @@ class EnginePool:
                                actor_dead=what != "catch-up" or isinstance(e, ray.exceptions.RayActorError))
                     return
                 if what == "restart":
-                    slot.served = int(out.get("policy_version", slot.served)) if isinstance(out, dict) else slot.served
+                    slot.served = int(out["policy_version"])
+                    slot.pid = int(out["pid"])
+                elif what == "replacement":
+                    slot.pid = int(out)
                 elif what == "catch-up":
                     slot.served = slot.catching_up_to
                 if slot.served < self.published:
@@ -249,7 +256,8 @@ class EnginePool:
                         self.published, self.rollout.request_timeout_s), time.monotonic())
                 else:
                     slot.status = "up"
-                    log.info("%s is back, serving version %d", slot.name, slot.served)
+                    self.changed = True
+                    log.info("%s is back (vLLM process %d), serving version %d", slot.name, slot.pid, slot.served)
                 return
 
     # ------------------------------------------------------------------ weight versions

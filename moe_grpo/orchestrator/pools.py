@@ -46,6 +46,8 @@ class Pools:
     placement_group: Any
     make_engine: EngineFactory | None = None
     """Starts a replacement engine actor in a given bundle."""
+    engine_pids: list[int] | None = None
+    """Each engine's vLLM engine-core process."""
 
     @property
     def dp_size(self) -> int:
@@ -129,12 +131,13 @@ def start_pools(run: Any, run_dir: str, sync_root: str, model_dir_fn: Any, learn
     make_engine = EngineFactory(run, run_dir, sync_root, model_dir, pg)
     engines = [(f"engine{i}", make_engine(i)) for i in range(c.num_engines)]
     t0 = time.perf_counter()
+    pids = []
     for name, handle in engines:
         try:
-            ray.get(handle.pid.remote(), timeout=max(1.0, c.start_timeout_s - (time.perf_counter() - t0)))
+            pids.append(ray.get(handle.pid.remote(), timeout=max(1.0, c.start_timeout_s - (time.perf_counter() - t0))))
         except ray.exceptions.GetTimeoutError as e:
             raise RuntimeError(f"{name} (vLLM) did not start within {c.start_timeout_s:.0f} s") from e
-    return Pools(engines, learners, infos, pg, make_engine)
+    return Pools(engines, learners, infos, pg, make_engine, pids)
 
 
 def stop_pools(pools: Pools | None, engines: list[Any] | None = None) -> None:
