@@ -107,6 +107,7 @@ class Driver:
                 self.publish(metrics)
                 self.evaluate_if_due()
                 row = self.log(metrics)
+                self.stop_if_skipping(metrics)
                 self.guard(row)
                 if self.run.checkpoint.every and self.state.step % self.run.checkpoint.every == 0:
                     self.due = self.due or "every"
@@ -224,14 +225,17 @@ class Driver:
             self.state.steps_skipped += 1
             self.state.skipped_in_a_row += 1
             log.warning("step %d skipped: %s", self.state.step, metrics.get("error"))
-            limit = self.run.learner.max_skipped_in_a_row
-            if self.state.skipped_in_a_row >= limit:
-                raise RuntimeError(f"{self.state.skipped_in_a_row} steps in a row (through step {self.state.step}) "
-                                   f"had a non-finite loss or gradient (learner.max_skipped_in_a_row={limit}); "
-                                   f"last: {metrics.get('error')}; {self._checkpoint_hint()}")
         else:
             self.state.skipped_in_a_row = 0
         return metrics
+
+    def stop_if_skipping(self, metrics: dict[str, float]) -> None:
+        """`learner.max_skipped_in_a_row` non-finite steps in a row: the learner cannot be trained on; stop."""
+        limit = self.run.learner.max_skipped_in_a_row
+        if self.state.skipped_in_a_row >= limit:
+            raise RuntimeError(f"{self.state.skipped_in_a_row} steps in a row (through step {self.state.step}) "
+                               f"had a non-finite loss or gradient (learner.max_skipped_in_a_row={limit}); "
+                               f"last: {metrics.get('error')}; {self._checkpoint_hint()}")
 
     def publish(self, metrics: dict[str, float]) -> None:
         """Every `sync_every` steps: the learner ranks publish the step's weights, the engines are offered them."""
