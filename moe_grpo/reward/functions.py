@@ -116,7 +116,10 @@ class Rewards:
         # Workers of a Rewards dropped without close() (or alive at interpreter exit) are killed all the same.
         self._finalizer = weakref.finalize(self, _kill_all, self._workers)
         for w in self._workers:  # they start while the run sets up; the first call waits for them if need be
-            w.start()
+            try:
+                w.start()
+            except OSError as e:  # out of processes or memory, say: the first call tries again and fails by name
+                log.warning("reward.fn=%r: could not start its worker process yet (%s)", w.path, e)
 
     def close(self) -> None:
         """Kills the workers (never waits on a call; safe to call twice, or from another thread mid-call)."""
@@ -180,37 +183,39 @@ class _Worker:
         self.path = path
         self.proc: subprocess.Popen | None = None
         self.conn: Connection | None = None
-        self.ready = False
-        self._poller: Any = None
+        self.poller: Any = None  # kept: a Connection.poll per call would build a selector each time
+        self.ready = False  # its 'ready' message was read
+        self.busy = False  # a call was sent and its answer not read (its caller was interrupted)
+        self.closed = False  # by Rewards.close(): no new worker starts
+        self._swap = threading.Lock()  # start() and kill() may race when close() comes from another thread
 
     def start(self) -> None:
         ours, theirs = Pipe(duplex=True)  # a socket pair; the child gets its end by descriptor
         # The worker dies with this process: it watches its parent pid, and where this is the main thread (the
         # kernel's parent-death signal follows the thread that started the child), by PR_SET_PDEATHSIG too.
         deathsig = threading.current_thread() is threading.main_thread()
+        path = json.dumps([os.fspath(p) for p in sys.path if isinstance(p, (str, os.PathLike))])
         try:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-c", _WORKER_MAIN, json.dumps(sys.path), str(theirs.fileno()), self.path,
-                 str(os.getpid()), "1" if deathsig else "0"],
-                stdin=subprocess.DEVNULL, pass_fds=(theirs.fileno(),), start_new_session=True)
+            with self._swap:
+                if self.closed:
+                    ours.close()
+                    raise RuntimeError("the reward functions were closed")
+                self.proc = subprocess.Popen(
+                    [sys.executable, "-c", _WORKER_MAIN, path, str(theirs.fileno()), self.path, str(os.getpid()),
+                     "1" if deathsig else "0"],
+                    stdin=subprocess.DEVNULL, pass_fds=(theirs.fileno(),), start_new_session=True)
+                self.conn, self.ready, self.busy = ours, False, False
+                self.poller = select.poll()
+                self.poller.register(ours.fileno(), select.POLLIN)
         finally:
             theirs.close()
-        self.conn, self.ready = ours, False
-        self._poller = select.poll()  # kept: a Connection.poll per call costs a selector each time
-        self._poller.register(ours.fileno(), select.POLLIN)
 
-    def _readable(self, timeout_s: float) -> bool:
-        """Whether the worker has answered (or closed its end) within timeout_s."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                return bool(self._poller.poll(max(0, math.ceil((deadline - time.monotonic()) * 1000))))
-            except InterruptedError:  # pragma: no cover - Python retries EINTR itself since 3.5
-                continue
-
-    def kill(self) -> None:
+    def kill(self, close: bool = False) -> None:
         """SIGKILL to the worker's process group (the worker and whatever it started), reaped; never blocks long."""
-        proc, conn, self.proc, self.conn, self.ready = self.proc, self.conn, None, None, False
+        with self._swap:
+            self.closed = self.closed or close
+            proc, conn = self.proc, self.conn
+            self.proc, self.conn, self.poller, self.ready, self.busy = None, None, None, False, False
         if conn is not None:
             conn.close()
         if proc is None:
@@ -225,61 +230,67 @@ class _Worker:
         except subprocess.TimeoutExpired:  # stuck in the kernel; the kill lands when it can
             pass
 
+    def _live(self) -> tuple[Connection, Any, subprocess.Popen]:
+        conn, poller, proc = self.conn, self.poller, self.proc
+        if conn is None or poller is None or proc is None:
+            raise RuntimeError("the reward functions were closed")
+        return conn, poller, proc
+
     def send(self, request: tuple) -> None:
         payload = pickle.dumps(request, pickle.HIGHEST_PROTOCOL)  # an unpicklable row field fails here, not later
+        if self.busy:  # an earlier call's answer was never read: it would be taken for this one's
+            self.kill()
         for attempt in (0, 1):
             if self.conn is None:
                 self.start()
+            conn, poller, proc = self._live()
             if not self.ready:
-                self._wait_ready()
+                self._wait_ready(conn, poller, proc)
             try:
-                self.conn.send_bytes(payload)
-                return
+                conn.send_bytes(payload)
             except OSError:
-                if attempt == 0:  # it died between calls (its end is closed): the call never started; a fresh one
+                if attempt == 0 and not self.closed:  # it died between calls: this call never started; a fresh one
                     self.kill()
                     continue
-                self._died("while taking the call")
+                self._died(proc, "while taking the call")
+            self.busy = True
+            return
 
     def receive(self, deadline: float, timeout_s: float) -> list[float]:
-        conn = self.conn
-        if conn is None:  # closed by another thread mid-call
-            raise RuntimeError("the reward functions were closed")
+        conn, poller, proc = self._live()
         try:
-            if not self._readable(max(0.0, deadline - time.monotonic())):
+            if not _readable(poller, deadline - time.monotonic()):
                 self.kill()
                 raise _CallFailed(f"TimeoutError: did not return within reward.timeout_s={timeout_s:g} s "
                                   f"(its worker process was killed; the next call starts a fresh one)")
             status, value = pickle.loads(conn.recv_bytes())
         except (EOFError, OSError):
-            if self.conn is None:
-                raise RuntimeError("the reward functions were closed") from None
-            self._died("during the call")
+            self._died(proc, "during the call")
+        self.busy = False
         if status == "err":
             raise _CallFailed(value)
         return value
 
-    def _wait_ready(self) -> None:
+    def _wait_ready(self, conn: Connection, poller: Any, proc: subprocess.Popen) -> None:
         try:
-            if not self._readable(START_TIMEOUT_S):
+            if not _readable(poller, START_TIMEOUT_S):
                 self.kill()
                 raise _CallFailed(f"RewardWorkerError: its worker process did not start within {START_TIMEOUT_S:g} s")
-            status, value = pickle.loads(self.conn.recv_bytes())
+            status, value = pickle.loads(conn.recv_bytes())
         except (EOFError, OSError):
-            self._died("while starting")
+            self._died(proc, "while starting")
         if status != "ready":
             self.kill()
             raise _CallFailed(f"RewardWorkerError: its worker process could not load it: {value}")
         self.ready = True
 
-    def _died(self, when: str) -> None:
-        proc = self.proc
-        code = None
-        if proc is not None:
-            try:
-                code = proc.wait(timeout=2.0)
-            except subprocess.TimeoutExpired:
-                pass
+    def _died(self, proc: subprocess.Popen, when: str) -> None:
+        if self.closed:
+            raise RuntimeError("the reward functions were closed")
+        try:
+            code = proc.wait(timeout=2.0)
+        except subprocess.TimeoutExpired:
+            code = None
         self.kill()
         if code is None:
             how = "closed its connection"
@@ -293,9 +304,14 @@ class _Worker:
         raise _CallFailed(f"RewardWorkerDied: its worker process {how} {when} (the next call starts a fresh one)")
 
 
+def _readable(poller: Any, timeout_s: float) -> bool:
+    """Whether the worker has answered (or closed its end) within timeout_s."""
+    return bool(poller.poll(max(0, math.ceil(timeout_s * 1000))))
+
+
 def _kill_all(workers: list[_Worker]) -> None:
     for w in workers:
-        w.kill()
+        w.kill(close=True)
 
 
 _WORKER_MAIN = ("import json, sys; sys.path[:] = json.loads(sys.argv[1]); "
@@ -351,7 +367,10 @@ def _serve(fd: str, path: str, parent: str, deathsig: str) -> None:
             reply = ("ok", _as_floats(out, n))
         except BaseException as e:  # noqa: BLE001 - SystemExit too: a reward failure costs its samples
             reply = ("err", f"{type(e).__name__}: {e}")
-        conn.send_bytes(pickle.dumps(reply, pickle.HIGHEST_PROTOCOL))
+        try:
+            conn.send_bytes(pickle.dumps(reply, pickle.HIGHEST_PROTOCOL))
+        except OSError:  # the driver is gone
+            os._exit(0)
 
 
 def _as_floats(out: Any, n: int) -> list[float]:
