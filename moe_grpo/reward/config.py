@@ -37,7 +37,9 @@ class RewardConfig:
     weights: tuple[float, ...] = ()
     """One weight per function (the reward is the weighted sum); empty = 1.0 each."""
     timeout_s: float = 30.0
-    """A call not back within this many seconds marks its samples failed (`reward/failed`); the run goes on."""
+    """A call not back within this many seconds marks its samples failed (`reward/failed`); the run goes on. Each
+    function runs in a worker process of its own: a call that times out has its worker killed (a fresh one serves the
+    next call), so a hung function holds nothing and never keeps the run from exiting."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "fn", tuple(str(f) for f in _as_tuple(self.fn)))

@@ -200,3 +200,19 @@ def test_a_worker_dies_with_a_driver_that_is_killed(tmp_path, started_from):
     while any(_alive(p) for p in workers) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not any(_alive(p) for p in workers), workers
+
+
+def test_an_unpicklable_row_field_fails_that_call_only_and_a_closed_rewards_fails_by_name():
+    fn = f"{HELPERS}:exits"
+    r = Rewards([fn], [1.0], timeout_s=10)
+    try:
+        assert r.score(["p"], ["a"]).rewards.tolist() == [1.0]
+        pid = r._workers[0].proc.pid
+        s = r.score(["p"], ["a"], {"extra": [lambda: 0]})
+        assert s.failed.all() and s.errors[0].startswith(f"{fn}: ") and "pickle" in s.errors[0], s.errors
+        assert r.score(["p"], ["a"]).rewards.tolist() == [1.0] and r._workers[0].proc.pid == pid  # same worker
+    finally:
+        r.close()
+    s = r.score(["p"], ["a"])
+    assert s.failed.all() and s.errors == [f"{fn}: RuntimeError: the reward functions were closed"]
+    assert _workers_of(os.getpid(), fn) == []
