@@ -1,4 +1,6 @@
-"""Reward functions that misbehave the way a flaky user reward does (named by dotted path: `tests.reward.hanging_rewards:...`)."""
+"""Reward functions that misbehave the way a flaky user reward does.
+
+Named by dotted path, `tests.reward.hanging_rewards:...`: the workers import them as the caller would."""
 
 import asyncio
 import os
