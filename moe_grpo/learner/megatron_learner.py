@@ -7,9 +7,11 @@ data-parallel rank passes its own sequences.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
+import re
 import shutil
 from functools import partial
 from typing import Any, Callable, Sequence
@@ -471,8 +473,7 @@ class MegatronLearner:
 
     def optimizer_step(self) -> dict[str, float]:
         """Apply the accumulated gradients, unless any is NaN/inf on any rank (then raise, weights unchanged)."""
-        for wait in self.before_update:
-            wait()
+        self._wait_for_readers()
         grads_finite = torch.tensor([1.0 if self._grads_finite() else 0.0], device=self.device)
         torch.distributed.all_reduce(grads_finite, op=torch.distributed.ReduceOp.MIN)
         if grads_finite.item() < 1.0:
@@ -493,23 +494,66 @@ class MegatronLearner:
                 return False
         return True
 
+    # ------------------------------------------------------------------ learning rate
+    @property
+    def lr(self) -> float:
+        """The learning rate the next optimizer step uses (`learner.lr` until `set_lr` or a loaded run state)."""
+        from moe_grpo.learner.optimizer import current_lr
+
+        return current_lr(self.optimizer, self.config.lr)
+
+    def set_lr(self, lr: float) -> None:
+        """Change the learning rate of every param group (dense and expert optimizers alike) from the next step on;
+        a rollback multiplies it by a factor. Saved with the run state. Local: call it on every rank."""
+        from moe_grpo.learner.optimizer import set_lr
+
+        set_lr(self.optimizer, float(lr))
+
     # ------------------------------------------------------------------ checkpoints
-    def save_checkpoint(self, directory: str) -> None:
-        """Megatron distributed checkpoint of the weights, written to a temp dir and renamed into place."""
+    def _wait_for_readers(self) -> None:
+        for wait in self.before_update:
+            wait()
+
+    def _write_dist(self, sharded: Any, directory: str) -> None:
+        """Collective: write `sharded` as a Megatron distributed checkpoint into a new, empty `directory`, plus the
+        model's description (the checkpoint describes its model: export needs no config)."""
         from megatron.core import dist_checkpointing
 
-        rank = torch.distributed.get_rank()
-        tmp = directory.rstrip("/") + ".tmp"
-        if rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-            os.makedirs(tmp)
-        torch.distributed.barrier()
-        dist_checkpointing.save(self.module.sharded_state_dict(), tmp)
-        torch.distributed.barrier()
-        if rank == 0:
-            from moe_grpo.checkpoint.convert import write_spec
+        from moe_grpo.checkpoint.convert import write_spec
 
-            write_spec(self.spec, tmp)  # the checkpoint describes its model: export needs no config
+        rank = torch.distributed.get_rank()
+        if rank == 0:
+            shutil.rmtree(directory, ignore_errors=True)
+            os.makedirs(directory)
+        torch.distributed.barrier()
+        dist_checkpointing.save(sharded, directory)
+        torch.distributed.barrier()
+        if rank == 0:
+            write_spec(self.spec, directory)
+        torch.distributed.barrier()
+
+    def _read_dist(self, sharded: Any, directory: str, *, checked: bool = False) -> Any:
+        """Collective: check that the distributed checkpoint at `directory` has every file it lists, whole (unless
+        the caller has just `checked`), then load `sharded` from it; a failure names the file (or the directory,
+        when Megatron's own error does not)."""
+        from megatron.core import dist_checkpointing
+
+        if not checked:
+            check_dist_checkpoint_files(directory)
+        from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
+
+        try:
+            return dist_checkpointing.load(sharded, directory)
+        except (Exception, CheckpointException) as e:  # Megatron's and torch's errors rarely name a path
+            raise IncompleteCheckpointError(
+                directory, f"the distributed checkpoint could not be read (incomplete, corrupt, or saved from another "
+                           f"model): {_why(e)}") from e
+
+    def save_checkpoint(self, directory: str) -> None:
+        """Megatron distributed checkpoint of the weights, written to a temp dir and renamed into place."""
+        tmp = directory.rstrip("/") + ".tmp"
+        self._write_dist(self.module.sharded_state_dict(), tmp)
+        if torch.distributed.get_rank() == 0:
             old = directory.rstrip("/") + ".old"
             if os.path.exists(directory):
                 os.replace(directory, old)
@@ -518,10 +562,282 @@ class MegatronLearner:
         torch.distributed.barrier()
 
     def load_checkpoint(self, directory: str) -> None:
-        """Load weights saved at any TP/EP/PP layout into this layout."""
-        from megatron.core import dist_checkpointing
-
+        """Load weights saved at any TP/EP/PP layout into this layout (a `save_checkpoint` directory, or the
+        `dist` folder of a `save_run_state` directory)."""
         if not os.path.isdir(directory):
             raise FileNotFoundError(f"no Megatron checkpoint at {directory!r}")
-        state = dist_checkpointing.load(self.module.sharded_state_dict(), directory)
+        state = self._read_dist(self.module.sharded_state_dict(), directory)
+        self._wait_for_readers()
         self.module.load_state_dict(state)
+
+    # ------------------------------------------------------------------ run state (resume, rollback)
+    def _layout_record(self) -> dict[str, int]:
+        return {"tensor_parallel": self.layout.tensor_parallel, "expert_parallel": self.layout.expert_parallel,
+                "pipeline_parallel": self.layout.pipeline_parallel, "world_size": torch.distributed.get_world_size()}
+
+    def _reference_sharded_state_dict(self, model_sharded: Any, tensors: list[torch.Tensor]) -> dict[int, Any]:
+        """The reference weights sharded as the live parameters they stand for, under `reference.<model key>`, so
+        they reshard to any layout like the weights do."""
+        from megatron.core.dist_checkpointing.optimizer import (get_param_id_to_sharded_param_map,
+                                                                 make_sharded_optimizer_tensor)
+
+        by_index = get_param_id_to_sharded_param_map(model_sharded, self.module.parameters())
+        unkeyed = [name for i, (name, _) in enumerate(self.module.named_parameters()) if i not in by_index]
+        if unkeyed:
+            raise RuntimeError(f"parameters without a checkpoint key, so their reference copy cannot be saved: {unkeyed}")
+        return {i: make_sharded_optimizer_tensor(by_index[i], tensors[i], prefix="reference") for i in sorted(by_index)}
+
+    @staticmethod
+    def _rng_state() -> dict[str, Any]:
+        import random
+
+        from megatron.core import tensor_parallel
+
+        kind, keys, pos, has_gauss, gauss = np.random.get_state()
+        state: dict[str, Any] = {
+            "python": random.getstate(),
+            "numpy": [kind, keys.tolist(), int(pos), int(has_gauss), float(gauss)],
+            "torch": torch.get_rng_state(),
+            "megatron": dict(tensor_parallel.get_cuda_rng_tracker().get_states()),
+        }
+        if torch.cuda.is_available():
+            state["cuda"] = torch.cuda.get_rng_state_all()
+        return state
+
+    @staticmethod
+    def _set_rng_state(state: dict[str, Any]) -> None:
+        import random
+
+        from megatron.core import tensor_parallel
+
+        random.setstate((state["python"][0], tuple(state["python"][1]), state["python"][2]))
+        kind, keys, pos, has_gauss, gauss = state["numpy"]
+        np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, gauss))
+        torch.set_rng_state(state["torch"])
+        tensor_parallel.get_cuda_rng_tracker().set_states(state["megatron"])
+        if torch.cuda.is_available() and "cuda" in state:
+            torch.cuda.set_rng_state_all(state["cuda"])
+
+    def save_run_state(self, directory: str) -> None:
+        """Collective: everything this learner needs to continue, written into `directory` (created).
+
+        Files: `dist/` (a Megatron distributed checkpoint holding the weights, the optimizer state (Adam moments and
+        steps, fp32 main parameters where there are any) and the KL reference weights when set, all sharded per
+        model tensor so that any TP/EP/PP layout can load them; it is also a weights checkpoint `load_checkpoint`
+        and the export read), `rng_rank{N}.pt` (per global rank: Python, NumPy, torch, CUDA and Megatron's tracker
+        generators) and, written last by rank 0, `learner_meta.json` (layout, step count, learning rate, Adam step,
+        whether a reference is set, and every file above with its size). Not atomic on its own: the caller writes
+        the enclosing directory under a temporary name and renames it."""
+        from moe_grpo.learner.optimizer import adam_step, optimizer_sharded_state_dict
+
+        rank = torch.distributed.get_rank()
+        if rank == 0:
+            os.makedirs(directory, exist_ok=True)
+            for name in os.listdir(directory):  # an earlier attempt's files must not vouch for this one
+                if name == RUN_STATE_META or RNG_FILE_RE.fullmatch(name):
+                    os.remove(os.path.join(directory, name))
+        torch.distributed.barrier()
+        model = self.module.sharded_state_dict()
+        sharded: dict[str, Any] = {"model": model,
+                                   "optimizer": optimizer_sharded_state_dict(self.optimizer, model, is_loading=False)}
+        if self._reference is not None:
+            sharded["reference"] = self._reference_sharded_state_dict(model, self._reference)
+        self._write_dist(sharded, os.path.join(directory, RUN_STATE_DIST))
+        torch.save(self._rng_state(), os.path.join(directory, rng_file(rank)))
+        step = adam_step(self.optimizer)
+        torch.distributed.barrier()
+        if rank == 0:
+            files = {rng_file(r): 0 for r in range(torch.distributed.get_world_size())}
+            for root, _, names in os.walk(os.path.join(directory, RUN_STATE_DIST)):
+                for name in names:
+                    files[os.path.relpath(os.path.join(root, name), directory)] = 0
+            meta = {
+                "format": RUN_STATE_FORMAT,
+                "layout": self._layout_record(),
+                "step_count": self.step_count,
+                "lr": self.lr,
+                "adam_step": step,
+                "has_reference": self._reference is not None,
+                "params_dtype": str(self.options.dtype).replace("torch.", ""),
+                "files": {rel: os.path.getsize(os.path.join(directory, rel)) for rel in sorted(files)},
+            }
+            tmp = os.path.join(directory, RUN_STATE_META + ".tmp")
+            with open(tmp, "w") as f:
+                json.dump(meta, f, indent=1, sort_keys=True)
+                f.write("\n")
+            os.replace(tmp, os.path.join(directory, RUN_STATE_META))
+        torch.distributed.barrier()
+
+    def load_run_state(self, directory: str) -> None:
+        """Collective: continue from a `save_run_state` directory, saved at this or any other TP/EP/PP layout.
+
+        Restores the weights, the optimizer state (or a fresh one when the checkpoint was taken before the first
+        step), the KL reference (or none), `step_count` and the learning rate. RNG states are restored only when
+        the checkpoint's layout and world size equal this one's (otherwise the generators stay as seeded and rank 0
+        logs why). Every file is checked before anything changes: a missing, truncated or unreadable one raises
+        `IncompleteCheckpointError` naming it. After a failure inside Megatron's load the learner is undefined;
+        load another checkpoint before training on."""
+        from moe_grpo.learner.optimizer import (load_optimizer_state, optimizer_sharded_state_dict,
+                                                reset_optimizer_state)
+
+        if not os.path.isdir(directory):
+            raise FileNotFoundError(f"no learner run state at {directory!r}")
+        meta = read_run_state_meta(directory)
+        for rel, size in meta["files"].items():
+            _check_file(os.path.join(directory, rel), size)
+        dist_dir = os.path.join(directory, RUN_STATE_DIST)
+        check_dist_checkpoint_files(dist_dir)
+        self._check_same_model(dist_dir)
+        same_layout = meta["layout"] == self._layout_record()
+        rng = None
+        if same_layout:
+            path = os.path.join(directory, rng_file(torch.distributed.get_rank()))
+            try:
+                rng = torch.load(path, weights_only=True)
+            except Exception as e:
+                raise IncompleteCheckpointError(path, f"unreadable ({_why(e)})") from e
+        model = self.module.sharded_state_dict()
+        sharded: dict[str, Any] = {"model": model}
+        if meta["adam_step"] > 0:
+            sharded["optimizer"] = optimizer_sharded_state_dict(self.optimizer, model, is_loading=True)
+        params = list(self.module.parameters())
+        if meta["has_reference"]:
+            sharded["reference"] = self._reference_sharded_state_dict(model, [p.detach().clone() for p in params])
+        state = self._read_dist(sharded, dist_dir, checked=True)
+
+        self._wait_for_readers()
+        self.module.load_state_dict(state["model"])
+        if meta["adam_step"] > 0:
+            # The fp32 main parameters of a mixed-precision optimizer come from the checkpoint (exact), not from the
+            # rounded weights; Megatron's own resume does the same and reloads them only without optimizer state.
+            load_optimizer_state(self.optimizer, state["optimizer"], meta["adam_step"])
+        else:
+            reset_optimizer_state(self.optimizer)  # also refreshes the fp32 main parameters from the loaded weights
+        self._reference = None
+        if meta["has_reference"]:
+            loaded = state["reference"]
+            self._reference = [loaded[i].detach().to(device=p.device, dtype=p.dtype) for i, p in enumerate(params)]
+        self.step_count = int(meta["step_count"])
+        self.set_lr(float(meta["lr"]))
+        self.zero_grad()
+        if rng is not None:
+            self._set_rng_state(rng)
+        elif torch.distributed.get_rank() == 0:
+            logging.getLogger(__name__).warning(
+                "learner run state %s was saved at %s and is loaded at %s: RNG states not restored (they are per "
+                "rank of that layout); the generators stay as seeded", directory, meta["layout"], self._layout_record())
+        torch.distributed.barrier()
+
+    def _check_same_model(self, dist_dir: str) -> None:
+        import dataclasses
+
+        from moe_grpo.checkpoint.convert import SPEC_FILE, read_spec
+
+        path = os.path.join(dist_dir, SPEC_FILE)
+        try:
+            saved = dataclasses.asdict(read_spec(dist_dir))
+        except Exception as e:
+            raise IncompleteCheckpointError(path, f"unreadable ({_why(e)})") from e
+        mine = dataclasses.asdict(self.spec)
+        differ = sorted(k for k in set(saved) | set(mine) if saved.get(k) != mine.get(k))
+        if differ:
+            raise ValueError(f"the learner checkpoint {dist_dir} holds another model: "
+                             + ", ".join(f"{k}={saved.get(k)!r} (this learner: {mine.get(k)!r})" for k in differ))
+
+
+RUN_STATE_META = "learner_meta.json"
+"""Written last by `save_run_state`: without it (or with a broken one) the directory is an incomplete save."""
+RUN_STATE_DIST = "dist"
+"""The Megatron distributed checkpoint inside a run-state directory (weights, optimizer state, reference)."""
+RUN_STATE_FORMAT = 1
+RNG_FILE_RE = re.compile(r"rng_rank\d+\.pt")
+
+
+def rng_file(rank: int) -> str:
+    """Name of global rank `rank`'s RNG states inside a run-state directory."""
+    return f"rng_rank{rank}.pt"
+
+
+class IncompleteCheckpointError(RuntimeError):
+    """A learner checkpoint cannot be used: a file is missing, truncated or unreadable. `path` names it."""
+
+    def __init__(self, path: str, why: str) -> None:
+        self.path = str(path)
+        super().__init__(f"incomplete learner checkpoint: {self.path}: {why}")
+
+
+def _why(error: BaseException) -> str:
+    """One line about `error` (torch.distributed.checkpoint's CheckpointException: each rank's first failure)."""
+    failures = getattr(error, "failures", None)
+    if isinstance(failures, dict) and failures:
+        inner = [f[0] if isinstance(f, tuple) else f for f in failures.values()]
+        return "; ".join(f"rank {r}: {_why(x)}" for r, x in zip(failures, inner))
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0] if text else ''}"[:300]
+
+
+def _check_file(path: str, size: int | None = None) -> None:
+    """`path` exists, is not empty and, when `size` is given, has exactly that many bytes."""
+    if not os.path.isfile(path):
+        raise IncompleteCheckpointError(path, "missing")
+    actual = os.path.getsize(path)
+    if size is not None and actual != size:
+        raise IncompleteCheckpointError(path, f"{actual} bytes where {size} were written (truncated or overwritten)")
+    if size is None and actual == 0:
+        raise IncompleteCheckpointError(path, "empty")
+
+
+def read_run_state_meta(directory: str) -> dict[str, Any]:
+    """`learner_meta.json` of a run-state directory, checked for the keys `load_run_state` reads."""
+    path = os.path.join(directory, RUN_STATE_META)
+    _check_file(path)
+    try:
+        with open(path) as f:
+            meta = json.load(f)
+    except (OSError, ValueError) as e:
+        raise IncompleteCheckpointError(path, f"not readable JSON ({e})") from e
+    need = ("format", "layout", "step_count", "lr", "adam_step", "has_reference", "files")
+    missing = [k for k in need if k not in meta] if isinstance(meta, dict) else list(need)
+    if missing:
+        raise IncompleteCheckpointError(path, f"lacks {missing}")
+    if meta["format"] != RUN_STATE_FORMAT:
+        raise ValueError(f"{path}: run-state format {meta['format']}, this code reads format {RUN_STATE_FORMAT}")
+    return meta
+
+
+def check_dist_checkpoint_files(directory: str) -> None:
+    """Every file a Megatron (torch_dist) checkpoint needs is present and long enough: `metadata.json`,
+    `common.pt`, torch.distributed.checkpoint's `.metadata` and each data file it points into."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    if not os.path.isdir(directory):
+        raise IncompleteCheckpointError(directory, "missing")
+    for name in ("metadata.json", "common.pt", ".metadata"):
+        _check_file(os.path.join(directory, name))
+    path = os.path.join(directory, "metadata.json")
+    try:
+        with open(path) as f:
+            json.load(f)
+    except (OSError, ValueError) as e:
+        raise IncompleteCheckpointError(path, f"not readable JSON ({e})") from e
+    path = os.path.join(directory, "common.pt")
+    try:
+        torch.load(path, map_location="cpu")  # small (the non-tensor state); Megatron reads it this way
+    except Exception as e:
+        raise IncompleteCheckpointError(path, f"unreadable ({_why(e)})") from e
+    path = os.path.join(directory, ".metadata")
+    try:
+        storage = FileSystemReader(directory).read_metadata().storage_data or {}
+    except Exception as e:
+        raise IncompleteCheckpointError(path, f"unreadable ({_why(e)})") from e
+    needed: dict[str, int] = {}
+    for info in storage.values():
+        rel = str(info.relative_path)
+        needed[rel] = max(needed.get(rel, 0), int(info.offset) + int(info.length))
+    for rel, end in sorted(needed.items()):
+        data = os.path.join(directory, rel)
+        if not os.path.isfile(data):
+            raise IncompleteCheckpointError(data, "missing (listed in .metadata)")
+        if os.path.getsize(data) < end:
+            raise IncompleteCheckpointError(data, f"{os.path.getsize(data)} bytes, .metadata points up to byte {end} "
+                                                  "(truncated)")

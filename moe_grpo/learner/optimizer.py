@@ -92,3 +92,128 @@ def build_ddp_and_optimizer(module: Any, mconfig: Any, config: LearnerConfig,
     if dtype == torch.float16:  # dynamic loss scaling: the schedule scales the loss before backward
         mconfig.grad_scale_func = optimizer.scale_loss
     return model, optimizer
+
+
+# --------------------------------------------------------------------------- run checkpoints: optimizer state
+
+CHECKPOINT_METADATA = {"chained_optim_avoid_prefix": True, "distrib_optim_sharding_type": "fully_sharded_model_space"}
+"""`metadata` for Megatron's `optimizer.sharded_state_dict` that makes the saved tensors layout-independent.
+
+`ChainedOptimizer` would otherwise prefix every tensor with `chained_{i}.`, and `i` depends on the layout: at EP=1 the
+expert weights are ordinary data-parallel parameters of the dense optimizer (one sub-optimizer), at EP>1 they get a
+second one, so an EP=2 checkpoint would not load at EP=1. Without the prefix each Adam moment (and fp32 main
+parameter) is named `optimizer.state.<exp_avg|exp_avg_sq|fp32_param>.<model tensor key>` and sharded like its model
+tensor, which any TP/EP/PP layout can read. `fully_sharded_model_space` does the same for Megatron's
+DistributedOptimizer (its state per model parameter rather than per data-parallel buffer)."""
+
+
+def sub_optimizers(optimizer: Any) -> list[Any]:
+    """The Megatron optimizers inside `optimizer` (a ChainedOptimizer's parts, or itself), stubs left out."""
+    parts = list(getattr(optimizer, "chained_optimizers", [optimizer]))
+    return [o for o in parts if not getattr(o, "is_stub_optimizer", False) and getattr(o, "optimizer", None) is not None]
+
+
+def _torch_optimizers(optimizer: Any) -> list[Any]:
+    return [o.optimizer for o in sub_optimizers(optimizer)]
+
+
+def current_lr(optimizer: Any, default: float) -> float:
+    """The learning rate the next step will use (before any per-group `lr_mult`); `default` without param groups."""
+    for group in optimizer.param_groups:
+        return float(group["lr"]) / float(group.get("lr_mult", 1.0) or 1.0)
+    return default
+
+
+def set_lr(optimizer: Any, lr: float) -> None:
+    """Set the learning rate of every param group of every sub-optimizer (times the group's `lr_mult`)."""
+    import math
+
+    if not (lr > 0 and math.isfinite(lr)):
+        raise ValueError(f"lr={lr}, expected a positive finite number")
+    for group in optimizer.param_groups:
+        group["lr"] = lr * float(group.get("lr_mult", 1.0))
+
+
+def adam_step(optimizer: Any) -> int:
+    """Adam's step counter (bias correction): the same for every parameter, 0 before the first step."""
+    steps: set[int] = set()
+    for inner in _torch_optimizers(optimizer):
+        for group in inner.param_groups:
+            if "step" in group and group["params"]:  # Transformer Engine's FusedAdam keeps it per group
+                steps.add(int(group["step"] or 0))
+            for p in group["params"]:
+                state = inner.state.get(p)
+                if state and "step" in state:
+                    steps.add(int(float(state["step"])))
+    if len(steps) > 1:
+        raise RuntimeError(f"the optimizer's step differs between parameters ({sorted(steps)}); cannot checkpoint it")
+    return steps.pop() if steps else 0
+
+
+def set_adam_step(optimizer: Any, step: int) -> None:
+    """Set Adam's step counter of every parameter that has optimizer state (a checkpoint stores it once)."""
+    import torch
+
+    scalar = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32  # torch.optim's choice
+    for inner in _torch_optimizers(optimizer):
+        for group in inner.param_groups:
+            if "step" in group:
+                group["step"] = step
+                continue
+            on_device = bool(group.get("capturable") or group.get("fused"))
+            for p in group["params"]:
+                state = inner.state.get(p)
+                if state:
+                    state["step"] = torch.tensor(float(step), dtype=scalar, device=p.device if on_device else "cpu")
+
+
+def reset_optimizer_state(optimizer: Any) -> None:
+    """Forget Adam's moments and step (what a freshly built optimizer holds) and copy the model weights into the
+    fp32 main parameters where there are any."""
+    for inner in _torch_optimizers(optimizer):
+        inner.state.clear()
+    optimizer.reload_model_params()
+
+
+def optimizer_sharded_state_dict(optimizer: Any, model_sharded_state_dict: Any, *, is_loading: bool) -> dict:
+    """Megatron's sharded state dict of every sub-optimizer, with only its tensors persistent.
+
+    The tensors (Adam moments, fp32 main parameters) are keyed by the model tensors they belong to
+    (`CHECKPOINT_METADATA`). Everything else Megatron would save in `common.pt` (param groups with their parameter
+    ids, the step) describes the saving layout, so it is kept local: a load takes it from the optimizer being loaded
+    into, and the caller restores the learning rate and the step (`set_lr`, `set_adam_step`).
+    `is_loading=True` first creates zero state for every parameter (Megatron's `init_state_fn`) so that the dict has
+    a tensor to load into for each one; call it that way only right before loading."""
+    from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace
+    from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject, ShardedBase
+
+    out = {i: opt.sharded_state_dict(model_sharded_state_dict, is_loading=is_loading, metadata=CHECKPOINT_METADATA)
+           for i, opt in enumerate(sub_optimizers(optimizer))}
+
+    def local(value: Any) -> Any:
+        return value if isinstance(value, (ShardedBase, LocalNonpersistentObject)) else LocalNonpersistentObject(value)
+
+    return dict_list_map_inplace(local, out)
+
+
+def load_optimizer_state(optimizer: Any, loaded: dict, step: int) -> None:
+    """Hand what `dist_checkpointing.load` returned for `optimizer_sharded_state_dict(..., is_loading=True)` to each
+    sub-optimizer (Megatron's own `load_state_dict`: moments, and fp32 main parameters for mixed precision), then set
+    the step."""
+    import torch
+
+    def with_step(tree: Any) -> None:
+        # torch.optim refuses per-parameter state without "step" (Megatron's `common_step`, which the checkpoint
+        # does not carry: it is the caller's `step`); any {"state", "param_groups"} dict is a torch one.
+        if isinstance(tree, dict):
+            if isinstance(tree.get("state"), dict) and "param_groups" in tree:
+                for param_state in tree["state"].values():
+                    if isinstance(param_state, dict) and param_state:
+                        param_state.setdefault("step", torch.tensor(float(step)))
+            for value in tree.values():
+                with_step(value)
+
+    for i, opt in enumerate(sub_optimizers(optimizer)):
+        with_step(loaded[i])
+        opt.load_state_dict(loaded[i])
+    set_adam_step(optimizer, step)
