@@ -32,6 +32,7 @@ class EngineWorker:
         self._in_flight = 0
         self._busy_since = 0.0
         self._busy_total = 0.0
+        self._restart_lock = asyncio.Lock()
 
     def _enter(self) -> None:
         if self._in_flight == 0:
@@ -44,7 +45,8 @@ class EngineWorker:
             self._busy_total += time.perf_counter() - self._busy_since
 
     async def generate(self, prompt: Sequence[int], sampling: Any) -> list[Any]:
-        """`sampling.n` completions of one prompt; fails naming this engine if it dies or hangs."""
+        """`sampling.n` completions of one prompt; fails (EngineError naming this engine) if its vLLM process dies,
+        hangs (nothing back within `rollout.request_timeout_s`, e.g. SIGSTOPped) or is restarted meanwhile."""
         from moe_grpo.rollout.vllm_engine import EngineError
 
         self._enter()
@@ -57,11 +59,14 @@ class EngineWorker:
                     return future.result()
                 if not self.engine.alive():
                     future.cancel()
-                    raise EngineError(f"engine {self.name}: vLLM process {self.engine.worker_pid} died mid-rollout")
+                    why = self.engine.closing
+                    raise EngineError(f"engine {self.name}: a rollout was lost: {why}" if why else
+                                      f"engine {self.name}: vLLM process {self.engine.worker_pid} died mid-rollout")
                 if time.monotonic() > deadline:
                     future.cancel()
                     raise EngineError(f"engine {self.name}: a rollout did not finish within "
-                                      f"{self.rollout.request_timeout_s:.0f} s (rollout.request_timeout_s); hung")
+                                      f"{self.rollout.request_timeout_s:.0f} s (rollout.request_timeout_s); hung "
+                                      f"(vLLM process {self.engine.worker_pid})")
         finally:
             self._leave()
 
@@ -83,8 +88,23 @@ class EngineWorker:
         return await loop.run_in_executor(None, self.engine.num_routing_buffers)
 
     async def pid(self) -> int:
-        return int(self.engine.worker_pid)
+        """The vLLM process that holds the model (0 while the engine is restarting)."""
+        return int(self.engine.worker_pid or 0)
 
-    async def shutdown(self) -> None:
-        self.engine.shutdown()
+    async def restart(self, timeout_s: float | None = None) -> dict[str, Any]:
+        """New vLLM processes for this engine (its old ones dead, hung or alive), serving the version it served.
+
+        The old processes are SIGKILLed with everything below them and their /dev/shm segments removed; rollouts
+        in flight fail with EngineError naming the engine. `timeout_s` bounds the reload of the served version
+        (default `rollout.request_timeout_s`; the start gets at least 300 s). Returns {"pid": the new vLLM
+        process, "old_pid", "policy_version": the version it serves, "seconds": in all, "shutdown_seconds",
+        "start_seconds", "killed": pids, "shm_removed": names}. Concurrent calls run one after the other."""
+        timeout_s = self.rollout.request_timeout_s if timeout_s is None else timeout_s
+        async with self._restart_lock:
+            loop = asyncio.get_running_loop()
+            return await loop.run_in_executor(None, lambda: self.engine.restart(timeout_s=timeout_s))
+
+    async def shutdown(self) -> dict[str, Any]:
+        out = self.engine.shutdown()
         self.transport.unpin(self.engine.engine_id)
+        return out

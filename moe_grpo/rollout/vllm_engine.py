@@ -74,6 +74,125 @@ def _process_alive(pid: int) -> bool:
         return True
 
 
+SHM_DIR = "/dev/shm"
+SHM_KINDS = ("psm_", "sem.mp-")
+"""What a vLLM 0.32 engine leaves in /dev/shm when its processes are killed: the ring buffers of the message
+queues between engine core and workers (multiprocessing SharedMemory, `psm_<8 hex>`: about 240 and 160 MiB on
+CPU) and the lock the executor shares with its workers (a multiprocessing semaphore, `sem.mp-<8 chars>`). Their
+names are random, so an engine's own are found by what its processes map (`_mapped_shm`)."""
+
+
+def _descendants(roots: Sequence[int]) -> dict[int, float]:
+    """pid -> start time, for `roots` and every process below them that exists now."""
+    import psutil
+
+    out: dict[int, float] = {}
+    for pid in roots:
+        try:
+            root = psutil.Process(pid)
+            procs = [root] + root.children(recursive=True)
+        except psutil.Error:
+            continue
+        for p in procs:
+            try:
+                out[p.pid] = p.create_time()
+            except psutil.Error:
+                pass
+    return out
+
+
+def _state(pid: int, started: float) -> str | None:
+    """psutil's status of the process `pid` started at `started`; None once it is gone (or the pid was reused)."""
+    import psutil
+
+    try:
+        p = psutil.Process(pid)
+        if abs(p.create_time() - started) > 1e-3:
+            return None
+        return p.status()
+    except psutil.Error:
+        return None
+
+
+def _gone(state: str | None) -> bool:
+    return state in (None, "zombie", "dead")
+
+
+def _mapped_shm(pids: Sequence[int]) -> dict[str, int]:
+    """/dev/shm entries of vLLM's kinds (`SHM_KINDS`) that these processes map: name -> inode.
+
+    Matched by inode: a semaphore is mapped under the temporary name glibc created it with, then linked to its
+    final name, so its mapping reads `/dev/shm/sem.XXXXXX (deleted)`; a segment is mapped under its own name."""
+    if not os.path.isdir(SHM_DIR):
+        return {}
+    mapped: set[tuple[int, int]] = set()
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/maps") as f:
+                for line in f:
+                    parts = line.split(maxsplit=5)
+                    if len(parts) == 6 and parts[5].startswith(SHM_DIR + "/"):
+                        major, minor = parts[3].split(":")
+                        mapped.add((os.makedev(int(major, 16), int(minor, 16)), int(parts[4])))
+        except (OSError, ValueError):
+            continue
+    out: dict[str, int] = {}
+    if not mapped:
+        return out
+    for name in os.listdir(SHM_DIR):
+        if name.startswith(SHM_KINDS):
+            try:
+                st = os.stat(os.path.join(SHM_DIR, name), follow_symlinks=False)
+            except OSError:
+                continue
+            if (st.st_dev, st.st_ino) in mapped:
+                out[name] = st.st_ino
+    return out
+
+
+def _unlink_shm(entries: dict[str, int]) -> list[str]:
+    """Remove these /dev/shm entries (each only if it is still the same inode); returns the names removed.
+
+    The engine's processes registered them with this process's multiprocessing resource tracker (they were
+    spawned from here and share it); it is told they are gone, or it would warn of a leak at exit."""
+    from multiprocessing import resource_tracker
+
+    removed = []
+    for name, inode in entries.items():
+        path = os.path.join(SHM_DIR, name)
+        try:
+            if os.stat(path, follow_symlinks=False).st_ino != inode:
+                continue
+            os.unlink(path)
+        except OSError:
+            continue
+        removed.append(name)
+        if getattr(getattr(resource_tracker, "_resource_tracker", None), "_fd", None) is None:
+            continue  # no tracker in this process: nothing registered there
+        try:
+            if name.startswith("psm_"):
+                resource_tracker.unregister("/" + name, "shared_memory")
+            elif name.startswith("sem."):
+                resource_tracker.unregister("/" + name[len("sem."):], "semaphore")
+        except Exception:  # noqa: BLE001 - bookkeeping only
+            pass
+    return removed
+
+
+def _bounded(fn: Any, timeout_s: float, name: str) -> bool:
+    """Run `fn` in a daemon thread for at most `timeout_s`; whether it returned in time (its errors are dropped)."""
+    def run() -> None:
+        try:
+            fn()
+        except Exception:  # noqa: BLE001 - best effort teardown
+            pass
+
+    t = threading.Thread(target=run, name=name, daemon=True)
+    t.start()
+    t.join(timeout_s)
+    return not t.is_alive()
+
+
 def native_routing_to_trace(routed: Any, spec: MoEModelSpec, num_positions: int) -> RoutingTrace:
     """vLLM's native `CompletionOutput.routed_experts` -> a trace of MoE layers only.
 
@@ -194,7 +313,16 @@ class VllmEngine:
             self._engine_args.update(enable_return_routed_experts=True, enable_prefix_caching=True)
         self._ids = itertools.count()
         self._inflight: dict[str, asyncio.Task] = {}
+        self._tasks: set[asyncio.Task] = set()  # every sampling / scoring task, failed with EngineError at shutdown
+        self._closing: str | None = None
+        """Why the engine serves no more requests (shut down, restarting), or None while it serves."""
+        self._procs: dict[int, float] = {}  # pid -> start time of each vLLM process of this engine
+        self._core_procs: list[Any] = []  # vLLM's engine-core Process objects (this process reaps them)
+        self._shm: dict[str, int] = {}  # /dev/shm entries of this engine (name -> inode)
+        self.last_shutdown: dict[str, Any] = {}
+        """What the last shutdown did: processes killed, /dev/shm entries removed, processes left, seconds."""
         self._updating: asyncio.Event | None = None  # set while no update is in progress
+        self._restarting = False
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name=f"moe_grpo-{self.engine_id}", daemon=True)
         self._thread.start()
@@ -231,12 +359,15 @@ class VllmEngine:
             raise EngineError(f"engine {self.engine_id}: process {self.worker_pid} is dead ({method} not sent)")
         return self._call(self._collective_rpc(method, args), method, timeout_s)
 
-    def _start(self) -> None:
+    def _start(self, timeout_s: float | None = None) -> None:
         t0 = time.perf_counter()
         self.worker_pid: int | None = None
+        self._closing = None
         try:
-            info = self._call(self._astart(), "start", timeout_s=max(self.request_timeout_s, 300.0))
+            info = self._call(self._astart(), "start", timeout_s=timeout_s or max(self.request_timeout_s, 300.0))
         except Exception as e:
+            if self.llm is not None:  # half started: its processes and segments go now, not at exit
+                self.shutdown(stop_loop=False, kill=True, reason="it failed to start")
             raise EngineError(f"engine {self.engine_id}: vLLM failed to start on {self.model_dir}: {e}") from e
         self.start_seconds = time.perf_counter() - t0
         if info is not None and self.capture and not self.native and len(info["moe_layers"]) != self.spec.num_moe_layers:
@@ -252,6 +383,7 @@ class VllmEngine:
         self._updating = asyncio.Event()
         self._updating.set()
         self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**self._engine_args))
+        self._record_processes()
         await self.llm.update_weight_version(str(self.policy_version))
         if not self.extension:
             self.worker_pid = self._engine_core_pid()
@@ -264,23 +396,72 @@ class VllmEngine:
             raise EngineError(f"engine {self.engine_id}: cannot find vLLM's engine-core process")
         return int(procs[0].pid)
 
-    def restart(self, *, timeout_s: float | None = 120.0) -> None:
-        """Start a new engine process (after the old one died) serving the version the engine served before.
+    def _record_processes(self) -> None:
+        """Note this engine's processes (vLLM's engine core and its workers) and the /dev/shm entries they map,
+        once they are up: what `shutdown` kills and removes, even after the processes died."""
+        manager = getattr(getattr(self.llm.engine_core, "resources", None), "engine_manager", None)
+        self._core_procs = list(getattr(manager, "processes", None) or [])
+        self._procs = _descendants([int(p.pid) for p in self._core_procs if p.pid])
+        self._shm = _mapped_shm(list(self._procs))
 
-        That version's buffers stay pinned through a failed sync, so they are still there to re-read."""
-        self.shutdown(stop_loop=False)
-        self._start()
-        self.stats["restarts"] += 1
-        version = self.policy_version
-        if self.weight_source is None:
-            self.broken = f"restarted on the model directory, not on version {version} (loaded from memory)"
-            raise EngineError(self.broken)
-        if isinstance(self.weight_source, tuple):
-            self._call(self._load(self._bucket_rpcs(*self.weight_source), version, None), "restore", timeout_s)
-        self.broken = None
+    def processes(self) -> dict[int, float]:
+        """pid -> start time of every process of this engine (engine core and workers) alive now."""
+        roots = [int(p.pid) for p in self._core_procs if p.pid]
+        procs = {**self._procs, **_descendants(roots)}
+        return {pid: t for pid, t in procs.items() if not _gone(_state(pid, t))}
+
+    def shm_entries(self) -> list[str]:
+        """The /dev/shm entries of this engine (recorded at start and from its live processes) that exist now."""
+        known = {**self._shm, **_mapped_shm(list(self.processes()))}
+        out = []
+        for name, inode in known.items():
+            try:
+                if os.stat(os.path.join(SHM_DIR, name), follow_symlinks=False).st_ino == inode:
+                    out.append(name)
+            except OSError:
+                pass
+        return sorted(out)
+
+    def restart(self, *, timeout_s: float | None = 120.0) -> dict[str, Any]:
+        """Replace the engine's vLLM processes (dead, hung or alive) by new ones serving the version served before.
+
+        The old processes are SIGKILLed at once (a SIGSTOPped one never acts on SIGTERM), with every process
+        below them, and what they leave in /dev/shm is removed; requests in flight fail with EngineError
+        naming the engine. The served version's buffers stay pinned through a failed sync, so they are still
+        there to re-read. `timeout_s` bounds the start and the reload each (None: the defaults). Returns the new
+        and old pid, the version served and the seconds taken (shutting down, starting, in all)."""
+        t0 = time.perf_counter()
+        old = self.worker_pid
+        self._restarting = True
+        try:
+            down = self.shutdown(stop_loop=False, kill=True, reason=f"it is restarting (vLLM process {old} replaced)")
+            self._start(timeout_s=None if timeout_s is None else max(timeout_s, 300.0))
+            self.stats["restarts"] += 1
+            version = self.policy_version
+            if self.weight_source is None:
+                self.broken = f"restarted on the model directory, not on version {version} (loaded from memory)"
+                raise EngineError(f"engine {self.engine_id}: {self.broken}")
+            if isinstance(self.weight_source, tuple):
+                try:
+                    self._call(self._load(self._bucket_rpcs(*self.weight_source), version, self.weight_source),
+                               "restore", timeout_s)
+                except Exception as e:
+                    self.broken = f"restarted but could not reload version {version} ({e}); sync a full version"
+                    raise EngineError(f"engine {self.engine_id}: {self.broken}") from e
+            self.broken = None
+        finally:
+            self._restarting = False
+        return {"pid": self.worker_pid, "old_pid": old, "policy_version": self.policy_version,
+                "seconds": time.perf_counter() - t0, "shutdown_seconds": down["seconds"],
+                "start_seconds": self.start_seconds, "killed": down["killed"], "shm_removed": down["shm_removed"]}
 
     def alive(self) -> bool:
         return self.llm is not None and _process_alive(self.worker_pid)
+
+    @property
+    def closing(self) -> str | None:
+        """Why the engine takes no requests (shut down, restarting), or None while it serves."""
+        return self._closing or ("it is restarting" if self._restarting else None)
 
     # ------------------------------------------------------------------ input checks
     def check_prompt(self, prompt: Sequence[int], sampling: SamplingSettings) -> str | None:
@@ -307,6 +488,7 @@ class VllmEngine:
         """The `n` completions of one prompt (on the engine's loop); many may run at once."""
         if self.broken:
             raise EngineError(f"engine {self.engine_id} refuses to generate: {self.broken}")
+        self._check_serving()
         why = self.check_prompt(prompt, sampling)
         if why is not None:
             ids = np.asarray(prompt, dtype=np.int64) if len(prompt) else np.zeros(0, np.int64)
@@ -315,19 +497,44 @@ class VllmEngine:
         return list(await asyncio.gather(*(self._sample(list(map(int, prompt)), sampling, k)
                                            for k in range(sampling.n))))
 
+    def _check_serving(self) -> None:
+        if self._closing or self._restarting or self.llm is None:
+            raise EngineError(f"engine {self.engine_id} takes no requests: "
+                              f"{self._closing or ('it is restarting' if self._restarting else 'it was shut down')}")
+
     async def _sample(self, prompt: list[int], sampling: SamplingSettings, k: int) -> Completion:
         done: Completion | None = None
-        while True:
-            await self._updating.wait()  # no new request starts while weights change
-            room = min(sampling.max_tokens - (len(done.token_ids) if done else 0),
-                       self.max_model_len - len(prompt) - (len(done.token_ids) if done else 0))
-            ids = prompt + ([int(t) for t in done.token_ids] if done else [])
-            part = await self._request(ids, sampling, room, k, len(done.token_ids) if done else 0)
-            done = part if done is None else join_segments(done, part)
-            if part.finish_reason != "abort" or self.on_update != "abort" or room - len(part.token_ids) <= 0:
-                break
-            self.stats["resubmitted"] += 1
+        task = asyncio.current_task()
+        self._tasks.add(task)
+        try:
+            while True:
+                await self._updating.wait()  # no new request starts while weights change
+                self._check_serving()
+                room = min(sampling.max_tokens - (len(done.token_ids) if done else 0),
+                           self.max_model_len - len(prompt) - (len(done.token_ids) if done else 0))
+                ids = prompt + ([int(t) for t in done.token_ids] if done else [])
+                part = await self._request(ids, sampling, room, k, len(done.token_ids) if done else 0)
+                done = part if done is None else join_segments(done, part)
+                if part.finish_reason != "abort" or self.on_update != "abort" or room - len(part.token_ids) <= 0:
+                    break
+                self.stats["resubmitted"] += 1
+        except asyncio.CancelledError:
+            if self._closing:  # shutdown or restart: the request is lost, and says so
+                raise EngineError(f"engine {self.engine_id}: a request in flight was lost: {self._closing}") from None
+            raise
+        finally:
+            self._tasks.discard(task)
         return done
+
+    def _failure(self, e: BaseException, what: str) -> EngineError:
+        """The EngineError for a vLLM call that raised `e`: the engine shut down, its process died, or vLLM failed."""
+        pid = self.worker_pid
+        if self._closing:
+            return EngineError(f"engine {self.engine_id}: {what} was lost: {self._closing}")
+        if type(e).__name__ == "EngineDeadError" or (pid is not None and not _process_alive(pid)):
+            return EngineError(f"engine {self.engine_id}: vLLM process {pid} died during {what} "
+                               f"({type(e).__name__})")
+        return EngineError(f"engine {self.engine_id}: {what} failed: {e}")
 
     async def _request(self, prompt: list[int], sampling: SamplingSettings, max_tokens: int, k: int = 0,
                        offset: int = 0) -> Completion:
@@ -346,9 +553,11 @@ class VllmEngine:
             async for out in self.llm.generate({"prompt_token_ids": prompt}, params, request_id=request_id):
                 final = out
         except asyncio.CancelledError:
+            if self._closing:
+                raise
             final = None
         except Exception as e:
-            raise EngineError(f"engine {self.engine_id}: generation of request {request_id} failed: {e}") from e
+            raise self._failure(e, f"generation of request {request_id}") from e
         finally:
             self._inflight.pop(request_id, None)
             routing = await self._pop_routing([f"{request_id}-"])  # freed however the request ended
@@ -379,8 +588,11 @@ class VllmEngine:
     async def _pop_routing(self, prefixes: list[str]) -> dict[str, Any]:
         if not (self.capture and not self.native and self.extension):
             return {}
+        if self._closing or self.llm is None or not _process_alive(self.worker_pid):
+            return {"error": f"engine {self.engine_id} is not serving; routing not fetched"}  # its buffers went with it
         try:
-            packed = (await self._collective_rpc("moe_grpo_pop_routing", (prefixes,)))[0]
+            packed = (await asyncio.wait_for(self._collective_rpc("moe_grpo_pop_routing", (prefixes,)),
+                                             self.request_timeout_s))[0]
         except Exception as e:  # noqa: BLE001 - a dead engine is reported by the caller's watchdog
             return {"error": f"could not fetch routing: {e}"}
         out: dict[str, Any] = {}
@@ -417,11 +629,19 @@ class VllmEngine:
         async def one(seq: Sequence[int]) -> np.ndarray:
             request_id = f"mg{next(self._ids)}"
             final = None
+            self._check_serving()
+            task = asyncio.current_task()
+            self._tasks.add(task)
             try:
                 async for out in self.llm.generate({"prompt_token_ids": [int(t) for t in seq]}, params,
                                                    request_id=request_id):
                     final = out
+            except asyncio.CancelledError:
+                if self._closing:
+                    raise self._failure(RuntimeError("cancelled"), f"scoring request {request_id}") from None
+                raise
             finally:
+                self._tasks.discard(task)
                 await self._pop_routing([f"{request_id}-"])  # scoring must not leave routing buffers behind
             lps = final.prompt_logprobs[1:]
             return np.asarray([lp[int(t)].logprob for lp, t in zip(lps, seq[1:])], dtype=np.float32)
@@ -532,25 +752,84 @@ class VllmEngine:
         self.load_weights({n: files.get(n) for n in hf_names(self.spec)}, self.policy_version)
         self.weight_source = "model_dir"
 
-    def shutdown(self, *, stop_loop: bool = True) -> None:
+    def shutdown(self, *, stop_loop: bool = True, kill: bool | None = None, timeout_s: float = 10.0,
+                 reason: str = "it was shut down") -> dict[str, Any]:
+        """Stop the engine: requests in flight fail with EngineError naming it (and `reason`), every process of it
+        ends, and what they leave in /dev/shm is removed. Bounded in time whatever state the processes are in.
+
+        `kill`: True SIGKILLs the engine core, its workers and everything below them at once; False asks vLLM
+        to stop them (SIGTERM, SIGKILL after `timeout_s`); None (default) kills at once if any of them is dead,
+        a zombie or stopped (a SIGSTOPped process never acts on SIGTERM: vLLM would wait out its timeouts and
+        leave the dead engine core's segments behind), and asks otherwise. Either way whatever is left after
+        vLLM's shutdown is SIGKILLed. Returns (and keeps in `last_shutdown`) what it did."""
+        import signal
+
+        t0 = time.perf_counter()
         llm, self.llm = self.llm, None
-        if llm is not None and self._loop.is_running():
+        self._closing = reason
+        alive = self.processes()
+        procs = {**self._procs, **alive}
+        shm = {**self._shm, **_mapped_shm(list(alive))}
+        unresponsive = sorted(pid for pid, t in procs.items()
+                              if _gone(_state(pid, t)) or _state(pid, t) in ("stopped", "tracing-stop"))
+        hard = bool(unresponsive) if kill is None else kill
+        if self._loop.is_running():
             async def quiesce() -> None:
-                # Stop our requests and vLLM's output handler before the engine process goes,
-                # or the handler logs the dying engine as an error with a traceback.
-                tasks = list(self._inflight.values()) + [t for t in [getattr(llm, "output_handler", None)] if t]
+                # Fail our requests (EngineError, see _sample) and stop vLLM's output handler before the engine
+                # process goes, or the handler logs the dying engine as an error with a traceback.
+                handler = getattr(llm, "output_handler", None) if llm is not None else None
+                tasks = list(self._tasks) + [t for t in [handler] if t]
                 for task in tasks:
                     task.cancel()
                 await asyncio.gather(*tasks, return_exceptions=True)
 
             try:
-                asyncio.run_coroutine_threadsafe(quiesce(), self._loop).result(10)
-            except Exception:
+                asyncio.run_coroutine_threadsafe(quiesce(), self._loop).result(5)
+            except Exception:  # noqa: BLE001 - bounded; the kill below ends whatever still waits
                 pass
-        if llm is not None:
+
+        def kill_all(targets: dict[int, float]) -> list[int]:
+            import psutil
+
+            done = []
+            for pid, started in targets.items():
+                if _gone(_state(pid, started)):
+                    continue
+                try:
+                    os.kill(pid, signal.SIGKILL)  # works on a stopped process too
+                    done.append(pid)
+                except (ProcessLookupError, PermissionError, psutil.Error):
+                    pass
+            return done
+
+        killed = kill_all(procs) if hard else []
+        if llm is not None:  # vLLM's own teardown (sockets, threads); bounded, it can wait on a hung engine
+            grace = 1.0 if hard else timeout_s
+            _bounded(lambda: llm.shutdown(timeout=grace), grace + 10.0, f"moe_grpo-{self.engine_id}-shutdown")
+        roots = [int(p.pid) for p in self._core_procs if p.pid]
+        procs = {**procs, **_descendants(roots)}
+        killed += kill_all(procs)  # whatever vLLM's shutdown left (it kills the engine core, not always below it)
+        deadline = time.monotonic() + 5.0
+        while time.monotonic() < deadline:
+            for p in self._core_procs:  # reap our children (vLLM leaves a SIGKILLed engine core a zombie)
+                try:
+                    p.join(0)
+                except Exception:  # noqa: BLE001
+                    pass
+            if all(_gone(_state(pid, t)) for pid, t in procs.items()):
+                break
+            time.sleep(0.05)
+        for pid in procs:  # a worker re-parented to this process (a subreaper) is reaped here
             try:
-                llm.shutdown(timeout=10)
-            except Exception:
+                os.waitpid(pid, os.WNOHANG)
+            except (ChildProcessError, OSError):
                 pass
+        removed = _unlink_shm(shm)
+        left = sorted(pid for pid, t in procs.items() if not _gone(_state(pid, t)))
+        self._procs, self._core_procs, self._shm = {}, [], {}
+        self.last_shutdown = {"killed": sorted(set(killed)), "unresponsive": unresponsive, "hard": hard,
+                              "shm_removed": sorted(removed), "processes_left": left,
+                              "seconds": time.perf_counter() - t0}
         if stop_loop and self._loop.is_running():
             self._loop.call_soon_threadsafe(self._loop.stop)
+        return self.last_shutdown
