@@ -537,11 +537,10 @@ class MegatronLearner:
         the caller has just `checked`), then load `sharded` from it; a failure names the file (or the directory,
         when Megatron's own error does not)."""
         from megatron.core import dist_checkpointing
+        from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
 
         if not checked:
             check_dist_checkpoint_files(directory)
-        from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
-
         try:
             return dist_checkpointing.load(sharded, directory)
         except (Exception, CheckpointException) as e:  # Megatron's and torch's errors rarely name a path
@@ -680,22 +679,26 @@ class MegatronLearner:
         from moe_grpo.learner.optimizer import (load_optimizer_state, optimizer_sharded_state_dict,
                                                 reset_optimizer_state)
 
-        if not os.path.isdir(directory):
-            raise FileNotFoundError(f"no learner run state at {directory!r}")
-        meta = read_run_state_meta(directory)
-        for rel, size in meta["files"].items():
-            _check_file(os.path.join(directory, rel), size)
         dist_dir = os.path.join(directory, RUN_STATE_DIST)
-        check_dist_checkpoint_files(dist_dir)
-        self._check_same_model(dist_dir)
-        same_layout = meta["layout"] == self._layout_record()
-        rng = None
-        if same_layout:
-            path = os.path.join(directory, rng_file(torch.distributed.get_rank()))
-            try:
-                rng = torch.load(path, weights_only=True)
-            except Exception as e:
-                raise IncompleteCheckpointError(path, f"unreadable ({_why(e)})") from e
+
+        def check() -> tuple[dict[str, Any], Any]:
+            if not os.path.isdir(directory):
+                raise FileNotFoundError(f"no learner run state at {directory!r}")
+            meta = read_run_state_meta(directory)
+            for rel, size in meta["files"].items():
+                _check_file(os.path.join(directory, rel), size)
+            check_dist_checkpoint_files(dist_dir)
+            self._check_same_model(dist_dir)
+            rng = None
+            if meta["layout"] == self._layout_record():
+                path = os.path.join(directory, rng_file(torch.distributed.get_rank()))
+                try:
+                    rng = torch.load(path, weights_only=True)
+                except Exception as e:
+                    raise IncompleteCheckpointError(path, f"unreadable ({_why(e)})") from e
+            return meta, rng
+
+        meta, rng = _on_every_rank(check)
         model = self.module.sharded_state_dict()
         sharded: dict[str, Any] = {"model": model}
         if meta["adam_step"] > 0:
@@ -762,8 +765,32 @@ class IncompleteCheckpointError(RuntimeError):
     """A learner checkpoint cannot be used: a file is missing, truncated or unreadable. `path` names it."""
 
     def __init__(self, path: str, why: str) -> None:
-        self.path = str(path)
+        self.path, self.why = str(path), why
         super().__init__(f"incomplete learner checkpoint: {self.path}: {why}")
+
+
+def _on_every_rank(check: Callable[[], Any]) -> Any:
+    """Collective: `check()` on every rank; when it raised on any rank, raise on every rank (the first failing
+    rank's error), so that no rank goes on into a collective load that the others have given up on."""
+    try:
+        result, error = check(), None
+    except Exception as e:  # noqa: BLE001 - re-raised below, on every rank
+        result, error = None, e
+    report = None
+    if error is not None:
+        report = (type(error).__name__, getattr(error, "path", None), getattr(error, "why", None), str(error))
+    reports: list[Any] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(reports, report)
+    if error is not None:
+        raise error
+    for rank, rep in enumerate(reports):
+        if rep is not None:
+            kind, path, why, text = rep
+            if path is not None and why is not None:
+                raise IncompleteCheckpointError(path, f"{why} (seen by rank {rank})")
+            cls = {"ValueError": ValueError, "FileNotFoundError": FileNotFoundError}.get(kind, RuntimeError)
+            raise cls(f"rank {rank}: {text}")
+    return result
 
 
 def _why(error: BaseException) -> str:

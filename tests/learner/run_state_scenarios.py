@@ -99,3 +99,17 @@ def resume_and_continue(tp: int, ep: int, pp: int, ckpt: str, seed: int) -> dict
     out["control_step3"], out["control_after"] = _step(learner, spec, 3, kl_loss())
     return out
 
+
+
+def load_broken_then_intact(tp: int, ep: int, pp: int, broken: str, intact: str, seed: int) -> dict:
+    """load_run_state(broken) (expected to raise IncompleteCheckpointError), then load_run_state(intact)."""
+    from moe_grpo.learner.megatron_learner import IncompleteCheckpointError
+
+    _, learner = _build(tp, ep, pp, seed)
+    error = None
+    try:
+        learner.load_run_state(broken)
+    except IncompleteCheckpointError as e:
+        error = str(e)
+    learner.load_run_state(intact)
+    return {"error": error, "step_count": learner.step_count, "lr": learner.lr}

@@ -46,7 +46,7 @@ def ep2_to_ep1(tmp_path_factory):
     ckpt = str(tmp_path_factory.mktemp("run_state") / "ep2")
     original = run_distributed(R.train_save_continue, 2, 1, 2, 1, ckpt, 1)[0]
     resumed = run_distributed(R.resume_and_continue, 1, 1, 1, 1, ckpt, 2)[0]
-    return original, resumed
+    return original, resumed, ckpt
 
 
 @pytest.mark.slow
@@ -65,7 +65,7 @@ def test_same_layout_resume_takes_the_same_step_3(same_layout):
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_resume_at_another_layout_ep2_to_ep1(ep2_to_ep1):
-    original, resumed = ep2_to_ep1
+    original, resumed, _ = ep2_to_ep1
     assert resumed["step_count"] == 2 and resumed["step_count_after"] == 3
     assert resumed["lr"] == original["lr"] == R.LR * R.LR_FACTOR
     check_metrics(original["step3"], resumed["step3"], RESHARD_TOL)
@@ -81,7 +81,7 @@ def test_resume_at_another_layout_ep2_to_ep1(ep2_to_ep1):
 @pytest.mark.parametrize("case", ["same_layout", "ep2_to_ep1"])
 def test_kl_reference_survives_save_and_load(case, request):
     """The reference was set after step 1; the resuming learner had set its own (other weights) before loading."""
-    original, resumed = request.getfixturevalue(case)
+    original, resumed = request.getfixturevalue(case)[:2]
     assert resumed["has_reference"]
     tol = SAME_LAYOUT_TOL if case == "same_layout" else RESHARD_TOL
     assert original["step3"]["kl/reference"] > 100 * tol  # the reference is not the current policy
@@ -157,3 +157,19 @@ def test_an_incomplete_checkpoint_is_refused_naming_the_file(tmp_path):
     for a, b in zip(at_save, learner.logprobs(seqs)):
         np.testing.assert_array_equal(a, b)
     assert np.isfinite(learner.train_step(seqs)["loss"]) and learner.step_count == 2
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_a_file_only_one_rank_reads_fails_every_rank(ep2_to_ep1, tmp_path):
+    """rng_rank1.pt garbled (same size): only rank 1 reads it, yet both ranks raise naming it (none is left waiting
+    in the collective load), and the intact checkpoint then loads at EP=2."""
+    _, _, ckpt = ep2_to_ep1
+    broken = str(tmp_path / "broken")
+    shutil.copytree(ckpt, broken)
+    break_file(os.path.join(broken, "rng_rank1.pt"), "zero")
+    results = run_distributed(R.load_broken_then_intact, 2, 1, 2, 1, broken, ckpt, 3, timeout_s=240)
+    for rank, out in enumerate(results):
+        assert out["error"] is not None and os.path.join(broken, "rng_rank1.pt") in out["error"], (rank, out)
+        assert out["step_count"] == 2 and out["lr"] == R.LR * R.LR_FACTOR
+    assert "seen by rank 1" in results[0]["error"]
