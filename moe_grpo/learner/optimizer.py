@@ -7,6 +7,10 @@ fp32 buffers when `grad_reduce_in_fp32`. With `distributed_optimizer` the main
 parameters and Adam state are sharded over the data-parallel ranks (ZeRO-1):
 gradients are reduce-scattered and the updated weights all-gathered inside
 `optimizer.step()`; it is CUDA-only in megatron-core 0.16.1. Checked on one CUDA GPU (NCCL, DP=1).
+
+Run checkpoints (`MegatronLearner.save_run_state`) take the optimizer's state through Megatron's
+`sharded_state_dict`, made layout-independent here (`optimizer_sharded_state_dict`); the learning rate and Adam's
+step travel beside it (`current_lr` / `set_lr`, `adam_step` / `set_adam_step`).
 """
 
 from __future__ import annotations

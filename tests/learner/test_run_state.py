@@ -173,3 +173,24 @@ def test_a_file_only_one_rank_reads_fails_every_rank(ep2_to_ep1, tmp_path):
         assert out["error"] is not None and os.path.join(broken, "rng_rank1.pt") in out["error"], (rank, out)
         assert out["step_count"] == 2 and out["lr"] == R.LR * R.LR_FACTOR
     assert "seen by rank 1" in results[0]["error"]
+
+
+@pytest.mark.slow
+def test_a_state_saved_before_the_first_step_loads_as_a_fresh_optimizer(tmp_path):
+    """Adam holds no state before its first step: the load drops the moments this learner gathered since, so the
+    first step is taken again exactly."""
+    from moe_grpo.learner.megatron_learner import LearnerConfig, MegatronLearner
+
+    spec = tiny_spec()
+    seqs = make_sequences(spec, n=2)
+    learner = MegatronLearner(spec, config=LearnerConfig(micro_batch_size=2, lr=1e-2, seed=5))
+    learner.save_run_state(str(tmp_path / "step0"))
+    first = learner.train_step(seqs)
+    after_first = learner.logprobs(seqs)
+    learner.train_step(seqs)
+    learner.load_run_state(str(tmp_path / "step0"))
+    assert learner.step_count == 0
+    again = learner.train_step(seqs)
+    assert again["loss"] == first["loss"] and again["grad_norm"] == first["grad_norm"]
+    for a, b in zip(after_first, learner.logprobs(seqs)):
+        np.testing.assert_array_equal(a, b)
