@@ -453,7 +453,8 @@ class VllmEngine:
             self._restarting = False
         return {"pid": self.worker_pid, "old_pid": old, "policy_version": self.policy_version,
                 "seconds": time.perf_counter() - t0, "shutdown_seconds": down["seconds"],
-                "start_seconds": self.start_seconds, "killed": down["killed"], "shm_removed": down["shm_removed"]}
+                "start_seconds": self.start_seconds, "killed": down["killed"], "shm_removed": down["shm_removed"],
+                "shutdown_phases": down["phases"]}
 
     def alive(self) -> bool:
         return self.llm is not None and _process_alive(self.worker_pid)
@@ -802,34 +803,44 @@ class VllmEngine:
                     pass
             return done
 
+        def wait_gone(targets: dict[int, float], limit_s: float) -> None:
+            deadline = time.monotonic() + limit_s
+            while True:
+                for p in self._core_procs:  # reap our children (vLLM leaves a SIGKILLed engine core a zombie)
+                    try:
+                        p.join(0)
+                    except Exception:  # noqa: BLE001
+                        pass
+                if all(_gone(_state(pid, t)) for pid, t in targets.items()) or time.monotonic() > deadline:
+                    return
+                time.sleep(0.02)
+
+        phases: dict[str, float] = {"quiesce": time.perf_counter() - t0}
         killed = kill_all(procs) if hard else []
+        if hard:  # a SIGKILLed process takes a moment to go; vLLM's shutdown then finds nothing left to wait for
+            wait_gone(procs, 5.0)
+        phases["kill"] = time.perf_counter() - t0 - sum(phases.values())
         if llm is not None:  # vLLM's own teardown (sockets, threads); bounded, it can wait on a hung engine
             grace = 1.0 if hard else timeout_s
             _bounded(lambda: llm.shutdown(timeout=grace), grace + 10.0, f"moe_grpo-{self.engine_id}-shutdown")
+        phases["vllm_shutdown"] = time.perf_counter() - t0 - sum(phases.values())
         roots = [int(p.pid) for p in self._core_procs if p.pid]
         procs = {**procs, **_descendants(roots)}
         killed += kill_all(procs)  # whatever vLLM's shutdown left (it kills the engine core, not always below it)
-        deadline = time.monotonic() + 5.0
-        while time.monotonic() < deadline:
-            for p in self._core_procs:  # reap our children (vLLM leaves a SIGKILLed engine core a zombie)
-                try:
-                    p.join(0)
-                except Exception:  # noqa: BLE001
-                    pass
-            if all(_gone(_state(pid, t)) for pid, t in procs.items()):
-                break
-            time.sleep(0.05)
-        for pid in procs:  # a worker re-parented to this process (a subreaper) is reaped here
+        wait_gone(procs, 5.0)
+        ours = {int(p.pid) for p in self._core_procs if p.pid}  # multiprocessing reaps those (join above)
+        for pid in set(procs) - ours:  # a worker re-parented to this process (a subreaper) is reaped here
             try:
                 os.waitpid(pid, os.WNOHANG)
             except (ChildProcessError, OSError):
                 pass
+        phases["sweep"] = time.perf_counter() - t0 - sum(phases.values())
         removed = _unlink_shm(shm)
         left = sorted(pid for pid, t in procs.items() if not _gone(_state(pid, t)))
         self._procs, self._core_procs, self._shm = {}, [], {}
         self.last_shutdown = {"killed": sorted(set(killed)), "unresponsive": unresponsive, "hard": hard,
                               "shm_removed": sorted(removed), "processes_left": left,
-                              "seconds": time.perf_counter() - t0}
+                              "seconds": time.perf_counter() - t0, "phases": phases}
         if stop_loop and self._loop.is_running():
             self._loop.call_soon_threadsafe(self._loop.stop)
         return self.last_shutdown

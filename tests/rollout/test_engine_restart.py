@@ -255,7 +255,8 @@ def test_a_stopped_engine_is_named_hung_and_a_restart_replaces_it(engine, record
         lost.result(0)
     assert lost.finished_at - t1 < 5, "a rollout in flight on the old engine ends when the restart kills it"
     record_property("restart_hung", {k: out[k] for k in ("seconds", "shutdown_seconds", "start_seconds")})
-    print("restart of a hung engine:", {k: round(out[k], 2) for k in ("seconds", "shutdown_seconds", "start_seconds")})
+    print("restart of a hung engine:", {k: round(out[k], 2) for k in ("seconds", "shutdown_seconds", "start_seconds")},
+          "shutdown phases", {k: round(v, 2) for k, v in out["shutdown_phases"].items()})
     assert out["shutdown_seconds"] < 15, out
     assert set(pids) <= set(out["killed"]), (pids, out["killed"])
     assert not left, left
@@ -289,7 +290,8 @@ def test_a_killed_engine_is_named_dead_and_a_restart_replaces_it(engine, record_
     out = actor.call("restart", 60.0, timeout=300)
     record_property("restart_dead", {k: out[k] for k in ("seconds", "shutdown_seconds", "start_seconds")})
     print("restart of a dead engine:", {k: round(out[k], 2) for k in ("seconds", "shutdown_seconds", "start_seconds")},
-          "vLLM left", leaked, "removed", out["shm_removed"])
+          "shutdown phases", {k: round(v, 2) for k, v in out["shutdown_phases"].items()}, "vLLM left", leaked,
+          "removed", out["shm_removed"])
     assert sorted(out["shm_removed"]) == sorted(leaked)
     assert not _still_there(shm), _still_there(shm)
     assert not [p for p in pids if _remains(p)], [(p, _state(p)) for p in pids]
@@ -315,6 +317,8 @@ def test_shutdown_of_a_half_dead_engine_leaves_no_process_and_no_segment(engine)
     finally:
         if _state(worker) == "T":
             os.kill(worker, signal.SIGKILL)  # only if the shutdown left it behind (the test fails below)
+    print("shutdown of a half-dead engine:", round(took, 2), "s; phases",
+          {k: round(v, 2) for k, v in out["phases"].items()}, "removed", out["shm_removed"])
     assert took < 20, took
     assert worker in out["killed"] and out["hard"], out
     assert not left, left
