@@ -302,7 +302,7 @@ class Driver:
             busy += max(0.0, stats["busy_seconds"] - self.busy_last.get(slot.name, 0.0))
             self.busy_last[slot.name] = stats["busy_seconds"]
             abort_resubmits += stats.get("resubmitted", 0.0)
-        sync = self.learners_call("sync_metrics", what="reading sync metrics")[0]
+        sync = self.learners_call("sync_metrics", what="reading sync metrics", ranks=1)[0]
         row = step_row(self.run, self.state, metrics, self.train_batch, trained_version=self.state.step - 1,
                        interval=interval, train_seconds=metrics["train_seconds"],
                        infer_busy=busy / (interval * len(self.engines.slots)),
@@ -417,11 +417,12 @@ class Driver:
         return f"last checkpoint: {self.last_checkpoint} (resume=true continues from it)"
 
     # ------------------------------------------------------------------ learner calls
-    def learners_call(self, method: str, *args: Any, what: str) -> list[Any]:
-        """Call `method` on every learner rank and wait, naming a rank that died or did not answer in time."""
+    def learners_call(self, method: str, *args: Any, what: str, ranks: int | None = None) -> list[Any]:
+        """Call `method` on every learner rank (the first `ranks` only, if given) and wait, naming a rank that died
+        or did not answer in time."""
         import ray
 
-        refs = [getattr(a, method).remote(*args) for a in self.pools.learners]
+        refs = [getattr(a, method).remote(*args) for a in self.pools.learners[:ranks]]
         deadline = time.monotonic() + self.run.cluster.learner_timeout_s
         pending = list(refs)
         while pending:
@@ -650,4 +651,4 @@ def export_policy(driver: Driver) -> str:
     if driver.state.published != step:  # the last steps were not published (sync_every, or a skipped step)
         driver.learners_call("publish", step, False, what=f"publishing {step}")
     return driver.learners_call("export_version", step, os.path.join(driver.run_dir, "policy"),
-                                what="exporting the policy")[0]
+                                what="exporting the policy", ranks=1)[0]
