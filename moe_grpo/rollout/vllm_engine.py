@@ -607,7 +607,18 @@ class VllmEngine:
 
     def submit(self, prompt: Sequence[int], sampling: SamplingSettings) -> concurrent.futures.Future:
         """Start generating `n` completions of `prompt`; returns a future (usable from any thread)."""
-        return asyncio.run_coroutine_threadsafe(self.agenerate(prompt, sampling), self._loop)
+        future: concurrent.futures.Future | None = None
+
+        async def run() -> list[Completion] | None:
+            try:
+                return await self.agenerate(prompt, sampling)
+            except EngineError:
+                if future is not None and future.cancelled():
+                    return None  # its caller gave up on it (a timeout): asyncio would log the error as unretrieved
+                raise
+
+        future = asyncio.run_coroutine_threadsafe(run(), self._loop)
+        return future
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingSettings) -> list[list[Completion]]:
         """`n` completions for each prompt, blocking; a bad prompt yields completions with `error` set."""
