@@ -104,11 +104,11 @@ class Driver:
             self.engines.settle(block=False)
             if self.step_done():
                 metrics = self.finish_step()
-                self.publish(metrics)
+                if not self.guard(metrics):  # a rollback publishes the restored weights instead
+                    self.publish(metrics)
                 self.evaluate_if_due()
-                row = self.log(metrics)
+                self.log(metrics)
                 self.stop_if_skipping(metrics)
-                self.guard(row)
                 if self.run.checkpoint.every and self.state.step % self.run.checkpoint.every == 0:
                     self.due = self.due or "every"
                 if self.due:
@@ -224,7 +224,7 @@ class Driver:
         if metrics.get("skipped"):
             self.state.steps_skipped += 1
             self.state.skipped_in_a_row += 1
-            log.warning("step %d skipped: %s", self.state.step, metrics.get("error"))
+            log.warning("step %d skipped (learner: %s)", self.state.step, metrics.get("error"))
         else:
             self.state.skipped_in_a_row = 0
         return metrics
@@ -286,7 +286,7 @@ class Driver:
                 self.engines.submit(request, self._sampling(request))
 
     def log(self, metrics: dict[str, float]) -> dict[str, float]:
-        """The step's line of the run record (the jump watch reads it first)."""
+        """The step's line of the run record."""
         import ray
 
         from moe_grpo.orchestrator.run_record import step_row
@@ -308,8 +308,6 @@ class Driver:
                        infer_busy=busy / (interval * len(self.engines.slots)),
                        rollout_tokens=self.state.generated_tokens - self.tokens_at_last, sync=sync,
                        buffer=self.buffer, engines=self.engines, abort_resubmits=abort_resubmits)
-        for message in self.watch.update(row):
-            log.warning(message)
         row["watch/jumps"] = float(self.watch.jumps)
         self.record.log(row)
         self.write_processes()
@@ -333,14 +331,18 @@ class Driver:
         tmp.replace(path)
 
     # ------------------------------------------------------------------ the collapse guard
-    def guard(self, row: dict[str, float]) -> None:
-        """`routing.on_jump=rollback`: a jump sustained for `jump_sustain` steps restores the last checkpoint."""
+    def guard(self, metrics: dict[str, float]) -> bool:
+        """The jump watch on the step just trained, before its weights are published. With
+        `routing.on_jump=rollback`, a jump sustained for `jump_sustain` steps restores the last checkpoint (the
+        jumped weights are never published); returns whether it did."""
+        for message in self.watch.update({**metrics, "step": self.state.step}):
+            log.warning(message)
         cfg = self.run.routing
         if cfg.on_jump != "rollback" or self.watch.in_a_row < cfg.jump_sustain:
-            return
-        seen = (f"mismatch/kl {row.get('mismatch/kl', float('nan')):.3g}, mismatch/router_disagreement "
-                f"{row.get('mismatch/router_disagreement', float('nan')):.3g} jumped for {self.watch.in_a_row} steps "
-                f"in a row through step {self.state.step}")
+            return False
+        seen = (f"mismatch/kl {metrics.get('mismatch/kl', float('nan')):.3g}, mismatch/router_disagreement "
+                f"{metrics.get('mismatch/router_disagreement', float('nan')):.3g} jumped for {self.watch.in_a_row} "
+                f"steps in a row through step {self.state.step}")
         if self.state.rollbacks >= cfg.max_rollbacks:
             raise RuntimeError(f"collapse guard: {seen}, after {self.state.rollbacks} rollback(s) "
                                f"(routing.max_rollbacks={cfg.max_rollbacks}); stopping. {self._checkpoint_hint()}")
@@ -356,7 +358,9 @@ class Driver:
         self.learners_call("load_run_state", str(self.last_checkpoint / "learner"), lr,
                            what=f"rollback to {self.last_checkpoint.name}")
         saved = run_checkpoint.load_driver_state(self.last_checkpoint)
-        self.watch.load_state_dict(saved["watch"])
+        jumps = self.watch.jumps
+        self.watch.load_state_dict(saved["watch"])  # the running level from before the jump
+        self.watch.jumps, self.watch.in_a_row = jumps, 0
         self.epoch += 1  # what is in flight was sampled by the weights being thrown away
         self.state.discarded_groups += self.buffer.clear()
         self.engines.retry = type(self.engines.retry)(r for r in self.engines.retry if r.kind != "train")
@@ -368,6 +372,7 @@ class Driver:
         log.warning("collapse guard: %s; restored %s, learning rate now %.3g (x%g), continuing with fresh prompts "
                     "(rollback %d of at most %d, %.1f s)", seen, self.last_checkpoint.name, lr,
                     cfg.rollback_lr_factor, self.state.rollbacks, cfg.max_rollbacks, time.perf_counter() - t0)
+        return True
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:

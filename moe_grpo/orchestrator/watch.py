@@ -10,7 +10,8 @@ percentile, because in async mode one-version-stale steps regularly show more
 mismatch than fresh ones, and those are not news), and names the step when the
 value exceeds `factor` times that level and an absolute floor.
 
-`in_a_row` counts consecutive steps with a jump; the driver's collapse guard
+A value that jumps is kept out of the running level, so a jump that lasts is
+seen at every step it lasts. `in_a_row` counts consecutive steps with a jump; the driver's collapse guard
 (`routing.on_jump=rollback`) acts when it reaches `routing.jump_sustain`.
 """
 
@@ -47,17 +48,20 @@ class JumpWatch:
             if not isinstance(value, (int, float)) or not math.isfinite(value):
                 continue
             past = self.history[key]
+            jumped = False
             if self.factor > 0 and len(past) >= MIN_HISTORY:
                 level = float(np.percentile(np.asarray(past), 90))
                 threshold = self.factor * max(level, floor)
                 if value > threshold:
+                    jumped = True
                     self.jumps += 1
                     messages.append(
                         f"step {int(row.get('step', -1))}: {key} = {value:.3g}, {value / max(level, 1e-12):.1f}x its "
                         f"running level {level:.3g} (90th percentile of the last {len(past)} steps); a jump like this "
                         "is an early sign of the train-inference drift that routing replay (routing.replay=r3) "
                         "is meant to prevent")
-            past.append(float(value))
+            if not jumped:  # a jump is not the new normal: later steps are measured against the level before it
+                past.append(float(value))
         self.in_a_row = self.in_a_row + 1 if messages else 0
         return messages
 

@@ -1,0 +1,34 @@
+"""A learner rank with faults injected at chosen steps: a NaN in one gradient, a mismatch KL that jumps."""
+
+import math
+
+from moe_grpo.orchestrator.learner_actor import LearnerWorker
+
+
+class FaultyLearner(LearnerWorker):
+    nan_at = {3}
+    """Steps whose gradient gets a NaN (the step must be skipped and counted)."""
+    jump_at = {9, 10}
+    """Steps whose reported mismatch/kl is forced far above its running level (two in a row: a sustained jump)."""
+
+    def train(self, seqs, policy_version, replay):
+        step = policy_version + 1
+        hook = None
+        if step in self.nan_at:
+            param = next(p for p in self.learner.module.parameters() if p.requires_grad)
+            hook = param.register_hook(lambda grad: grad * math.nan)
+        try:
+            metrics = super().train(seqs, policy_version, replay)
+        finally:
+            if hook is not None:
+                hook.remove()
+        if step in self.jump_at and not metrics.get("skipped"):
+            metrics["mismatch/kl"] = 0.5
+        return metrics
+
+
+class AlwaysNaNLearner(FaultyLearner):
+    """Every gradient from step 2 on is NaN: a learner that cannot be trained on."""
+
+    nan_at = set(range(2, 1000))
+    jump_at = set()

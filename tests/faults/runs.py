@@ -1,0 +1,123 @@
+"""Running `python -m moe_grpo.train` as a user does, in its own process, and doing to it what clusters do."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+
+ROOT = Path(__file__).resolve().parents[2]
+
+SMALL = ["model=deepseek_moe", "warm_start_steps=2", "eval_every=0", "algo.prompts_per_step=4", "algo.group_size=4",
+         "rollout.max_tokens=8", "rollout.max_num_seqs=32"]
+"""A run small enough for the suite: the embedded model, 4 prompts x 4 samples a step."""
+
+
+class Run:
+    """One `python -m moe_grpo.train` process writing into `run_dir`."""
+
+    def __init__(self, run_dir: Path, *overrides: str) -> None:
+        self.run_dir = Path(run_dir)
+        self.log_path = self.run_dir.parent / f"{self.run_dir.name}.{int(time.time() * 1000)}.log"
+        self._log = open(self.log_path, "w")
+        cmd = [sys.executable, "-m", "moe_grpo.train", *SMALL, *overrides, f"hydra.run.dir={self.run_dir}"]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests" / "faults"),
+                                                           os.environ.get("PYTHONPATH", "")])}
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT, env=env,
+                                     start_new_session=True)
+        self.seen_pids: set[int] = set()
+
+    @property
+    def output(self) -> str:
+        self._log.flush()
+        return self.log_path.read_text(errors="replace")
+
+    def rows(self) -> list[dict]:
+        path = self.run_dir / "metrics.jsonl"
+        if not path.exists():
+            return []
+        out = []
+        for line in path.read_text().splitlines():
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                pass
+        return out
+
+    def processes(self) -> dict:
+        try:
+            return json.loads((self.run_dir / "processes.json").read_text())
+        except (OSError, ValueError):
+            return {}
+
+    def note_descendants(self) -> None:
+        """Remember every process the run has started so far (to check none is left after it ends)."""
+        try:
+            self.seen_pids.update(p.pid for p in psutil.Process(self.proc.pid).children(recursive=True))
+        except psutil.NoSuchProcess:
+            pass
+
+    def wait_for(self, what: str, predicate, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            self.note_descendants()
+            if predicate():
+                return
+            if self.proc.poll() is not None:
+                raise AssertionError(f"the run exited ({self.proc.returncode}) before {what}:\n{self.output[-4000:]}")
+            time.sleep(0.5)
+        raise AssertionError(f"no {what} within {timeout_s:.0f} s:\n{self.output[-4000:]}")
+
+    def wait_step(self, step: int, timeout_s: float = 600) -> None:
+        self.wait_for(f"step {step}", lambda: any(r["step"] >= step for r in self.rows()), timeout_s)
+
+    def finish(self, timeout_s: float = 900) -> int:
+        try:
+            self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise AssertionError(f"the run did not end within {timeout_s:.0f} s:\n{self.output[-4000:]}") from None
+        self._log.close()
+        return self.proc.returncode
+
+    def signal(self, signum: int) -> None:
+        os.kill(self.proc.pid, signum)
+
+    def kill(self) -> None:
+        """SIGKILL the whole process group (what a node failure or `scancel --signal=KILL` does)."""
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait(timeout=60)
+
+    def leftovers(self, timeout_s: float = 30) -> list[str]:
+        """Processes of this run still alive `timeout_s` after it ended (waiting: Ray reaps its workers late)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            alive = []
+            for pid in sorted(self.seen_pids):
+                try:
+                    p = psutil.Process(pid)
+                    if p.status() != psutil.STATUS_ZOMBIE:
+                        alive.append(f"{pid} {' '.join(p.cmdline())[:120]}")
+                except psutil.NoSuchProcess:
+                    pass
+            if not alive or time.monotonic() > deadline:
+                return alive
+            time.sleep(1)
+
+
+def shm_entries() -> set[str]:
+    """What is in /dev/shm (the run's weight slots live under moe_grpo_sync_<uid>/run-<pid>-...)."""
+    out = set(os.listdir("/dev/shm"))
+    root = Path("/dev/shm") / f"moe_grpo_sync_{os.getuid()}"
+    if root.is_dir():
+        out |= {f"{root.name}/{p}" for p in os.listdir(root)}
+    return out

@@ -1,0 +1,57 @@
+"""Faults inside the learner, injected into a real run: a NaN gradient, a learner that keeps producing NaN, and a
+sustained mismatch jump with the collapse guard on (`routing.on_jump=rollback`)."""
+
+import dataclasses
+import json
+import logging
+
+import pytest
+
+from moe_grpo.config import from_hydra, load_model_spec
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+
+def small_run(**overrides):
+    tree = {"model": dataclasses.asdict(load_model_spec("deepseek_moe")), "warm_start_steps": 2, "eval_every": 0,
+            "algo": {"prompts_per_step": 4, "group_size": 4}, "rollout": {"max_tokens": 8, "max_num_seqs": 32},
+            "mode": "sync"}
+    for key, value in overrides.items():
+        section, _, name = key.rpartition(".")
+        (tree.setdefault(section, {}) if section else tree)[name] = value
+    return from_hydra(tree)
+
+
+def test_a_nan_gradient_is_skipped_and_a_sustained_jump_rolls_back_to_the_last_checkpoint(tmp_path, caplog):
+    from faulty_learner import FaultyLearner
+    from moe_grpo.orchestrator.driver import train
+
+    run = small_run(steps=12, **{"checkpoint.every": 4, "routing.on_jump": "rollback", "routing.jump_sustain": 2,
+                                 "routing.rollback_lr_factor": 0.5})
+    with caplog.at_level(logging.INFO, logger="moe_grpo"):
+        summary = train(run, tmp_path, learner_cls=FaultyLearner)
+    rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    assert [r["step"] for r in rows] == list(range(1, 13))
+    # Step 3's gradient held a NaN: no update, counted; the steps around it trained.
+    assert [r["faults/steps_skipped"] for r in rows][1:4] == [0, 1, 1]
+    # Steps 9 and 10 jumped: step 10's weights were never published; the checkpoint of step 8 was restored at half
+    # the learning rate, published as version 10, and training went on from it.
+    assert [r["watch/rollbacks"] for r in rows][8:] == [0, 1, 1, 1]
+    assert [r["learner/lr_scale"] for r in rows][8:] == [1.0, 0.5, 0.5, 0.5]
+    assert [r["watch/jumps"] for r in rows][8:] == [1, 2, 2, 2], "the running level restored: no jump after"
+    assert summary["faults"]["rollbacks"] == 1 and summary["faults"]["steps_skipped"] == 1
+    text = caplog.text
+    assert "step 3 skipped (learner: " in text and "non-finite" in text
+    assert "collapse guard" in text and "restored step_000008" in text
+
+
+def test_a_learner_that_keeps_producing_nan_stops_the_run_with_a_clear_message(tmp_path):
+    from faulty_learner import AlwaysNaNLearner
+    from moe_grpo.orchestrator.driver import train
+
+    run = small_run(steps=6, **{"learner.max_skipped_in_a_row": 2, "checkpoint.every": 1})
+    with pytest.raises(RuntimeError, match=r"2 steps in a row \(through step 3\) had a non-finite loss or gradient"
+                                           r".*learner.max_skipped_in_a_row=2.*last checkpoint: .*step_000002"):
+        train(run, tmp_path, learner_cls=AlwaysNaNLearner)
+    rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    assert [r["faults/steps_skipped"] for r in rows] == [0, 1, 2]
