@@ -340,6 +340,8 @@ class VllmEngine:
                 return future.result(0.1)
             except concurrent.futures.TimeoutError:
                 pass
+            except concurrent.futures.CancelledError:  # a shutdown or restart ended it
+                raise EngineError(f"engine {self.engine_id}: {what} was stopped: {self.closing or 'cancelled'}") from None
             pid = getattr(self, "worker_pid", None)
             if pid is not None and not _process_alive(pid):
                 future.cancel()
@@ -679,18 +681,22 @@ class VllmEngine:
         "keep" freezes requests (with their KV cache) and resumes them on the new
         weights; "abort" aborts them, and `_sample` resubmits each one's tokens so far.
         """
+        llm, task = self.llm, asyncio.current_task()
+        self._tasks.add(task)  # a shutdown or restart ends it
         self._updating.clear()
         try:
-            await self.llm.pause_generation(mode="keep" if self.on_update == "keep" else "abort", clear_cache=False)
+            await llm.pause_generation(mode="keep" if self.on_update == "keep" else "abort", clear_cache=False)
             try:
                 for method, args in rpcs:
                     await self._collective_rpc(method, args)
-                await self.llm.update_weight_version(str(int(version)))
+                await llm.update_weight_version(str(int(version)))
                 self.policy_version, self.weight_source = int(version), source
             finally:
-                await self.llm.resume_generation()
+                if _process_alive(self.worker_pid):  # a dead engine never answers: vLLM leaves the call pending
+                    await llm.resume_generation()
         finally:
             self._updating.set()
+            self._tasks.discard(task)
 
     def _bucket_rpcs(self, slot: str, plan: Any) -> list[tuple[str, tuple]]:
         from moe_grpo.sync.transport import bucket_path
