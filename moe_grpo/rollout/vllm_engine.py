@@ -30,6 +30,16 @@ context) are refused one by one, with the reason on their completions; the
 rest is served. A request the worker could not capture routing for fails
 alone (`finish_reason="error"`); the engine serves on. Routing buffers of
 every request are freed when it ends, however it ends.
+
+A dead or hung engine is replaced by `restart` (the version it served comes
+back). `restart` and `shutdown` end every process of the engine, whatever
+state it is in: vLLM's engine core and its workers, recorded when they start,
+are SIGKILLed (a SIGSTOPped process never acts on vLLM's SIGTERM; a worker
+whose engine core died is orphaned, no longer below it). What they mapped in
+/dev/shm is removed: a killed vLLM 0.32 engine leaves its message queues'
+ring buffers (`psm_*`, hundreds of MiB) and its executor's lock
+(`sem.mp-*`) there until this process exits. Requests in flight fail with
+EngineError naming the engine; no call waits on a dead engine.
 """
 
 from __future__ import annotations
@@ -747,6 +757,9 @@ class VllmEngine:
             self._call(self._load(self._bucket_rpcs(slot, plan), version, (slot, plan)), f"load of version {version}",
                        timeout_s)
         except Exception as e:
+            if self.closing:  # a restart or shutdown stopped it; a restart brings back the version served
+                raise EngineError(f"engine {self.engine_id}: loading version {version} was stopped: "
+                                  f"{self.closing}") from e
             try:
                 self._restore(timeout_s)
             except Exception as e2:
