@@ -351,7 +351,8 @@ class VllmEngine:
             except concurrent.futures.TimeoutError:
                 pass
             except concurrent.futures.CancelledError:  # a shutdown or restart ended it
-                raise EngineError(f"engine {self.engine_id}: {what} was stopped: {self.closing or 'cancelled'}") from None
+                raise EngineError(f"engine {self.engine_id}: {what} was stopped: "
+                                  f"{self.closing or 'cancelled'}") from None
             pid = getattr(self, "worker_pid", None)
             if pid is not None and not _process_alive(pid):
                 future.cancel()
