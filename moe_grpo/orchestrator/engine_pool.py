@@ -30,6 +30,16 @@ from typing import Any, Callable
 log = logging.getLogger("moe_grpo")
 
 
+OFFER_BACKOFF_S = 5.0
+"""Seconds before a version an engine failed to load is offered to it again."""
+
+
+HARMLESS_LOAD_FAILURES = ("rolled back to version", "refused version", "already serves")
+"""A failed weight load that left the engine serving its previous version whole (it is offered the version again).
+Any other failure (its process dead, a load or rollback past its timeout: hung, part of a version loaded) restarts
+the engine."""
+
+
 class EngineFailedError(RuntimeError):
     """An engine failed more often than `rollout.max_restarts` allows; names the engine and its last failure."""
 
@@ -76,7 +86,9 @@ class EngineSlot:
     applying: tuple[int, Any] | None = None
     """(version, ref) of a weight load offered while up (requests keep running)."""
     pid: int = 0
-    """The vLLM engine-core process serving now (what `processes.json` lists)."""
+    """The vLLM process holding the model (what `processes.json` lists)."""
+    offer_after: float = 0.0
+    """Monotonic time before which no version is offered again (after a failed load)."""
     catching_up_to: int = 0
     """The version a 'catching_up' engine is loading."""
     failures: deque = field(default_factory=deque)
@@ -228,11 +240,15 @@ class EnginePool:
                 try:
                     ray.get(ref)
                     slot.served = version
-                except Exception as e:  # noqa: BLE001 - the engine keeps its version and gets the next one
+                except Exception as e:  # noqa: BLE001 - the engine keeps its version and is offered it again
                     self.sync_failures += 1
-                    log.warning("%s did not take version %d: %s", slot.name, version, _reason(e))
+                    reason = _reason(e)
+                    log.warning("%s did not take version %d: %s", slot.name, version, reason)
+                    slot.offer_after = time.monotonic() + OFFER_BACKOFF_S
                     if isinstance(e, ray.exceptions.RayActorError):
-                        self._fail(slot, _reason(e), actor_dead=True)
+                        self._fail(slot, reason, actor_dead=True)
+                    elif not any(ok in reason for ok in HARMLESS_LOAD_FAILURES):  # dead, hung or half-loaded
+                        self._fail(slot, reason, actor_dead=False)
                 return
             if slot.pending is not None and slot.pending[1] == ref:
                 what, slot.pending = slot.pending[0], None
@@ -262,14 +278,19 @@ class EnginePool:
 
     # ------------------------------------------------------------------ weight versions
     def offer(self, version: int) -> None:
-        """Ask every engine that is up and not loading to load `version` between forward passes."""
+        """Ask every engine that is up and not loading to load `version` between forward passes (one whose last
+        load failed is asked again after `OFFER_BACKOFF_S`)."""
         self.published = max(self.published, version)
+        now = time.monotonic()
         for slot in self.up():
-            if slot.applying is None and slot.served < version:
+            if slot.applying is None and slot.served < version and now >= slot.offer_after:
                 slot.applying = (version, slot.handle.apply_version.remote(version, self.rollout.request_timeout_s))
 
     def settle(self, *, block: bool) -> None:
-        """Collect finished loads; `block`: wait until every engine is up and serves the newest version."""
+        """Collect finished loads and offer the newest version again to engines behind it (a failed load is not
+        the end: without this an engine that missed a version would wait for the next publish, and in async mode
+        the learner may be waiting for groups that engine must sample first); `block`: wait until every engine is
+        up and serves the newest version."""
         import ray
 
         deadline = time.monotonic() + self.rollout.request_timeout_s + self.start_timeout_s
@@ -278,6 +299,7 @@ class EnginePool:
                 for pair in (slot.applying, slot.pending):
                     if pair is not None and ray.wait([pair[1]], timeout=0)[0]:
                         self._advance(pair[1])
+            self.offer(self.published)
             if not block or self.all_current():
                 return
             if time.monotonic() > deadline:
@@ -288,7 +310,6 @@ class EnginePool:
             if refs:
                 ray.wait(refs, num_returns=1, timeout=1.0)
             else:
-                self.offer(self.published)
                 time.sleep(0.05)
             self.check_hung()
 
@@ -307,9 +328,7 @@ class EnginePool:
 
 
 def _reason(e: BaseException) -> str:
-    """The first line of an actor's error (Ray wraps it in a long traceback)."""
-    text = str(e).strip()
-    for line in text.splitlines():
-        if "EngineError" in line or "engine" in line.lower():
-            return line.strip()[:400]
-    return (text.splitlines()[0] if text else type(e).__name__)[:400]
+    """The line of an actor's error that says what went wrong (Ray wraps it in a header and a traceback)."""
+    lines = [line.strip() for line in str(e).strip().splitlines() if line.strip()]
+    said = [line for line in lines if "Error:" in line]
+    return (said[-1] if said else lines[0] if lines else type(e).__name__)[:400]
