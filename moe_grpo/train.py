@@ -37,9 +37,11 @@ def main(cfg: DictConfig) -> None:
               f"{summary['checkpoint']}; continue with the same command and resume=true hydra.run.dir={run_dir}",
               file=sys.stderr)
         return
+    faults = {k: v for k, v in summary["faults"].items() if v}
     print(f"[moe_grpo] {summary['steps']} steps in {summary['seconds'] / 60:.1f} min ({run.mode}); held-out reward "
-          f"{summary['eval_start']:.3f} at step 0 -> {summary['eval_end']:.3f} at the end; record in {run_dir}",
-          file=sys.stderr)
+          f"{summary['eval_start']:.3f} at step 0 -> {summary['eval_end']:.3f} at the end; "
+          + (f"faults survived: {', '.join(f'{k} {v}' for k, v in faults.items())}; " if faults else "")
+          + f"record in {run_dir}", file=sys.stderr)
 
 
 def cli() -> None:

@@ -35,7 +35,8 @@ class Run:
 
     @property
     def output(self) -> str:
-        self._log.flush()
+        if not self._log.closed:
+            self._log.flush()
         return self.log_path.read_text(errors="replace")
 
     def rows(self) -> list[dict]:
