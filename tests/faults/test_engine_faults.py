@@ -1,8 +1,9 @@
 """An engine dies or hangs mid-rollout: the run restarts it, sends its prompts again, and finishes its steps.
 
 One run of `python -m moe_grpo.train` (async, one engine, generation the slower
-phase so the engine always has requests in flight): its vLLM process is SIGKILLed
-after step 2, and the restarted one is SIGSTOPped two steps after it is back.
+phase so the engine always has requests in flight, and a reward function that
+hangs on every third call throughout): its vLLM process is SIGKILLed after step
+2, and the restarted one is SIGSTOPped two steps after it is back.
 Expected: exit 0, every step logged, two restarts counted, the resubmitted
 prompts bounded by what the engine can have in flight (the buffer's capacity),
 no completion lost, both failures named in the log, and after the run nothing of
@@ -27,7 +28,8 @@ def faulted_run(tmp_path_factory):
     shm_before = shm_entries()
     run = Run(tmp_path_factory.mktemp("engine_faults") / "run", f"steps={STEPS}", "mode=async",
               f"rollout.request_timeout_s={TIMEOUT_S}", "checkpoint.every=0",
-              "rollout.max_tokens=24")  # longer completions: generation is the slower phase, the engine always busy
+              "rollout.max_tokens=24",  # longer completions: generation is the slower phase, the engine always busy
+              "reward.fn=[faulty_rewards:hang_every_third]", "reward.timeout_s=1")
     try:
         run.wait_step(2)
         first = run.processes()["engines"]["engine0"]
@@ -76,3 +78,11 @@ def test_nothing_of_the_run_is_left_behind(faulted_run):
     for pid in (first, second):
         assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z"
     assert shm_entries() - shm_before == set()
+
+
+def test_a_hanging_reward_costs_its_samples_and_never_the_run(faulted_run):
+    run, code, _, _ = faulted_run
+    assert code == 0
+    assert run.rows()[-1]["reward/failed"] > 0
+    assert "faulty_rewards:hang_every_third" in run.output and "reward.timeout_s=1" in run.output
+    assert not run.leftovers(), run.leftovers()

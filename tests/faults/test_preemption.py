@@ -1,0 +1,102 @@
+"""Preemption and death, as a cluster does them to `python -m moe_grpo.train` (async, checkpoint every 2 steps,
+training the slower phase so the buffer holds groups sampled ahead):
+
+1. a learner rank is SIGKILLed after step 3: the run stops naming the rank and the last checkpoint (step 2);
+2. `resume=true` continues; SIGTERM after step 5: a checkpoint is written, the run exits 143, nothing is left;
+3. the newest checkpoint is damaged on disk; `resume=true` names the damaged file, falls back to the one before,
+   and finishes the run: every step logged once, the buffered groups trained on, none staler than allowed.
+"""
+
+import os
+import signal
+import time
+
+import pytest
+
+from runs import Run, shm_entries
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.multiprocess]
+
+STEPS = 8
+CONFIG = (f"steps={STEPS}", "mode=async", "algo.max_staleness=1", "checkpoint.every=2", "checkpoint.keep=3",
+          "learner.micro_batch_size=1", "rollout.request_timeout_s=60")
+
+
+@pytest.fixture(scope="module")
+def chain(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("preemption") / "run"
+    shm_before = shm_entries()
+    out = {"shm_before": shm_before, "run_dir": run_dir}
+    first = Run(run_dir, *CONFIG)
+    try:
+        first.wait_step(3)
+        learner = first.processes()["learners"][0]
+        os.kill(learner, signal.SIGKILL)
+        out["killed"] = (first, first.finish(300), learner)
+    except BaseException:
+        first.kill()
+        raise
+    second = Run(run_dir, *CONFIG, "resume=true")
+    try:
+        second.wait_for("the resumed run's step 5", lambda: any(r["step"] >= 5 and r["resume/from_step"] >= 0
+                                                                for r in second.rows()), 600)
+        t0 = time.monotonic()
+        second.signal(signal.SIGTERM)
+        code = second.finish(300)
+        out["terminated"] = (second, code, time.monotonic() - t0)
+    except BaseException:
+        second.kill()
+        raise
+    checkpoints = sorted(p for p in (run_dir / "checkpoints").iterdir() if p.name.startswith("step_"))
+    newest = checkpoints[-1]
+    damaged = newest / "driver.pkl"
+    with open(damaged, "r+b") as f:
+        f.truncate(damaged.stat().st_size // 2)
+    out["damaged"] = (newest, damaged, checkpoints[-2])
+    third = Run(run_dir, *CONFIG, "resume=true")
+    try:
+        out["finished"] = (third, third.finish(900))
+    except BaseException:
+        third.kill()
+        raise
+    return out
+
+
+def test_a_dead_learner_rank_stops_the_run_naming_the_rank_and_the_last_checkpoint(chain):
+    run, code, pid = chain["killed"]
+    assert code != 0
+    assert f"learner rank 0 (pid {pid}) died" in run.output, run.output[-4000:]
+    assert "step_000002" in run.output and "resume=true" in run.output
+    assert not run.leftovers()
+
+
+def test_sigterm_writes_a_checkpoint_and_exits_cleanly(chain):
+    run, code, seconds = chain["terminated"]
+    assert code == 143, run.output[-4000:]
+    assert seconds < 120
+    assert "stopped by SIGTERM" in run.output
+    last = int(max(r["step"] for r in run.rows()))
+    latest = (chain["run_dir"] / "checkpoints" / "latest").read_text()
+    assert latest == f"step_{last:06d}", "the checkpoint holds the last step logged"
+    assert not run.leftovers(), run.leftovers()
+    assert shm_entries() - chain["shm_before"] == set()
+
+
+def test_a_damaged_checkpoint_is_named_and_the_previous_one_resumes(chain):
+    run, code = chain["finished"]
+    newest, damaged, previous = chain["damaged"]
+    assert code == 0, run.output[-4000:]
+    assert str(damaged) in run.output and "falling back" in run.output
+    rows = run.rows()
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1)), "each step once: rows after the checkpoint are redone"
+    resumed = int(previous.name.split("_")[1])
+    assert rows[resumed]["resume/from_step"] == resumed
+
+
+def test_the_resumed_async_run_trains_on_the_buffer_it_saved_and_nothing_staler_than_allowed(chain):
+    run, _ = chain["finished"]
+    rows = run.rows()
+    first = next(r for r in rows if r["resume/from_step"] >= 0)
+    assert first["resume/buffered_groups"] > 0, "the checkpoint of an async run holds groups sampled ahead"
+    assert first["resume/buffered_groups"] + first["resume/requests_resubmitted"] >= 4
+    assert all(r["staleness/max"] <= 1 for r in rows)
