@@ -196,7 +196,6 @@ class EnginePool:
                 self._fail(slot, f"its {what} did not finish within {self.start_timeout_s:.0f} s", actor_dead=True)
 
     def _fail(self, slot: EngineSlot, reason: str, *, actor_dead: bool) -> None:
-        import ray
 
         now = time.monotonic()
         slot.failures.append(now)

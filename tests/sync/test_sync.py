@@ -197,10 +197,11 @@ def test_background_sync_publishes_the_weights_from_before_the_next_step(tmp_pat
 
 
 def test_engine_killed_mid_sync_is_reported_skipped_and_restarts_on_its_previous_version(synced):
-    """A second engine's process is SIGKILLed while it loads a version. The push names it and does not hang,
+    """A second engine's process is SIGKILLed while it loads a version. The load names it and does not hang,
     the other engine takes the version, and the restarted engine serves the version it had before."""
     from moe_grpo.rollout.vllm_engine import EngineError, VllmEngine
-    from moe_grpo.sync.deliver import EngineSyncer, apply_version
+    from moe_grpo.sync.deliver import apply_version
+    from moe_grpo.sync.transport import SyncError
 
     engine, transport, _, _ = synced
     second = VllmEngine(engine.model_dir, engine.spec, max_model_len=128, max_num_seqs=4)
@@ -221,11 +222,10 @@ def test_engine_killed_mid_sync_is_reported_skipped_and_restarts_on_its_previous
         second._collective_rpc = kill_on_second_bucket
         v2 = v1 + 1
         _publish_plan(transport, v2, engine.spec, fill=0.03)
-        syncer = EngineSyncer([engine, second], transport, deadline_s=60)
-        report = syncer.push(v2)
-        syncer.close()
-        assert engine.engine_id in report.applied and engine.policy_version == v2
-        assert second.engine_id in report.skipped and second.engine_id in report.skipped[second.engine_id]
+        apply_version(engine, transport, v2)
+        with pytest.raises(SyncError, match=f"engine {second.engine_id}"):
+            apply_version(second, transport, v2, timeout_s=60)
+        assert engine.policy_version == v2, "the other engine took the version"
         assert second.policy_version == v1 and second.broken
         with pytest.raises(EngineError, match="refuses"):
             _scores(second)

@@ -1,0 +1,142 @@
+"""The engine pool's repair logic on real Ray actors standing in for engines (pure logic: no vLLM, no model).
+
+What a user would notice: a failed request is sent again, a failed engine gets no work until it is back and serves
+the newest version, an engine whose actor died is replaced in its bundle, one that keeps failing stops the run
+naming it, and a slow weight load holds up nobody."""
+
+import time
+from types import SimpleNamespace
+
+import pytest
+
+ray = pytest.importorskip("ray")
+
+from moe_grpo.orchestrator.engine_pool import EngineFailedError, EnginePool, EngineSlot, Request  # noqa: E402
+
+
+@ray.remote
+class FakeEngine:
+    """generate: returns ["done"] or raises while `fail` is set; apply_version sleeps `load_s`."""
+
+    def __init__(self, load_s=0.0):
+        self.fail, self.load_s, self.version, self.restarts, self.pid_ = None, load_s, 0, 0, 100
+
+    def set(self, **kw):
+        for k, v in kw.items():
+            setattr(self, k, v)
+
+    def generate(self, prompt, sampling):
+        if self.fail:
+            raise RuntimeError(f"EngineError: engine fake: vLLM process {self.pid_} {self.fail}")
+        return ["done", self.version]
+
+    def apply_version(self, version, timeout_s):
+        time.sleep(self.load_s)
+        self.version = version
+        return self.load_s
+
+    def restart(self):
+        self.restarts += 1
+        self.fail, self.pid_ = None, self.pid_ + 1
+        return {"pid": self.pid_, "policy_version": self.version}
+
+    def pid(self):
+        return self.pid_
+
+    def state(self):
+        return {"version": self.version, "restarts": self.restarts}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def local_ray():
+    ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR")
+    yield
+    ray.shutdown()
+
+
+def pool(*handles, max_restarts=2, made=None):
+    rollout = SimpleNamespace(request_timeout_s=30.0, max_restarts=max_restarts, restart_window_s=600.0)
+
+    def make(bundle):
+        handle = FakeEngine.remote()
+        (made if made is not None else []).append(bundle)
+        return handle
+
+    return EnginePool([EngineSlot(f"engine{i}", i, h) for i, h in enumerate(handles)], rollout, make, 60.0)
+
+
+def pump(p, until, timeout=20.0):
+    """Run the pool as the driver does until `until()`; returns the finished requests' results."""
+    out, deadline = [], time.monotonic() + timeout
+    while not until(out):
+        assert time.monotonic() < deadline, "the pool did not get there"
+        refs = p.refs()
+        ready = ray.wait(refs, num_returns=1, timeout=0.5)[0] if refs else []
+        for ref in ready:
+            got = p.result(ref)
+            if got is not None:
+                out.append(got)
+        while p.retry and p.up():
+            p.submit(p.retry.popleft(), None)
+        p.check_hung()
+        p.settle(block=False)
+    return out
+
+
+def example(i):
+    return SimpleNamespace(prompt_ids=(i,))
+
+
+def test_a_failed_request_is_sent_again_and_its_engine_restarted_onto_the_newest_version():
+    a, b = FakeEngine.remote(), FakeEngine.remote()
+    p = pool(a, b)
+    p.offer(3)
+    pump(p, lambda out: p.all_current())
+    ray.get(a.set.remote(fail="died during generation"))
+    for i in range(4):
+        assert p.submit(Request("train", example(i)), None)
+    done = pump(p, lambda out: len(out) == 4)
+    assert sorted(r.example.prompt_ids[0] for r, _, _ in done) == [0, 1, 2, 3], "every request came back once"
+    assert p.requests_resubmitted == 2 and p.restarts == 1
+    pump(p, lambda out: p.slots["engine0"].status == "up")
+    assert p.slots["engine0"].served == 3 and p.slots["engine0"].pid == 101
+    assert ray.get(a.state.remote()) == {"version": 3, "restarts": 1}
+
+
+def test_an_engine_whose_actor_died_is_replaced_in_its_own_bundle():
+    a, b = FakeEngine.remote(), FakeEngine.remote()
+    made = []
+    p = pool(a, b, made=made)
+    p.offer(2)
+    pump(p, lambda out: p.all_current())
+    ray.kill(b)
+    for i in range(4):
+        p.submit(Request("train", example(i)), None)
+    pump(p, lambda out: len(out) == 4 and p.all_current())
+    assert made == [1], "the replacement went to engine1's bundle"
+    assert p.slots["engine1"].handle is not b and p.slots["engine1"].served == 2
+
+
+def test_an_engine_that_keeps_failing_stops_the_run_naming_it():
+    a = FakeEngine.remote()
+    p = pool(a, max_restarts=1)
+    ray.get(a.set.remote(fail="died during generation"))
+    p.submit(Request("train", example(0)), None)
+    pump(p, lambda out: p.restarts == 1 and p.slots["engine0"].status == "up")
+    ray.get(a.set.remote(fail="died during generation"))
+    p.submit(Request("train", example(1)), None)
+    with pytest.raises(EngineFailedError, match=r"engine0 failed 2 times within 600 s \(rollout.max_restarts=1\); "
+                                                r"last failure: .*died during generation"):
+        pump(p, lambda out: False)
+
+
+def test_a_slow_weight_load_holds_up_no_other_engine_and_no_request():
+    fast, slow = FakeEngine.remote(), FakeEngine.remote(load_s=3.0)
+    p = pool(fast, slow)
+    t0 = time.monotonic()
+    p.offer(1)
+    p.submit(Request("train", example(0)), None)
+    pump(p, lambda out: len(out) == 1 and p.slots["engine0"].served == 1)
+    assert time.monotonic() - t0 < 2.5 and p.slots["engine1"].served == 0, "the fast engine did not wait"
+    pump(p, lambda out: p.all_current())
+    assert p.slots["engine1"].served == 1
