@@ -568,6 +568,7 @@ def train(run: Any, run_dir: str | Path, *, learner_cls: type | None = None) -> 
             log.info("resume: continuing from %s (step %d of %d)", resume_from, state.step, run.steps)
     rewards = _rewards(run)
     run = hf_init.prepare(run, run_dir)  # init.hf: the learner's converted checkpoint (cached next to the run)
+    remove_orphaned_sync_roots(default_root())
     sync_root = os.path.join(default_root(), f"run-{os.getpid()}-{int(time.time())}")
     SharedMemoryTransport(sync_root)  # created (private) before any actor opens it
     pools, driver = None, None
@@ -627,6 +628,27 @@ def train(run: Any, run_dir: str | Path, *, learner_cls: type | None = None) -> 
             "faults": {"requests_lost": state.requests_lost, "steps_skipped": state.steps_skipped,
                        "sync_failures": engines.sync_failures, "engine_restarts": engines.restarts,
                        "requests_resubmitted": engines.requests_resubmitted, "rollbacks": state.rollbacks}}
+
+
+def remove_orphaned_sync_roots(root: str) -> list[str]:
+    """Weight slots of runs whose driver is gone (SIGKILLed: it could not clean up) hold up to twice a model's size in
+    shared memory; the next run on the host removes them. Only `run-<pid>-<time>` directories of dead pids under our
+    own private root are touched."""
+    import shutil
+
+    from moe_grpo.sync.transport import _pid_alive
+
+    removed = []
+    if not os.path.isdir(root):
+        return removed
+    for name in os.listdir(root):
+        parts = name.split("-")
+        if len(parts) == 3 and parts[0] == "run" and parts[1].isdigit() and not _pid_alive(int(parts[1])):
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+            removed.append(name)
+    if removed:
+        log.info("removed the weight slots of %d run(s) whose driver is gone: %s", len(removed), ", ".join(removed))
+    return removed
 
 
 def _install_signals(driver_of: Any) -> None:

@@ -1,0 +1,156 @@
+"""Run checkpoints on disk and the driver's state objects: what survives a crash, what is refused, what resumes."""
+
+import os
+import pickle
+import signal
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from moe_grpo.orchestrator import run_checkpoint as rc
+
+
+def write(run_dir, step, payload=b"weights", keep=2):
+    tmp = rc.begin(run_dir, step)
+    (tmp / "learner" / "shard.bin").write_bytes(payload * 100)
+    return rc.finish(tmp, {"step": step, "groups": list(range(step))}, {"step": step}, keep)
+
+
+def test_a_checkpoint_is_whole_named_latest_and_pruned_to_keep(tmp_path):
+    for step in (2, 4, 6):
+        write(tmp_path, step)
+    root = tmp_path / "checkpoints"
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_000004", "step_000006"]
+    assert (root / "latest").read_text() == "step_000006"
+    path, manifest = rc.newest_valid(tmp_path)
+    assert path.name == "step_000006" and manifest["step"] == 6
+    assert rc.load_driver_state(path) == {"step": 6, "groups": list(range(6))}
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "delete", "manifest"])
+def test_a_damaged_checkpoint_is_named_and_the_previous_one_is_used(tmp_path, damage, caplog):
+    write(tmp_path, 2)
+    newest = write(tmp_path, 4)
+    target = newest / "learner" / "shard.bin"
+    if damage == "truncate":
+        target.write_bytes(target.read_bytes()[:10])
+    elif damage == "flip":
+        data = bytearray(target.read_bytes())
+        data[5] ^= 1
+        target.write_bytes(bytes(data))
+    elif damage == "delete":
+        target.unlink()
+    else:
+        target = newest / "manifest.json"
+        target.unlink()
+    with pytest.raises(rc.CheckpointError, match=str(target)):
+        rc.verify(newest)
+    path, _ = rc.newest_valid(tmp_path)
+    assert path.name == "step_000002"
+    assert str(target) in caplog.text
+
+
+def test_a_crash_mid_write_leaves_the_previous_checkpoint_latest(tmp_path):
+    """A writer SIGKILLed while its checkpoint is half written: `latest` and the previous checkpoint are untouched."""
+    write(tmp_path, 2)
+    script = (f"import time, sys; sys.path.insert(0, {os.getcwd()!r});"
+              "from moe_grpo.orchestrator import run_checkpoint as rc;"
+              f"tmp = rc.begin({str(tmp_path)!r}, 4);"
+              "open(tmp / 'learner' / 'big.bin', 'wb').write(b'x' * 1000);"
+              "print('written', flush=True); time.sleep(60)")
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "written"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert (tmp_path / "checkpoints" / "latest").read_text() == "step_000002"
+    path, _ = rc.newest_valid(tmp_path)
+    assert path.name == "step_000002"
+    write(tmp_path, 4)  # the next writer starts over where the dead one left a .tmp
+    assert not (tmp_path / "checkpoints" / "step_000004.tmp").exists()
+
+
+def test_no_checkpoint_means_none(tmp_path):
+    assert rc.newest_valid(tmp_path) is None
+
+
+def test_the_buffer_keeps_its_groups_with_versions_and_traces_and_refuses_what_does_not_fit():
+    from moe_grpo.orchestrator.buffer import Group, RolloutBuffer
+    from moe_grpo.routing.trace import RoutingTrace
+
+    c = SimpleNamespace(versions=np.array([3, 4]), routing=RoutingTrace.from_array(np.ones((4, 2, 2), np.uint8), 8))
+    buf = RolloutBuffer(4, 1)
+    for _ in range(3):
+        buf.put(Group("ex", [c], np.ones(1, np.float32), np.zeros(1, np.float32)))
+    buf.drop_stale(10)
+    assert len(buf) == 0 and buf.dropped_stale == 3
+    buf.put(Group("ex", [c], np.ones(1, np.float32)))
+    state = pickle.loads(pickle.dumps(buf.state_dict()))  # as a checkpoint stores it
+    again = RolloutBuffer(4, 1)
+    again.load_state_dict(state)
+    assert len(again) == 1 and again.dropped_stale == 3
+    group = again.take(1, 4)[0]
+    assert group.completions[0].versions.tolist() == [3, 4]
+    assert group.completions[0].routing.expert_ids.shape == (4, 2, 2)
+    state["groups"] = state["groups"] * 5
+    with pytest.raises(OverflowError, match="holds 5 groups, this run's capacity is 4"):
+        RolloutBuffer(4, 1).load_state_dict(state)
+
+
+def test_the_prompt_source_continues_where_it_stood():
+    from moe_grpo.data.prompts import TaskPrompts
+    from moe_grpo.data.tasks import TaskConfig
+    from moe_grpo.data.tokenizer import ByteTokenizer
+
+    tok = ByteTokenizer(512)
+    a = TaskPrompts(TaskConfig(), tok, np.random.default_rng(0))
+    a.take(5)
+    state = a.state_dict()
+    want = [e.prompt for e in a.take(5)]
+    b = TaskPrompts(TaskConfig(), tok, np.random.default_rng(123))
+    b.load_state_dict(state)
+    assert [e.prompt for e in b.take(5)] == want
+
+
+def test_the_jump_watch_keeps_its_level_and_a_lasting_jump_is_seen_every_step():
+    from moe_grpo.orchestrator.watch import JumpWatch
+
+    w = JumpWatch(5.0, 20)
+    for step in range(8):
+        w.update({"step": step, "mismatch/kl": 1e-3})
+    assert w.update({"step": 8, "mismatch/kl": 0.5}) and w.update({"step": 9, "mismatch/kl": 0.5})
+    assert w.in_a_row == 2 and w.jumps == 2
+    again = JumpWatch(5.0, 20)
+    again.load_state_dict(w.state_dict())
+    assert again.update({"step": 10, "mismatch/kl": 0.5}) and again.in_a_row == 3
+    assert not again.update({"step": 11, "mismatch/kl": 1e-3}) and again.in_a_row == 0
+
+
+def test_a_resume_that_changes_what_the_checkpoint_means_is_refused():
+    import dataclasses
+
+    from moe_grpo.config import from_hydra, load_model_spec
+    from moe_grpo.orchestrator.driver import check_resumable
+
+    def run(**algo):
+        return from_hydra({"model": dataclasses.asdict(load_model_spec("deepseek_moe")), "algo": algo})
+
+    saved = dataclasses.asdict(run(group_size=4))
+    check_resumable(from_hydra({"model": saved["model"], "algo": {"group_size": 4}, "steps": 999,
+                                "parallel": {"expert_parallel": 2}}), saved)
+    with pytest.raises(ValueError, match=r"differs from the checkpoint's in \['algo'\]"):
+        check_resumable(run(group_size=8), saved)
+
+
+def test_weight_slots_of_a_dead_driver_are_removed_and_a_live_ones_kept(tmp_path):
+    from moe_grpo.orchestrator.driver import remove_orphaned_sync_roots
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    orphan = f"run-{dead.pid}-1795460000"
+    for name in (orphan, f"run-{os.getpid()}-1795460000", "other"):
+        (tmp_path / name).mkdir()
+    assert remove_orphaned_sync_roots(str(tmp_path)) == [orphan]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([f"run-{os.getpid()}-1795460000", "other"])
