@@ -456,14 +456,11 @@ class Driver:
 
     # ------------------------------------------------------------------ signals
     def on_signal(self, signum: int) -> None:
-        """SIGUSR1: checkpoint at the next step boundary and go on; SIGTERM: checkpoint there, then stop."""
-        name = signal.Signals(signum).name
-        self.due = name
+        """SIGUSR1: checkpoint at the next step boundary and go on; SIGTERM: checkpoint there, then stop. (Only
+        flags: a signal handler must not take locks the interrupted code may hold, the log's included.)"""
+        self.due = signal.Signals(signum).name
         if signum == signal.SIGTERM:
             self.stop_after_checkpoint = True
-        log.warning("%s received: %s at the end of step %d", name,
-                    "checkpointing and stopping" if signum == signal.SIGTERM else "checkpointing",
-                    self.state.step + (1 if self.train_refs else 0))
 
 
 def check_resumable(run: Any, saved_config: dict[str, Any]) -> None:
@@ -572,17 +569,17 @@ def train(run: Any, run_dir: str | Path, *, learner_cls: type | None = None) -> 
     sync_root = os.path.join(default_root(), f"run-{os.getpid()}-{int(time.time())}")
     SharedMemoryTransport(sync_root)  # created (private) before any actor opens it
     pools, driver = None, None
-    previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1)}
+    signals = SignalRelay()
     stopped = None
     try:
         start_ray(run.cluster, run_dir)
-        _install_signals(lambda: driver)  # after Ray, whose own SIGTERM handler would exit without cleaning up
+        signals.install()  # after Ray, whose own SIGTERM handler would exit without cleaning up
         t0 = time.perf_counter()
         initial = InitialWeights(run, run_dir, tokenizer, source, state, resume_from)
         pools = start_pools(run, run_dir, sync_root, initial, learner_cls)
         log.info("pools up in %.0fs: %d engine(s), %d learner rank(s) (%.2fM parameters on rank 0)",
                  time.perf_counter() - t0, len(pools.engines), len(pools.learners), pools.infos[0]["parameters"] / 1e6)
-        driver = Driver(run, run_dir, pools, tokenizer, source, rewards, state)
+        driver = signals.driver = Driver(run, run_dir, pools, tokenizer, source, rewards, state)
         driver.last_checkpoint = resume_from
         driver.write_processes()
         if saved is not None:
@@ -609,8 +606,7 @@ def train(run: Any, run_dir: str | Path, *, learner_cls: type | None = None) -> 
     except EngineFailedError as e:
         raise EngineFailedError(f"{e}; {driver._checkpoint_hint() if driver else 'no run checkpoint was written'}") from e
     finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
+        signals.restore()
         rewards.close()
         if driver is not None and driver.record is not None:
             png = driver.record.close()
@@ -651,19 +647,29 @@ def remove_orphaned_sync_roots(root: str) -> list[str]:
     return removed
 
 
-def _install_signals(driver_of: Any) -> None:
-    """SIGTERM / SIGUSR1 (what SLURM sends before preemption) -> a checkpoint at the next step boundary. Before the
-    schedule runs there is nothing to checkpoint: SIGTERM then stops the start-up at once (cleanly)."""
+class SignalRelay:
+    """SIGTERM / SIGUSR1 (what SLURM sends before preemption) -> the driver's checkpoint at the next step boundary.
+    Before the schedule runs there is nothing to checkpoint: SIGTERM then stops the start-up at once (cleanly)."""
 
-    def handler(signum: int, frame: Any) -> None:
-        driver = driver_of()
-        if driver is not None and driver.record is not None:
-            driver.on_signal(signum)
+    SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+    def __init__(self) -> None:
+        self.driver: Driver | None = None
+        self.previous: dict[int, Any] = {}
+
+    def install(self) -> None:
+        for signum in self.SIGNALS:
+            self.previous[signum] = signal.signal(signum, self.handle)
+
+    def handle(self, signum: int, frame: Any) -> None:
+        if self.driver is not None and self.driver.record is not None:
+            self.driver.on_signal(signum)
         elif signum == signal.SIGTERM:
             raise KeyboardInterrupt(f"{signal.Signals(signum).name} during start-up")
 
-    signal.signal(signal.SIGTERM, handler)
-    signal.signal(signal.SIGUSR1, handler)
+    def restore(self) -> None:
+        for signum, handler in self.previous.items():
+            signal.signal(signum, handler)
 
 
 def _rewards(run: Any) -> Any:
