@@ -8,6 +8,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tests", "learner"))
 sys.path.insert(0, os.path.join(ROOT, "tests", "checkpoint"))  # test_convert.load_dir
+sys.path.insert(0, os.path.join(ROOT, "tests", "sync"))  # publishing.publish_version
 # Spawned learner processes import test helpers by module name.
 os.environ["PYTHONPATH"] = os.pathsep.join(
     [ROOT, os.path.join(ROOT, "tests", "learner")] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])

@@ -19,6 +19,7 @@ import time
 
 import pytest
 import torch
+from publishing import publish_version
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -134,21 +135,6 @@ def _random_model(spec, directory):
     return export_model_dir(spec, state, directory), state
 
 
-def _publish(transport, version, spec, tensors):
-    """Write a whole version through the transport, as a single learner rank would."""
-    from moe_grpo.sync.plan import plan_buckets
-
-    plan = plan_buckets(spec, torch.float32, 1 << 16)
-    slot = transport.claim(version, plan, 0, 1)
-    counts = {}
-    for b in plan.buckets:
-        with transport.bucket_views(slot, b, torch.float32) as views:
-            for name, t in views.items():
-                t.copy_(tensors[name])
-        counts[b.index] = sum(e.numel for e in b.entries)
-    transport.mark_done(slot, version, 0, counts)
-
-
 def _greedy(actor):
     from moe_grpo.rollout.types import SamplingSettings
 
@@ -180,7 +166,7 @@ def engine(tmp_path_factory):
     try:
         at_v0, _ = _greedy(actor)
         g = torch.Generator().manual_seed(1)
-        _publish(transport, 1, spec, {k: t + 0.5 * t.abs().mean() * torch.randn(t.shape, generator=g)
+        publish_version(transport, 1, spec, tensors={k: t + 0.5 * t.abs().mean() * torch.randn(t.shape, generator=g)
                                       for k, t in state.items()})
         actor.call("apply_version", 1, 60.0)
         at_v1, versions = _greedy(actor)

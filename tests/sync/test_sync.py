@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import layout_scenarios as S
+from publishing import publish_version
 from moe_grpo.learner.spawn import DistributedRunError, run_distributed
 from moe_grpo.models.hf_names import param_mappings, to_hf, to_megatron
 
@@ -80,10 +81,10 @@ def _serve_other_weights(engine, transport, start, seed):
     from moe_grpo.sync.deliver import apply_version
 
     version = engine.policy_version + 1
-    _publish_plan(transport, version, engine.spec, tensors=_perturbed(start, seed))
+    publish_version(transport, version, engine.spec, tensors=_perturbed(start, seed))
     apply_version(engine, transport, version)
     assert engine.policy_version == version
-    _publish_plan(transport, version + 1, engine.spec, tensors=_perturbed(start, seed + 1000))
+    publish_version(transport, version + 1, engine.spec, tensors=_perturbed(start, seed + 1000))
     return version + 2
 
 
@@ -110,23 +111,6 @@ def test_engine_matches_the_learner_after_a_sync_from_each_layout(synced, layout
     assert _greedy(engine) == reference["greedy"]
 
 
-def _publish_plan(transport, version, spec, fill=0.0, tensors=None):
-    """Write a whole version for `spec` straight through the transport, as one learner rank would:
-    every tensor `fill`, or the HF-named `tensors`."""
-    from moe_grpo.sync.plan import plan_buckets
-
-    plan = plan_buckets(spec, torch.float32, 1 << 16)
-    slot = transport.claim(version, plan, 0, 1)
-    counts = {}
-    for b in plan.buckets:
-        with transport.bucket_views(slot, b, torch.float32) as views:
-            for name, t in views.items():
-                t.copy_(tensors[name]) if tensors is not None else t.fill_(fill)
-        counts[b.index] = sum(e.numel for e in b.entries)
-    transport.mark_done(slot, version, 0, counts)
-    return slot, plan
-
-
 @pytest.mark.parametrize("change,message", [
     (dict(moe_ffn_hidden_size=32), r"model.layers.1.mlp.experts.0.gate_proj.weight has shape \[32, 128\], expected \[64, 128\]"),
     (dict(num_layers=5), r"\['model.layers.4.*are not parameters of deepseek_moe"),
@@ -137,7 +121,7 @@ def test_wrong_tensors_are_refused_before_anything_is_applied(synced, change, me
 
     engine, transport, _, _ = synced
     before, version = _scores(engine), engine.policy_version
-    _publish_plan(transport, version + 1, engine.spec.replace(**change))
+    publish_version(transport, version + 1, engine.spec.replace(**change))
     with pytest.raises(SyncError, match=message):
         apply_version(engine, transport, version + 1)
     assert engine.policy_version == version
@@ -165,7 +149,7 @@ def test_engine_failure_part_way_rolls_back_to_the_previous_version(synced):
 
     engine, transport, _, _ = synced
     before, version = _scores(engine), engine.policy_version
-    slot, plan = _publish_plan(transport, version + 1, engine.spec, fill=0.01)
+    slot, plan = publish_version(transport, version + 1, engine.spec, fill=0.01)
     os.truncate(os.path.join(slot, "b00003.bin"), 100)
     with pytest.raises(SyncError, match=rf"failed part-way .*b00003.bin holds 100 bytes.*rolled back to version {version}"):
         apply_version(engine, transport, version + 1)
@@ -207,7 +191,7 @@ def test_engine_killed_mid_sync_is_reported_skipped_and_restarts_on_its_previous
     second = VllmEngine(engine.model_dir, engine.spec, max_model_len=128, max_num_seqs=4)
     try:
         v1 = engine.policy_version + 1
-        _publish_plan(transport, v1, engine.spec, fill=0.02)
+        publish_version(transport, v1, engine.spec, fill=0.02)
         apply_version(second, transport, v1)
         served = _scores(second)
         real_rpc, calls = second._collective_rpc, {"n": 0}
@@ -221,7 +205,7 @@ def test_engine_killed_mid_sync_is_reported_skipped_and_restarts_on_its_previous
 
         second._collective_rpc = kill_on_second_bucket
         v2 = v1 + 1
-        _publish_plan(transport, v2, engine.spec, fill=0.03)
+        publish_version(transport, v2, engine.spec, fill=0.03)
         apply_version(engine, transport, v2)
         with pytest.raises(SyncError, match=f"engine {second.engine_id}"):
             apply_version(second, transport, v2, timeout_s=60)
