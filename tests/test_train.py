@@ -27,10 +27,12 @@ def test_main_job_trains_writes_the_run_record_and_prints_no_traceback(tmp_path)
     for r in rows:  # values a broken run gets wrong (a missing key or unapplied replay already fails the run)
         assert r["policy_version"] == r["step"] and r["staleness/max"] <= 1, r
         assert 0 <= r["reward/mean"] <= 1 and 0 <= r["eval/reward/mean"] <= 1
-        assert r["sync/bytes"] > 0 and r["throughput/rollout_tokens_per_s"] > 0
+        assert r["sync/bytes"] > 0 and r["throughput/rollout_tokens_per_s"] >= 0
         assert (r["grad_norm"] == 0) if r["reward/std"] == 0 else (r["grad_norm"] >= 0), r
         assert r["faults/engine_restarts"] == r["faults/requests_lost"] == r["faults/steps_skipped"] == 0
     assert [r["eval/step"] for r in rows] == [0, 2, 2, 4]
+    # async: a step may train on groups sampled during an earlier one, but the engines generated over the run
+    assert sum(r["throughput/rollout_tokens_per_s"] for r in rows) > 0
     assert (tmp_path / "checkpoints" / "latest").read_text() == "step_000004", "a checkpoint at the end"
     assert (tmp_path / "config.yaml").read_text().count("prompts_per_step: 4") == 1
     assert "INFO" in (tmp_path / "engine.log").read_text(), "vLLM's full log goes to the run directory"
