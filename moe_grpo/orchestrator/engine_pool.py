@@ -150,13 +150,7 @@ class EnginePool:
 
     def refs(self) -> list[Any]:
         """Everything the driver may wait on: requests, weight loads, restarts."""
-        out = list(self.in_flight)
-        for s in self.slots.values():
-            if s.applying is not None:
-                out.append(s.applying[1])
-            if s.pending is not None:
-                out.append(s.pending[1])
-        return out
+        return list(self.in_flight) + self.refs_of_loads()
 
     # ------------------------------------------------------------------ results and failures
     def result(self, ref: Any) -> tuple[Request, str, list[Any]] | None:
