@@ -59,7 +59,7 @@ def main() -> None:
         "bench": "mismatch", "model": spec.name, "engine_dtype": args.engine_dtype, "learner_dtype": "float32",
         "completions": len(comps), "response_tokens": int(free["tokens"]),
         "router_disagreement_without_replay": round(1 - agree["set_agreement"], 6),
-        "kl_k3_without_replay": free["mismatch/kl"], "kl_k3_with_replay": replayed["mismatch/kl"],
+        "kl_k3_without_replay": free["train/rollout_kl"], "kl_k3_with_replay": replayed["train/rollout_kl"],
         "replay_applied": replayed["replay/applied"],
     }))
 

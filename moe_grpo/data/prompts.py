@@ -41,6 +41,11 @@ class PromptSource:
     def bad_rows(self) -> int:
         return len(self.bad)
 
+    def probe_set(self, n: int) -> list[Example]:
+        """`n` fixed prompts for the mismatch probe: the first of the held-out set (of the training rows when
+        there is none; the probe trains on nothing, so either is fine)."""
+        return list((self.held_out or getattr(self, "train", []))[:n])
+
 
 class TaskPrompts(PromptSource):
     """Fresh prompts of a built-in task (data/tasks.py), drawn from the run's generator."""

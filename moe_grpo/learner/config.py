@@ -6,12 +6,24 @@ import math
 from dataclasses import dataclass
 
 
+LR_DECAY_STYLES = ("constant", "cosine", "linear")
+"""`learner.lr_decay`: decay styles of Megatron's OptimizerParamScheduler offered here."""
+
+
 @dataclass(frozen=True)
 class LearnerConfig:
     """Optimisation and batching settings of the learner."""
 
     lr: float = 5e-4
-    """Adam learning rate. Suits the embedded tiny model; real checkpoints want ~1e-6."""
+    """Adam learning rate (the peak of the schedule). Suits the embedded tiny model; real checkpoints want ~1e-6."""
+    lr_warmup_steps: int = 0
+    """RL steps over which the learning rate rises linearly from 0 to `lr` (the warm start's supervised steps run at
+    `lr` and are not counted)."""
+    lr_decay: str = "constant"
+    """After the warmup: 'constant' (stay at `lr`), 'cosine' or 'linear' (fall to `min_lr` at the run's last step).
+    Megatron's OptimizerParamScheduler computes it."""
+    min_lr: float = 0.0
+    """Where 'cosine' and 'linear' end."""
     weight_decay: float = 0.0
     """Decoupled weight decay."""
     adam_beta1: float = 0.9
@@ -35,6 +47,12 @@ class LearnerConfig:
     def __post_init__(self) -> None:
         if self.lr <= 0 or not math.isfinite(self.lr):
             raise ValueError(f"lr={self.lr}, expected a positive finite number")
+        if self.lr_decay not in LR_DECAY_STYLES:
+            raise ValueError(f"learner.lr_decay={self.lr_decay!r}, expected one of {list(LR_DECAY_STYLES)}")
+        if not 0 <= self.min_lr <= self.lr:
+            raise ValueError(f"learner.min_lr={self.min_lr}, expected 0 <= min_lr <= learner.lr={self.lr}")
+        if self.lr_warmup_steps < 0:
+            raise ValueError(f"learner.lr_warmup_steps={self.lr_warmup_steps}, expected >= 0")
         if self.max_skipped_in_a_row < 1:
             raise ValueError(f"learner.max_skipped_in_a_row={self.max_skipped_in_a_row}, expected >= 1")
         if self.micro_batch_size < 1:

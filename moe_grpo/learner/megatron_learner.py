@@ -30,6 +30,29 @@ from moe_grpo.routing.replay import RoutingReplayer, check_replay_supported, meg
 from moe_grpo.routing.trace import RoutingTrace
 
 
+MAX_SNAPSHOTS = 2
+"""Published versions whose weights `snapshot_weights` keeps for the probe at once (each a copy of the rank's
+parameters): the newest and the one before it, whose probe may still be on its way back from the engines."""
+
+
+def _k3(logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Per-token k3 estimate of KL(rollout || learner), `r - 1 - log r` with `r = exp(logp - rollout_logp)`, zero
+    where `mask` is. float64: for |log r| ~ 1e-7 the float32 terms round to exactly zero."""
+    log_r = (logp.detach().double() - rollout_logp.double()) * mask
+    return (torch.expm1(log_r) - log_r) * mask
+
+
+def _stale_positions(mb: Microbatch, policy_version: int) -> torch.Tensor:
+    """1.0 on every position of the microbatch's sequences that hold a response token sampled before
+    `policy_version` (by older weights), 0.0 elsewhere."""
+    old = ((mb.versions < float(policy_version)) & (mb.loss_mask > 0)).cpu()
+    out = torch.zeros(mb.input_ids.shape, dtype=torch.float32)
+    for _, row, start, end in mb.spans:
+        if bool(old[row, start:end].any()):
+            out[row, start:end] = 1.0
+    return out
+
+
 class NonFiniteError(FloatingPointError):
     """A loss or gradient was NaN/inf; the optimizer step was not taken."""
 
@@ -97,6 +120,10 @@ class MegatronLearner:
         self.replayer = RoutingReplayer(module, spec.moe_layer_pattern, recompute=options.recompute) if options.routing_replay else None
         self.step_count = 0
         self._reference: list[torch.Tensor] | None = None
+        self._scheduler: tuple[int, Any] | None = None
+        """(total steps, Megatron's OptimizerParamScheduler), built by the first `schedule_lr`."""
+        self._snapshots: dict[int, list[torch.Tensor]] = {}
+        """Published versions kept for `probe` (weights as published)."""
         self.before_update: list[Callable[[], None]] = []
         """Called before the optimizer changes the weights (a background weight sync still copying them waits here)."""
 
@@ -366,8 +393,13 @@ class MegatronLearner:
         `policy_version` is the version these weights will publish; with each sequence's `versions` it gives
         the loss every token's staleness. A loss with `kl_coef > 0` needs `set_reference()` first.
 
-        When every sequence carries its rollout trace, the routers' own top-k choices are recorded in the same
-        forward (replayed or not) and compared with the trace: `mismatch/router_disagreement`.
+        Metrics of the gap between the rollout and this forward, on the trained tokens: `train/rollout_kl` (k3
+        estimate of KL(rollout || learner)) and, when every sequence carries its rollout trace (the routers' own
+        top-k choices are recorded in the same forward, replayed or not), `train/router_disagreement`. In async
+        runs most of that gap is policy drift (tokens sampled by older weights), so the same two are also given
+        over the stale sequences alone (`offpolicy/kl`, `offpolicy/router_disagreement`; a sequence is stale when
+        any of its tokens was sampled before `policy_version`) with `offpolicy/stale_fraction` of the tokens. The
+        engine-vs-learner gap on the same weights is measured by `probe` instead.
         """
         from megatron.core import parallel_state as ps
 
@@ -399,6 +431,7 @@ class MegatronLearner:
         scale = len(mbs) * dp_size / denominator
         stat_keys = tuple(loss_fn.stat_keys)
         mb_index = {id(mb): i for i, mb in enumerate(mbs)}
+        stale = [_stale_positions(mb, policy_version) for mb in mbs]
 
         def loss(mb: Microbatch, output: torch.Tensor) -> Any:
             logp = -output.float()
@@ -408,19 +441,19 @@ class MegatronLearner:
             if ref is not None:
                 kwargs["ref_logprobs"] = ref[mb_index[id(mb)]].to(logp.device)
             pg_sum, stats = loss_fn(logp, old, mb.advantages, mb.loss_mask, staleness, **kwargs)
-            mismatch = torch.zeros((), dtype=torch.float64, device=logp.device)
-            if have_old:  # k3 estimator of KL(rollout || learner) on response tokens
-                # float64: for |log r| ~ 1e-7 the float32 k3 terms round to exactly zero.
-                log_r = (logp.detach().double() - mb.old_logprobs.double()) * mb.loss_mask
-                mismatch = ((torch.expm1(log_r) - log_r) * mb.loss_mask).sum()
+            k3 = torch.zeros_like(logp, dtype=torch.float64)
+            if have_old:
+                k3 = _k3(logp.detach(), mb.old_logprobs, mb.loss_mask)
+            stale_mask = stale[mb_index[id(mb)]].to(logp.device) * mb.loss_mask
             nll = -(logp.detach().double() * mb.loss_mask).sum()
-            return pg_sum * scale, {"pg_sum": pg_sum.detach(), "k3_sum": mismatch, "nll_sum": nll,
+            return pg_sum * scale, {"pg_sum": pg_sum.detach(), "k3_sum": k3.sum(), "nll_sum": nll,
+                                    "k3_stale_sum": (k3 * stale_mask).sum(), "stale_tokens": stale_mask.sum(),
                                     **{k: stats[k].detach() for k in stat_keys}}
 
         store = self._run(mbs, replay=mode == "r3", targets=targets, forward_only=False, loss_fn=loss,
                           record_free=have_traces)
-        keys = ("pg_sum", "k3_sum", "nll_sum") + stat_keys
-        local = torch.zeros(len(keys) + 4, dtype=torch.float64, device=self.device)
+        keys = ("pg_sum", "k3_sum", "nll_sum", "k3_stale_sum", "stale_tokens") + stat_keys
+        local = torch.zeros(len(keys) + 6, dtype=torch.float64, device=self.device)
         if self.is_last_stage and self.rank["tp"] == 0:
             for rec in store:
                 local[: len(keys)] += torch.tensor([float(rec[k]) for k in keys], dtype=torch.float64, device=self.device)
@@ -429,11 +462,12 @@ class MegatronLearner:
                 local[len(keys) : len(keys) + 2] += torch.tensor(
                     [self.replayer.calls, self.replayer.replayed_calls], dtype=torch.float64, device=self.device)
             if have_traces:
-                local[len(keys) + 2 :] += torch.tensor(self._router_disagreement(mbs), dtype=torch.float64,
+                local[len(keys) + 2 :] += torch.tensor(self._router_disagreement(mbs, stale), dtype=torch.float64,
                                                        device=self.device)
         torch.distributed.all_reduce(local)
         sums = dict(zip(keys, local.tolist()))
-        calls, replayed, differ, decisions = local[len(keys) :].tolist()
+        calls, replayed, differ, decisions, differ_stale, decisions_stale = local[len(keys) :].tolist()
+        nan = float("nan")
         metrics = {
             "loss": sums["pg_sum"] / denominator,
             "tokens": float(global_num_tokens),
@@ -443,33 +477,90 @@ class MegatronLearner:
             **{k: sums[k] / global_num_tokens for k in stat_keys},
         }
         if decisions:
-            metrics["mismatch/router_disagreement"] = differ / decisions
+            metrics["train/router_disagreement"] = differ / decisions
+            metrics["offpolicy/router_disagreement"] = differ_stale / decisions_stale if decisions_stale else nan
         if have_old:
-            metrics["mismatch/kl"] = sums["k3_sum"] / global_num_tokens
+            metrics["train/rollout_kl"] = sums["k3_sum"] / global_num_tokens
+            stale_tokens = sums["stale_tokens"]
+            metrics["offpolicy/kl"] = sums["k3_stale_sum"] / stale_tokens if stale_tokens else nan
+            metrics["offpolicy/stale_fraction"] = stale_tokens / global_num_tokens
         if not math.isfinite(sums["pg_sum"]):
             self.zero_grad()
             raise NonFiniteError(f"step {self.step_count + 1}: loss={metrics['loss']}; gradients dropped, no update")
         return metrics
 
-    def _router_disagreement(self, mbs: list[Microbatch]) -> tuple[float, float]:
-        """(differing, all) (token, MoE layer) decisions of this rank: the routers' free top-k set vs the trace."""
+    def _router_disagreement(self, mbs: list[Microbatch],
+                             stale: list[torch.Tensor] | None = None) -> tuple[float, float, float, float]:
+        """(differing, all, differing stale, all stale) (token, MoE layer) decisions of this rank: the routers' free
+        top-k set vs the trace; `stale` marks, per microbatch, the positions of stale sequences."""
         assert self.replayer is not None
         sp_size = self.layout.tensor_parallel if self.layout.sequence_parallel else 1
-        differ = total = 0.0
+        out = torch.zeros(4, dtype=torch.float64)
         for i, mb in enumerate(mbs):
             valid = torch.zeros(mb.input_ids.shape, dtype=torch.int64)
             for _, row, start, end in mb.spans:
                 valid[row, start:end] = 1
-            valid = megatron_token_order(valid[:, :, None, None], sp_rank=self.rank["tp"], sp_size=sp_size)[:, 0, 0]
+            old = stale[i].cpu().to(torch.int64) * valid if stale is not None else torch.zeros_like(valid)
+            valid, old = (megatron_token_order(t[:, :, None, None], sp_rank=self.rank["tp"], sp_size=sp_size)[:, 0, 0]
+                          for t in (valid, old))
             want = megatron_token_order(mb.routing.cpu(), sp_rank=self.rank["tp"], sp_size=sp_size)
             for slot in self.replayer.slots:
                 if i >= len(slot.free):
                     continue
                 free = torch.sort(slot.free[i].to(torch.int64), -1).values
-                same = (free == torch.sort(want[:, slot.moe_index], -1).values).all(-1)
-                differ += float(((~same) & (valid > 0)).sum())
-                total += float(valid.sum())
-        return differ, total
+                differs = ~(free == torch.sort(want[:, slot.moe_index], -1).values).all(-1)
+                out += torch.tensor([float((differs & (valid > 0)).sum()), float(valid.sum()),
+                                     float((differs & (old > 0)).sum()), float(old.sum())], dtype=torch.float64)
+        return tuple(out.tolist())  # type: ignore[return-value]
+
+    # ------------------------------------------------------------------ the mismatch probe
+    def snapshot_weights(self, version: int) -> None:
+        """Keep a copy of the weights being published as `version`, for `probe` once an engine serves it (the
+        learner trains on meanwhile). At most `MAX_SNAPSHOTS` are kept, the oldest dropped first."""
+        self._snapshots[version] = [p.detach().clone() for p in self.module.parameters()]
+        while len(self._snapshots) > MAX_SNAPSHOTS:
+            self._snapshots.pop(min(self._snapshots))
+
+    @torch.no_grad()
+    def probe(self, seqs: Sequence[LearnerSequence], version: int) -> dict[str, float] | None:
+        """The engine-vs-learner gap on the same weights: score `seqs` (sampled by an engine serving `version`,
+        with their rollout log-probs and traces) with the weights published as `version`, routing replayed (R3)
+        and free. Returns `kl_replay_on`, `kl_replay_off` (k3 estimates of KL(rollout || learner) over the
+        response tokens) and `router_disagreement` (the free routers' top-k vs the engine's trace), or None when
+        that version's snapshot is gone (a newer one replaced it). Every rank passes the same sequences."""
+        weights = self._snapshots.pop(version, None)
+        if weights is None:
+            return None
+        params = list(self.module.parameters())
+        live = [p.data for p in params]
+        was_training = self.model.training
+        self.model.eval()
+        sums = torch.zeros(5, dtype=torch.float64, device=self.device)
+        try:
+            for p, w in zip(params, weights):
+                p.data = w
+            for i, replay in enumerate((True, False)):
+                mbs = self._microbatches(seqs, replay, routing=True)
+                store = self._run(mbs, replay=replay, forward_only=True, record_free=self.replayer is not None,
+                                  loss_fn=lambda mb, out: (out.sum() * 0.0, {"k3": _k3(-out.float(), mb.old_logprobs,
+                                                                                       mb.loss_mask).sum(),
+                                                                             "tokens": mb.loss_mask.sum()}))
+                if self.is_last_stage and self.rank["tp"] == 0:
+                    sums[i] += sum(float(rec["k3"]) for rec in store)
+                    sums[2] += sum(float(rec["tokens"]) for rec in store) if i == 0 else 0.0
+                if replay and self.replayer is not None:
+                    sums[3:] += torch.tensor(self._router_disagreement(mbs)[:2], dtype=torch.float64,
+                                             device=self.device)
+        finally:
+            for p, data in zip(params, live):
+                p.data = data
+            self.model.train(was_training)
+            if self.replayer is not None:
+                self.replayer.reset_counters()
+        torch.distributed.all_reduce(sums)
+        k3_on, k3_off, tokens, differ, decisions = sums.tolist()
+        return {"kl_replay_on": k3_on / tokens, "kl_replay_off": k3_off / tokens,
+                "router_disagreement": differ / decisions if decisions else float("nan")}
 
     def optimizer_step(self) -> dict[str, float]:
         """Apply the accumulated gradients, unless any is NaN/inf on any rank (then raise, weights unchanged)."""
@@ -501,6 +592,23 @@ class MegatronLearner:
         from moe_grpo.learner.optimizer import current_lr
 
         return current_lr(self.optimizer, self.config.lr)
+
+    def schedule_lr(self, step: int, total_steps: int, scale: float = 1.0) -> float:
+        """Set the learning rate of RL step `step` (1-based) of a run of `total_steps`, as `learner.lr_warmup_steps`,
+        `learner.lr_decay` and `learner.min_lr` say (Megatron's OptimizerParamScheduler), times `scale` (the
+        collapse guard's rollbacks lower it); returns it. A function of its arguments only, so a resumed run (its
+        step and scale come from the run checkpoint) continues the same schedule. Local: call it on every rank."""
+        from moe_grpo.learner.optimizer import lr_scheduler
+
+        for group in self.optimizer.param_groups:  # Megatron reads the peak and the floor from each group
+            group["max_lr"] = self.config.lr * scale
+            group["min_lr"] = self.config.min_lr * scale
+        if self._scheduler is None or self._scheduler[0] != total_steps:
+            self._scheduler = (total_steps, lr_scheduler(self.optimizer, self.config, total_steps))
+        scheduler = self._scheduler[1]
+        scheduler.num_steps = step
+        scheduler.step(0)
+        return self.lr
 
     def set_lr(self, lr: float) -> None:
         """Change the learning rate of every param group (dense and expert optimizers alike) from the next step on;

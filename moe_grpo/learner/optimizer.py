@@ -98,6 +98,20 @@ def build_ddp_and_optimizer(module: Any, mconfig: Any, config: LearnerConfig,
     return model, optimizer
 
 
+def lr_scheduler(optimizer: Any, config: LearnerConfig, total_steps: int) -> Any:
+    """Megatron's OptimizerParamScheduler for `config`'s schedule over a run of `total_steps` RL steps: linear
+    warmup from 0 over `lr_warmup_steps`, then `lr_decay` from `lr` to `min_lr` at the last step."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    if config.lr_warmup_steps >= max(total_steps, 1) and config.lr_warmup_steps > 0:
+        raise ValueError(f"learner.lr_warmup_steps={config.lr_warmup_steps} must be below the run's steps "
+                         f"({total_steps}): the learning rate would never reach learner.lr")
+    return OptimizerParamScheduler(
+        optimizer, init_lr=0.0, max_lr=config.lr, min_lr=config.min_lr, lr_warmup_steps=config.lr_warmup_steps,
+        lr_decay_steps=max(total_steps, config.lr_warmup_steps + 1), lr_decay_style=config.lr_decay,
+        start_wd=config.weight_decay, end_wd=config.weight_decay, wd_incr_steps=1, wd_incr_style="constant")
+
+
 # --------------------------------------------------------------------------- run checkpoints: optimizer state
 
 CHECKPOINT_METADATA = {"chained_optim_avoid_prefix": True, "distrib_optim_sharding_type": "fully_sharded_model_space"}

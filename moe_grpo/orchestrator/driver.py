@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from moe_grpo.orchestrator.engine_pool import EngineFailedError, EnginePool, EngineSlot, Request
+from moe_grpo.orchestrator.probe import MismatchProbe
 from moe_grpo.orchestrator.state import RunState
 
 log = logging.getLogger("moe_grpo")
@@ -71,6 +72,7 @@ class Driver:
                                    for i, ((name, handle), pid) in enumerate(zip(pools.engines, pools.engine_pids))],
                                   run.rollout, pools.make_engine, run.cluster.start_timeout_s)
         self.greedy = sampling_settings(run, tokenizer, greedy=True)
+        self.probe = MismatchProbe(source.probe_set(run.routing.probe_prompts), self._probe_sampling)
         self.record: Any = None
         self.epoch = 0
         """Bumped by a rollback: requests sent before it are thrown away when they return."""
@@ -96,12 +98,14 @@ class Driver:
         while self.state.step < self.run.steps:
             if self.due and not self.train_refs:
                 self.checkpoint(self.due)
+            self.probe.submit(self.engines)
             self.admit()
             self.start_step()
-            ready, _ = ray.wait(self.engines.refs() + self.train_refs, num_returns=1, timeout=1.0)
+            ready, _ = ray.wait(self.engines.refs() + self.train_refs + self.probe.refs(), num_returns=1, timeout=1.0)
             self.collect(ready)
             self.engines.check_hung()
             self.engines.settle(block=False)
+            self.advance_probe()
             if self.step_done():
                 metrics = self.finish_step()
                 if not self.guard(metrics):  # a rollback publishes the restored weights instead
@@ -141,6 +145,23 @@ class Driver:
             if not self.engines.submit(request, self._sampling(request)):
                 self.engines.retry.append(request)
 
+    def _probe_sampling(self, seed: int) -> Any:
+        from moe_grpo.orchestrator.groups import sampling_settings
+
+        return dataclasses.replace(sampling_settings(self.run, self.tokenizer, seed=seed), n=1)
+
+    def advance_probe(self) -> None:
+        """Move the mismatch probe on: failed requests, scoring by the learner ranks, their answer."""
+        for request, engine in self.engines.failed_probes:
+            self.probe.on_failure(request, engine)
+        self.engines.failed_probes.clear()
+        self.probe.score(self.pools.learners, self.engines)
+        self.probe.collect()
+
+    def _probe_due(self, version: int) -> bool:
+        every = self.run.routing.probe_every
+        return self.probe.enabled and every > 0 and version % (every * self.run.algo.sync_every) == 0
+
     def _sampling(self, request: Request) -> Any:
         from moe_grpo.orchestrator.groups import sampling_settings
 
@@ -156,12 +177,15 @@ class Driver:
         from moe_grpo.orchestrator.groups import score_group, shape_group
 
         for ref in ready:
-            if ref in self.train_refs:
+            if ref in self.train_refs or ref in self.probe.refs():
                 continue
             out = self.engines.result(ref)
             if out is None:
                 continue
             request, engine, completions = out
+            if request.kind == "probe":
+                self.probe.on_completion(request, engine, completions[0])
+                continue
             if request.epoch != self.epoch:  # sampled by weights a rollback threw away
                 self.state.discarded_groups += request.kind == "train"
                 if request.kind == "eval":
@@ -242,7 +266,11 @@ class Driver:
         if metrics.get("skipped") or self.state.step % self.run.algo.sync_every:
             return
         self.state.published = self.state.step
-        self.learners_call("publish", self.state.published, self.is_async, what=f"publishing {self.state.published}")
+        probe = self._probe_due(self.state.published)
+        self.learners_call("publish", self.state.published, self.is_async, probe,
+                           what=f"publishing {self.state.published}")
+        if probe:
+            self.probe.start(self.state.published, list(self.engines.slots))
         self.engines.offer(self.state.published)
         if not self.is_async:
             self.engines.settle(block=True)
@@ -303,12 +331,14 @@ class Driver:
             self.busy_last[slot.name] = stats["busy_seconds"]
             abort_resubmits += stats.get("resubmitted", 0.0)
         sync = self.learners_call("sync_metrics", what="reading sync metrics", ranks=1)[0]
+        self.advance_probe()
         row = step_row(self.run, self.state, metrics, self.train_batch, trained_version=self.state.step - 1,
                        interval=interval, train_seconds=metrics["train_seconds"],
                        infer_busy=busy / (interval * len(self.engines.slots)),
                        rollout_tokens=self.state.generated_tokens - self.tokens_at_last, sync=sync,
                        buffer=self.buffer, engines=self.engines, abort_resubmits=abort_resubmits)
         row["watch/jumps"] = float(self.watch.jumps)
+        row.update(self.probe.row(self.run.routing.replay))
         self.record.log(row)
         self.write_processes()
         self.tokens_at_last = self.state.generated_tokens
@@ -340,8 +370,8 @@ class Driver:
         cfg = self.run.routing
         if cfg.on_jump != "rollback" or self.watch.in_a_row < cfg.jump_sustain:
             return False
-        seen = (f"mismatch/kl {metrics.get('mismatch/kl', float('nan')):.3g}, mismatch/router_disagreement "
-                f"{metrics.get('mismatch/router_disagreement', float('nan')):.3g} jumped for {self.watch.in_a_row} "
+        seen = (f"train/rollout_kl {metrics.get('train/rollout_kl', float('nan')):.3g}, train/router_disagreement "
+                f"{metrics.get('train/router_disagreement', float('nan')):.3g} jumped for {self.watch.in_a_row} "
                 f"steps in a row through step {self.state.step}")
         if self.state.rollbacks >= cfg.max_rollbacks:
             raise RuntimeError(f"collapse guard: {seen}, after {self.state.rollbacks} rollback(s) "
@@ -527,7 +557,8 @@ class InitialWeights:
                 log.info("warm start: %d supervised steps in %.1fs, answer NLL %.3f -> %.3f", len(warm),
                          time.perf_counter() - t0, warm[0], warm[-1])
         self.state.published = version
-        ray.get([a.publish.remote(version, False) for a in learners])
+        probe = self.run.routing.probe_prompts > 0 and self.run.routing.probe_every > 0
+        ray.get([a.publish.remote(version, False, probe) for a in learners])
         if self.run.init.hf and not self.state.warm_start_loss and self.resume_from is None:
             return str(hf_init.engine_dir(self.run.init.hf, self.run.model, os.path.join(self.run_dir, "model_v0")))
         return ray.get(learners[0].export_version.remote(version, os.path.join(self.run_dir, f"model_v{version}")))
@@ -588,6 +619,8 @@ def train(run: Any, run_dir: str | Path, *, learner_cls: type | None = None) -> 
                      state.resume_buffered_groups, state.resume_resubmitted)
         driver.engines.offer(state.published)
         driver.engines.settle(block=True)
+        if run.routing.probe_every > 0:
+            driver.probe.start(state.published, list(driver.engines.slots))
         if run.eval_every and not source.held_out:
             log.info("no held-out set (data.eval_path is not set): no evaluation")
         if run.eval_every and source.held_out and resume_from is None:

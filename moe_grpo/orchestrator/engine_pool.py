@@ -46,7 +46,8 @@ class EngineFailedError(RuntimeError):
 
 @dataclass
 class Request:
-    """One prompt the driver wants sampled: `kind` 'train' (a group) or 'eval' (one greedy completion)."""
+    """One prompt the driver wants sampled: `kind` 'train' (a group), 'eval' (one greedy completion) or 'probe'
+    (one sample at a given version, orchestrator/probe.py)."""
 
     kind: str
     example: Any
@@ -55,6 +56,8 @@ class Request:
     """For 'eval': the example's position in the held-out set."""
     epoch: int = 0
     """The driver's rollback count when it was sent (results of an older epoch are thrown away)."""
+    version: int = -1
+    """For 'probe': the weight version it must be sampled at."""
 
 
 @dataclass
@@ -106,6 +109,9 @@ class EnginePool:
         self.in_flight: dict[Any, _InFlight] = {}
         self.retry: deque[Request] = deque()
         """Requests to send again (their engine failed, or they were in flight at checkpoint time)."""
+        self.failed_probes: list[tuple[Request, str]] = []
+        """(request, engine) of probe requests whose engine failed: never sent again (a probe is tied to its engine
+        and version); the driver tells the probe."""
         self.published = 0
         self.restarts = 0
         self.requests_resubmitted = 0
@@ -133,9 +139,9 @@ class EnginePool:
     def up(self) -> list[EngineSlot]:
         return [s for s in self.slots.values() if s.status == "up"]
 
-    def submit(self, request: Request, sampling: Any) -> bool:
-        """Send `request` to the least-loaded engine that is up; False when none is."""
-        ready = self.up()
+    def submit(self, request: Request, sampling: Any, engine: str | None = None) -> bool:
+        """Send `request` to the least-loaded engine that is up (to `engine`, if named and up); False when none is."""
+        ready = [s for s in self.up() if engine is None or s.name == engine]
         if not ready:
             return False
         slot = min(ready, key=lambda s: s.load)
@@ -167,8 +173,11 @@ class EnginePool:
         try:
             return flight.request, flight.engine, ray.get(ref)
         except Exception as e:  # noqa: BLE001 - dead or hung engine (EngineError) or dead actor (RayActorError)
-            self.retry.append(flight.request)
-            self.requests_resubmitted += 1
+            if flight.request.kind == "probe":
+                self.failed_probes.append((flight.request, flight.engine))
+            else:
+                self.retry.append(flight.request)
+                self.requests_resubmitted += 1
             if flight.generation == slot.generation and slot.status == "up":
                 self._fail(slot, _reason(e), actor_dead=isinstance(e, ray.exceptions.RayActorError))
             return None

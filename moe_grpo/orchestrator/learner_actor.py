@@ -37,6 +37,8 @@ class LearnerWorker:
         self.rank = rank
         self._handle: Any = None
         self._last_report: dict[str, float] = {"sync/seconds": 0.0, "sync/bytes": 0.0}
+        self.lr_scale = 1.0
+        """The learning-rate schedule's scale (a rollback or a resumed run's `lr` sets it)."""
 
     def info(self) -> dict[str, Any]:
         return {**self.ranks, "parameters": sum(p.numel() for p in self.learner.module.parameters()), "pid": os.getpid()}
@@ -61,20 +63,29 @@ class LearnerWorker:
         from moe_grpo.learner.megatron_learner import NonFiniteError
 
         t0 = time.perf_counter()
+        lr = self.learner.schedule_lr(policy_version + 1, self.run.steps, self.lr_scale)
         try:
             metrics = self.learner.train_step(list(seqs), replay=replay, loss_fn=self.loss,
                                               policy_version=policy_version)
         except NonFiniteError as e:
             return {"skipped": 1.0, "error": str(e), "train_seconds": time.perf_counter() - t0}
         metrics["train_seconds"] = time.perf_counter() - t0
+        metrics["lr"] = lr
         return metrics
 
-    def publish(self, version: int, background: bool) -> None:
-        """Write this rank's shards as `version` (in the background: overlapped with the next step)."""
+    def publish(self, version: int, background: bool, snapshot: bool = False) -> None:
+        """Write this rank's shards as `version` (in the background: overlapped with the next step); `snapshot`:
+        keep a copy of these weights for the mismatch probe of this version."""
+        if snapshot:
+            self.learner.snapshot_weights(version)
         self._collect()
         self._handle = self.sync.sync(version, background=background)
         if not background:
             self._collect()
+
+    def probe(self, seqs: Sequence[Any], version: int) -> dict[str, float] | None:
+        """The engine-vs-learner gap on `version`'s weights (MegatronLearner.probe); a collective."""
+        return self.learner.probe(list(seqs), version)
 
     def _collect(self) -> None:
         if self._handle is not None and self._handle.done():
@@ -101,6 +112,7 @@ class LearnerWorker:
         self.learner.load_run_state(directory)
         if lr is not None:
             self.learner.set_lr(lr)
+            self.lr_scale = lr / self.run.learner.lr
         return int(self.learner.step_count)
 
     def export_version(self, version: int, directory: str) -> str:

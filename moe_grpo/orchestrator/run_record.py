@@ -15,14 +15,16 @@ from typing import Any
 
 REQUIRED_KEYS = (
     "step", "policy_version", "reward/mean", "reward/std", "mismatch/kl", "mismatch/router_disagreement",
-    "replay/applied", "staleness/mean", "staleness/max", "throughput/rollout_tokens_per_s",
+    "mismatch/probe_version", "train/rollout_kl", "train/router_disagreement", "offpolicy/kl",
+    "offpolicy/router_disagreement", "offpolicy/stale_fraction", "replay/applied", "staleness/mean", "staleness/max", "throughput/rollout_tokens_per_s",
     "throughput/train_tokens_per_s", "util/train_busy", "util/infer_busy", "sync/seconds", "sync/bytes",
     "eval/reward/mean", "reward/failed", "data/bad_rows",
     "correction/truncated_fraction", "correction/masked_fraction", "kl/reference", "dynamic_sampling/dropped_groups",
     "watch/jumps", "watch/rollbacks", "faults/engine_restarts", "faults/requests_resubmitted", "faults/requests_lost",
     "faults/steps_skipped",
 )
-"""Keys on every line of metrics.jsonl; `kl/reference` is NaN unless algo.kl_coef > 0."""
+"""Keys on every line of metrics.jsonl; `kl/reference` is NaN unless algo.kl_coef > 0, `mismatch/*` NaN before the
+first probe finished (or with routing.probe_prompts=0), `offpolicy/kl` NaN on a step that trained no stale token."""
 
 
 class RunRecord:
@@ -106,11 +108,17 @@ def plot(rows: list[dict[str, float]], path: Path) -> Path:
     ax.set_title("reward")
     ax.set_ylim(0, 1)
     ax.legend()
-    axes[0][1].plot(steps, [r["mismatch/kl"] for r in rows])
-    axes[0][1].set_title("mismatch/kl (rollout || learner)")
-    axes[0][1].set_yscale("symlog", linthresh=1e-8)
-    axes[1][0].plot(steps, [r["mismatch/router_disagreement"] for r in rows])
-    axes[1][0].set_title("router disagreement (free learner vs rollout)")
+    ax = axes[0][1]
+    ax.plot(steps, [_value(r, "mismatch/kl") for r in rows], ".-", label="engine vs learner, same weights (probe)")
+    ax.plot(steps, [_value(r, "offpolicy/kl") for r in rows], label="drift on stale tokens (offpolicy/kl)")
+    ax.set_title("KL(rollout || learner), k3")
+    ax.set_yscale("symlog", linthresh=1e-8)
+    ax.legend(fontsize=8)
+    ax = axes[1][0]
+    ax.plot(steps, [_value(r, "mismatch/router_disagreement") for r in rows], ".-", label="same weights (probe)")
+    ax.plot(steps, [_value(r, "offpolicy/router_disagreement") for r in rows], label="stale tokens (offpolicy)")
+    ax.set_title("router disagreement (free learner vs rollout)")
+    ax.legend(fontsize=8)
     axes[1][1].plot(steps, [r["staleness/mean"] for r in rows], label="mean")
     axes[1][1].plot(steps, [r["staleness/max"] for r in rows], label="max")
     axes[1][1].set_title("staleness (versions)")
@@ -121,6 +129,12 @@ def plot(rows: list[dict[str, float]], path: Path) -> Path:
     fig.savefig(path, dpi=90)
     plt.close(fig)
     return path
+
+
+def _value(row: dict[str, Any], key: str) -> float:
+    """A row's value as a float for plotting (NaN where missing or not measured)."""
+    value = row.get(key)
+    return float(value) if isinstance(value, (int, float)) else float("nan")
 
 
 def step_row(run: Any, state: Any, metrics: dict[str, float], groups: list[Any], *, trained_version: int,
@@ -138,8 +152,12 @@ def step_row(run: Any, state: Any, metrics: dict[str, float], groups: list[Any],
         "policy_version": state.step,
         "reward/mean": float(rewards.mean()),
         "reward/std": float(rewards.std()),
-        "mismatch/kl": metrics.get("mismatch/kl", nan),
-        "mismatch/router_disagreement": metrics.get("mismatch/router_disagreement", nan),
+        "mismatch/kl": nan, "mismatch/router_disagreement": nan, "mismatch/probe_version": nan,  # the driver's probe
+        "train/rollout_kl": metrics.get("train/rollout_kl", nan),
+        "train/router_disagreement": metrics.get("train/router_disagreement", nan),
+        "offpolicy/kl": metrics.get("offpolicy/kl", nan),
+        "offpolicy/router_disagreement": metrics.get("offpolicy/router_disagreement", nan),
+        "offpolicy/stale_fraction": metrics.get("offpolicy/stale_fraction", nan),
         "replay/applied": metrics.get("replay/applied", nan),
         "staleness/mean": float(stale.mean()),
         "staleness/max": float(stale.max()),
@@ -175,6 +193,7 @@ def step_row(run: Any, state: Any, metrics: dict[str, float], groups: list[Any],
         "watch/rollbacks": float(state.rollbacks),
         "watch/discarded_groups": float(state.discarded_groups),
         "learner/lr_scale": float(state.lr_scale),
+        "learner/lr": metrics.get("lr", nan),
         "resume/from_step": float(state.resumed_from),
         "resume/requests_resubmitted": float(state.resume_resubmitted),
         "resume/buffered_groups": float(state.resume_buffered_groups),

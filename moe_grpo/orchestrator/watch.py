@@ -1,10 +1,12 @@
-"""An early warning (and, on request, a guard): router disagreement or mismatch KL jumping above its running level.
+"""An early warning (and, on request, a guard): router disagreement or rollout KL jumping above its running level.
 
 Rollout routing replay exists because, without it, MoE RL runs can collapse: the
 learner's routing drifts from the engine's, the train-inference KL grows, and
 updates computed on the wrong experts feed the drift. The first visible sign is
-a step whose `mismatch/router_disagreement` or `mismatch/kl` stands far above
-what the run has shown so far. This watch compares each step's value with a
+a step whose trained batch shows a `train/router_disagreement` or
+`train/rollout_kl` far above what the run has shown so far (the learner's
+forward vs the rollout on the tokens it trains: measured every step, at once;
+the probe's `mismatch/*` comes a step or more later). This watch compares each step's value with a
 running level, the 90th percentile of the previous `window` steps (a high
 percentile, because in async mode one-version-stale steps regularly show more
 mismatch than fresh ones, and those are not news), and names the step when the
@@ -23,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-WATCHED = {"mismatch/kl": 1e-3, "mismatch/router_disagreement": 0.05}
+WATCHED = {"train/rollout_kl": 1e-3, "train/router_disagreement": 0.05}
 """Watched keys and their floors: values below the floor never warn (tiny numbers jump by large factors)."""
 
 MIN_HISTORY = 5

@@ -11,14 +11,21 @@ REPLAY_MODES = ("r3", "r2", "off")
 
 @dataclass(frozen=True)
 class RoutingConfig:
-    """Routing replay mode and the early warning on router disagreement / mismatch KL."""
+    """Routing replay mode, the mismatch probe, and the early warning on router disagreement / rollout KL."""
 
     replay: str = "r3"
     """Routing in the learner's training forward: 'r3' replays the engine's routing of every token (rollout
     routing replay), 'r2' replays the learner's own routing recorded in a no-grad forward of the batch just before
     (one more forward per step), 'off' lets the routers choose."""
+    probe_prompts: int = 4
+    """Fixed prompts of the mismatch probe (orchestrator/probe.py): after a publish, each engine samples them once
+    it serves the new version and the learner scores them with the weights it published, giving the
+    engine-vs-learner gap on the same weights (`mismatch/*`); 0 = no probe. Costs the learner ranks a copy of their
+    parameters per probed version (at most two kept) and two no-grad forwards of these few samples."""
+    probe_every: int = 1
+    """Probe every this many publishes (1: every published version); 0 = no probe."""
     jump_factor: float = 5.0
-    """Warn when a step's mismatch/kl or mismatch/router_disagreement exceeds this many times its running level
+    """Warn when a step's train/rollout_kl or train/router_disagreement exceeds this many times its running level
     (the 90th percentile of the previous `jump_window` steps, at least a floor of 1e-3 KL / 0.05 disagreement);
     0 = no warning."""
     jump_window: int = 20
@@ -46,5 +53,8 @@ class RoutingConfig:
                              "expected >= 1 and >= 0")
         if not 0 < self.rollback_lr_factor <= 1:
             raise ValueError(f"routing.rollback_lr_factor={self.rollback_lr_factor}, expected 0 < factor <= 1")
+        if self.probe_prompts < 0 or self.probe_every < 0:
+            raise ValueError(f"routing.probe_prompts={self.probe_prompts}, routing.probe_every={self.probe_every}: "
+                             "expected >= 0 (0 turns the probe off)")
         if self.jump_window < 5:
             raise ValueError(f"routing.jump_window={self.jump_window}, expected >= 5")

@@ -9,7 +9,7 @@ class FaultyLearner(LearnerWorker):
     nan_at = {3}
     """Steps whose gradient gets a NaN (the step must be skipped and counted)."""
     jump_at = {9, 10}
-    """Steps whose reported mismatch/kl is forced far above its running level (two in a row: a sustained jump)."""
+    """Steps whose reported train/rollout_kl is forced far above its running level (two in a row: a sustained jump)."""
 
     def train(self, seqs, policy_version, replay):
         step = policy_version + 1
@@ -23,7 +23,7 @@ class FaultyLearner(LearnerWorker):
             if hook is not None:
                 hook.remove()
         if step in self.jump_at and not metrics.get("skipped"):
-            metrics["mismatch/kl"] = 0.5
+            metrics["train/rollout_kl"] = 0.5
         return metrics
 
 

@@ -258,5 +258,5 @@ def train_sync_then_route(tp: int, ep: int, pp: int, ckpt_dir: str, version: int
     metrics = learner.forward_backward(mine, replay=True)
     learner.zero_grad()
     torch.distributed.barrier()
-    return {"logprobs": lps, "router_disagreement": metrics["mismatch/router_disagreement"],
+    return {"logprobs": lps, "router_disagreement": metrics["train/router_disagreement"],
             "replay/applied": metrics["replay/applied"]}

@@ -75,13 +75,54 @@ def test_rollout_logprobs_give_the_mismatch_kl(learner):
     for s, lp in zip(seqs, current):
         s.old_logprobs = lp[s.prompt_len - 1:]
     metrics = learner.forward_backward(seqs, replay=True)
-    assert abs(metrics["mismatch/kl"]) < 1e-6  # same policy: k3 is zero
+    assert abs(metrics["train/rollout_kl"]) < 1e-6  # same policy: k3 is zero
     for s in seqs:
         s.old_logprobs = s.old_logprobs - 0.1
     metrics = learner.forward_backward(seqs, replay=True)
     expected = math.exp(0.1) - 1 - 0.1  # k3 for a constant log-ratio of 0.1
-    assert abs(metrics["mismatch/kl"] - expected) < 1e-5
+    assert abs(metrics["train/rollout_kl"] - expected) < 1e-5
     learner.zero_grad()
+
+
+def test_offpolicy_metrics_count_only_the_stale_sequences(learner):
+    """Sequence 0 was sampled by version 0 with log-probs 0.1 off, sequence 1 by the current version 1 exactly:
+    the drift shows in `offpolicy/kl` alone, the whole batch's KL is diluted by the fresh tokens."""
+    seqs = make_sequences(tiny_spec(), n=2)
+    current = learner.logprobs(seqs, replay=True)
+    for i, (s, lp) in enumerate(zip(seqs, current)):
+        s.old_logprobs = lp[s.prompt_len - 1:] - (0.1 if i == 0 else 0.0)
+        s.versions = np.full(len(s.old_logprobs), i)
+    metrics = learner.forward_backward(seqs, replay=True, policy_version=1)
+    k3 = math.exp(0.1) - 1 - 0.1
+    stale, fresh = (len(s.old_logprobs) for s in seqs)
+    assert metrics["offpolicy/kl"] == pytest.approx(k3, rel=1e-3)
+    assert metrics["offpolicy/stale_fraction"] == pytest.approx(stale / (stale + fresh))
+    assert metrics["train/rollout_kl"] == pytest.approx(k3 * stale / (stale + fresh), rel=1e-3)
+    assert 0 <= metrics["offpolicy/router_disagreement"] <= 1
+    metrics = learner.forward_backward(seqs, replay=True, policy_version=0)  # nothing older than version 0
+    assert metrics["offpolicy/stale_fraction"] == 0 and math.isnan(metrics["offpolicy/kl"])
+    learner.zero_grad()
+
+
+def test_the_probe_scores_with_the_published_weights_not_the_current_ones(learner):
+    """Rollout log-probs taken with version 7's weights: after another step the probe still finds no gap
+    (it scores with the snapshot), while the trained weights differ; the snapshot is used once."""
+    seqs = make_sequences(tiny_spec(), n=3, seed=4)
+    learner.snapshot_weights(7)
+    published = learner.logprobs(seqs, replay=True)
+    for s, lp in zip(seqs, published):
+        s.old_logprobs = lp[s.prompt_len - 1:]
+    learner.train_step(make_sequences(tiny_spec(), n=2, seed=9), replay=True)
+    moved = learner.logprobs(seqs, replay=True)
+    assert max(float(np.abs(a - b).max()) for a, b in zip(published, moved)) > 1e-4
+    result = learner.probe(seqs, 7)
+    assert result["kl_replay_on"] < 1e-9, result  # same weights, same (replayed) routing
+    assert result["kl_replay_off"] >= 0 and 0 <= result["router_disagreement"] <= 1
+    # The traces are random expert choices, not this model's: free routers disagree with most of them.
+    assert result["router_disagreement"] > 0.3
+    assert learner.probe(seqs, 7) is None, "a version's snapshot serves one probe"
+    for a, b in zip(moved, learner.logprobs(seqs, replay=True)):
+        np.testing.assert_array_equal(a, b)  # the live weights are back
 
 
 def test_checkpoint_round_trip_is_exact_and_atomic(learner, tmp_path):

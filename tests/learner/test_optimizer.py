@@ -42,3 +42,42 @@ def test_copy_all_copies_every_pair_on_cpu():
     copy_all(dsts, srcs)
     for d, s in zip(dsts, srcs):
         assert torch.equal(d, s.to(d.dtype))
+
+
+def test_the_learning_rate_schedule_is_the_published_one():
+    """Linear warmup from 0 over 2 steps, then cosine to min_lr at the run's last step (10), as Megatron's scheduler
+    defines it; a rollback's scale multiplies peak and floor; the learner's param groups get exactly that lr."""
+    import math
+
+    from layout_scenarios import tiny_spec
+    from moe_grpo.learner.megatron_learner import LearnerConfig, MegatronLearner
+
+    peak, floor, warm, total = 1e-3, 1e-4, 2, 10
+    learner = MegatronLearner(tiny_spec(), config=LearnerConfig(lr=peak, lr_warmup_steps=warm, lr_decay="cosine",
+                                                                 min_lr=floor))
+    assert learner.lr == peak, "before the first RL step (the warm start) the learner runs at learner.lr"
+
+    def cosine(step):
+        if step <= warm:
+            return peak * step / warm
+        return floor + 0.5 * (1 + math.cos(math.pi * (step - warm) / (total - warm))) * (peak - floor)
+
+    got = [learner.schedule_lr(step, total) for step in range(1, total + 1)]
+    assert got == pytest.approx([cosine(s) for s in range(1, total + 1)], rel=1e-12)
+    assert got[1] == pytest.approx(peak) and got[-1] == pytest.approx(floor)
+    assert all(g["lr"] == pytest.approx(got[-1]) for g in learner.optimizer.param_groups)
+    assert learner.schedule_lr(6, total, scale=0.5) == pytest.approx(0.5 * cosine(6))
+
+    linear = MegatronLearner(tiny_spec(), config=LearnerConfig(lr=peak, lr_decay="linear"))
+    assert [linear.schedule_lr(s, 4) for s in (1, 2, 3, 4)] == pytest.approx([peak * (1 - s / 4) for s in (1, 2, 3, 4)])
+    constant = MegatronLearner(tiny_spec(), config=LearnerConfig(lr=peak))
+    assert {constant.schedule_lr(s, 300) for s in (1, 150, 300)} == {peak}
+
+
+def test_bad_schedules_are_refused_by_name():
+    from moe_grpo.learner.megatron_learner import LearnerConfig
+
+    with pytest.raises(ValueError, match="lr_decay='exp'"):
+        LearnerConfig(lr_decay="exp")
+    with pytest.raises(ValueError, match="min_lr=0.1"):
+        LearnerConfig(lr=1e-3, min_lr=0.1)

@@ -1,6 +1,7 @@
 """The driver on real parts (Ray actors, Megatron learner, vLLM engine): schedules, staleness, the run record."""
 
 import json
+import math
 import os
 import sys
 
@@ -50,7 +51,14 @@ def check_clean_sync_rows(rows):
         assert r["policy_version"] == r["step"]
         # fp32 engine and learner on the same weights, the engine's routing replayed: the two agree. An engine that
         # missed a sync, or a learner routing differently, shows a KL orders of magnitude larger.
-        assert r["mismatch/kl"] < 1e-5 and r["mismatch/router_disagreement"] < 0.01, r
+        assert r["train/rollout_kl"] < 1e-5 and r["train/router_disagreement"] < 0.01, r
+        assert r["offpolicy/stale_fraction"] == 0 and (r["offpolicy/kl"] is None or math.isnan(r["offpolicy/kl"]))
+        # The probe (every engine samples fixed prompts at each published version, the learner scores them with
+        # that version's weights) finds the same: it lags the step by one or two versions, never more.
+        assert r["step"] - 2 <= r["mismatch/probe_version"] <= r["step"] - 1, r
+        assert r["mismatch/kl"] < 1e-5 and r["mismatch/kl_replay_on"] == r["mismatch/kl"], r
+        assert r["mismatch/kl_replay_off"] < 1e-3 and 0 <= r["mismatch/router_disagreement"] < 0.05, r
+        assert r["mismatch/probe_engines"] == 1 and r["mismatch/probe_dropped"] == 0, r
         assert 0 <= r["reward/mean"] <= 1 and r["reward/std"] >= 0
         assert 1 <= r["response_length/mean"] <= 8
         assert r["sync/bytes"] == rows[0]["sync/bytes"] > 0, "every step publishes the whole model"

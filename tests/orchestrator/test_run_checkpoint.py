@@ -119,13 +119,13 @@ def test_the_jump_watch_keeps_its_level_and_a_lasting_jump_is_seen_every_step():
 
     w = JumpWatch(5.0, 20)
     for step in range(8):
-        w.update({"step": step, "mismatch/kl": 1e-3})
-    assert w.update({"step": 8, "mismatch/kl": 0.5}) and w.update({"step": 9, "mismatch/kl": 0.5})
+        w.update({"step": step, "train/rollout_kl": 1e-3})
+    assert w.update({"step": 8, "train/rollout_kl": 0.5}) and w.update({"step": 9, "train/rollout_kl": 0.5})
     assert w.in_a_row == 2 and w.jumps == 2
     again = JumpWatch(5.0, 20)
     again.load_state_dict(w.state_dict())
-    assert again.update({"step": 10, "mismatch/kl": 0.5}) and again.in_a_row == 3
-    assert not again.update({"step": 11, "mismatch/kl": 1e-3}) and again.in_a_row == 0
+    assert again.update({"step": 10, "train/rollout_kl": 0.5}) and again.in_a_row == 3
+    assert not again.update({"step": 11, "train/rollout_kl": 1e-3}) and again.in_a_row == 0
 
 
 def test_a_resume_that_changes_what_the_checkpoint_means_is_refused():

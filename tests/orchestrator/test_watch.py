@@ -4,7 +4,7 @@ from moe_grpo.orchestrator.watch import JumpWatch
 
 
 def rows(kl, disagreement):
-    return [{"step": i + 1, "mismatch/kl": k, "mismatch/router_disagreement": d}
+    return [{"step": i + 1, "train/rollout_kl": k, "train/router_disagreement": d}
             for i, (k, d) in enumerate(zip(kl, disagreement))]
 
 
@@ -15,7 +15,7 @@ def test_a_jump_well_above_the_running_level_is_named_with_its_step_and_key():
     dis = [0.0, 0.1] * 5 + [0.12, 0.11]
     out = [watch.update(r) for r in rows(kl, dis)]
     assert out[:-1] == [[]] * 11, "the usual fresh/stale alternation must not warn"
-    assert len(out[-1]) == 1 and "step 12: mismatch/kl = 0.025" in out[-1][0] and watch.jumps == 1
+    assert len(out[-1]) == 1 and "step 12: train/rollout_kl = 0.025" in out[-1][0] and watch.jumps == 1
 
 
 def test_tiny_values_stay_quiet_and_factor_zero_turns_it_off():
@@ -23,4 +23,4 @@ def test_tiny_values_stay_quiet_and_factor_zero_turns_it_off():
     assert not any(watch.update(r) for r in rows([1e-9] * 6 + [5e-4], [0.0] * 6 + [0.04]))  # below the floors
     off = JumpWatch(factor=0.0)
     assert not any(off.update(r) for r in rows([1e-4] * 6 + [1.0], [0.01] * 6 + [0.9]))
-    assert not JumpWatch().update({"step": 1, "mismatch/kl": float("nan")})
+    assert not JumpWatch().update({"step": 1, "train/rollout_kl": float("nan")})

@@ -78,9 +78,9 @@ def test_r3_learner_replays_vllm_routing_exactly(engine_and_learner, record_prop
     learner.zero_grad()
     assert replayed["replay/applied"] == 1.0
     # Same weights, fp32 on both sides: replayed log-probs match vLLM's sampling log-probs closely.
-    assert replayed["mismatch/kl"] < 1e-5
+    assert replayed["train/rollout_kl"] < 1e-5
     figures = {"router_disagreement_without_replay": 1 - free_agreement,
-               "kl_with_replay": replayed["mismatch/kl"], "kl_without_replay": free_m["mismatch/kl"]}
+               "kl_with_replay": replayed["train/rollout_kl"], "kl_without_replay": free_m["train/rollout_kl"]}
     record_property("r3_figures", figures)
     print("R3 figures:", figures)
 

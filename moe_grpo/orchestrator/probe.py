@@ -1,0 +1,159 @@
+"""The mismatch probe: the engine-vs-learner gap on the same weights, measured after every publish.
+
+What a step's training batch shows as KL(rollout || learner) is mostly policy
+drift in async runs (tokens sampled by older weights), not the numerical gap
+between the engine and the learner that routing replay exists for. The probe
+measures that gap alone: when version v is published the learner ranks keep a
+copy of v's weights; each engine, once it serves v, samples a few fixed prompts
+(fixed seeds, one sample each); the learner scores those completions with v's
+weights, routing replayed (R3) and free. Every engine is probed, so each sync
+is also checked end to end (a wrong shard shows up as a large KL).
+
+The probe never blocks the schedule: requests and learner calls are collected
+as they finish, a row carries the newest finished probe, and a probe overtaken
+by the next publish before it finished is dropped (`mismatch/probe_dropped`).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+log = logging.getLogger("moe_grpo")
+
+PROBE_SEED = 1_000_000_007
+"""Sampling seed of probe prompt i: PROBE_SEED + i (the same samples for a given version on every engine)."""
+
+
+@dataclass
+class ProbeRound:
+    """One published version's probe in progress."""
+
+    version: int
+    waiting: set[str]
+    """Engines not yet asked to sample it (they do once they serve `version`)."""
+    outstanding: dict[str, int] = field(default_factory=dict)
+    """Engine -> probe completions still to come back."""
+    completions: list[Any] = field(default_factory=list)
+    engines: list[str] = field(default_factory=list)
+    """Engines whose completions all came back at `version`."""
+    learner_refs: list[Any] = field(default_factory=list)
+
+
+class MismatchProbe:
+    """Drives probe rounds through the engine pool and the learner ranks; `latest` is the newest result."""
+
+    def __init__(self, examples: list[Any], sampling: Any) -> None:
+        self.examples = examples
+        self.sampling = sampling
+        """`sampling(seed)` -> the engines' sampling settings for one probe sample."""
+        self.round: ProbeRound | None = None
+        self.latest: dict[str, float] = {}
+        self.dropped = 0
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.examples)
+
+    def start(self, version: int, engines: list[str]) -> None:
+        """`version` was published (with a weight snapshot on the learner ranks): probe it on every engine."""
+        if not self.enabled:
+            return
+        # A learner call queued before the publish has run by now (an actor runs its calls in order): take it.
+        self.collect()
+        if self.round is not None:
+            self.dropped += 1
+            log.debug("probe of version %d dropped: version %d was published first", self.round.version, version)
+        self.round = ProbeRound(version, set(engines))
+
+    def submit(self, pool: Any) -> None:
+        """Ask each engine that now serves the round's version to sample the probe prompts; an engine already past
+        it (it skipped the version) or restarting is left out of this round."""
+        from moe_grpo.orchestrator.engine_pool import Request
+
+        r = self.round
+        if r is None or not r.waiting:
+            return
+        for name in sorted(r.waiting):
+            slot = pool.slots[name]
+            if slot.served > r.version or slot.status != "up":
+                r.waiting.discard(name)
+            elif slot.status == "up" and slot.served == r.version and slot.applying is None:
+                r.waiting.discard(name)
+                r.outstanding[name] = 0
+                for i, example in enumerate(self.examples):
+                    request = Request("probe", example, seed=PROBE_SEED + i, index=i, version=r.version)
+                    if pool.submit(request, self.sampling(request.seed), engine=name):
+                        r.outstanding[name] += 1
+                if not r.outstanding[name]:
+                    del r.outstanding[name]
+
+    def on_completion(self, request: Any, engine: str, completion: Any) -> None:
+        r = self.round
+        if r is None or request.version != r.version or engine not in r.outstanding:
+            return
+        r.outstanding[engine] -= 1
+        # Only a completion sampled wholly at the probed version compares like with like.
+        if completion.ok and len(completion.token_ids) and int(completion.versions.min()) == r.version == int(
+                completion.versions.max()):
+            r.completions.append(completion)
+            if engine not in r.engines:
+                r.engines.append(engine)
+        if not r.outstanding[engine]:
+            del r.outstanding[engine]
+
+    def on_failure(self, request: Any, engine: str) -> None:
+        """A probe request failed with its engine (never sent again: the engine restarts on another version)."""
+        r = self.round
+        if r is not None and request.version == r.version and engine in r.outstanding:
+            del r.outstanding[engine]
+
+    def score(self, learners: list[Any], pool: Any) -> None:
+        """Hand the round's completions to the learner ranks once every engine has answered or dropped out."""
+        r = self.round
+        if r is None or r.learner_refs or r.outstanding or r.waiting:
+            return
+        if not r.completions:
+            self.dropped += 1
+            self.round = None
+            return
+        import numpy as np
+
+        from moe_grpo.learner.batch import LearnerSequence
+
+        seqs = [LearnerSequence(np.concatenate([c.prompt_ids, c.token_ids]), prompt_len=len(c.prompt_ids),
+                                routing=c.routing, advantage=0.0, old_logprobs=c.logprobs, versions=c.versions)
+                for c in r.completions]
+        r.learner_refs = [a.probe.remote(seqs, r.version) for a in learners]
+
+    def refs(self) -> list[Any]:
+        return list(self.round.learner_refs) if self.round is not None else []
+
+    def collect(self, timeout: float = 0.0) -> None:
+        """Take the learner ranks' answer if it is there."""
+        import ray
+
+        r = self.round
+        if r is None or not r.learner_refs:
+            return
+        done, _ = ray.wait(r.learner_refs, num_returns=len(r.learner_refs), timeout=timeout)
+        if len(done) < len(r.learner_refs):
+            return
+        result = ray.get(r.learner_refs[0])
+        self.round = None
+        if result is None:  # the learner no longer holds that version's weights
+            self.dropped += 1
+            return
+        self.latest = {**result, "version": float(r.version), "engines": float(len(r.engines)),
+                       "sequences": float(len(r.completions))}
+
+    def row(self, replay: str) -> dict[str, float]:
+        """The run record's `mismatch/*` keys: the newest finished probe (NaN before the first)."""
+        nan = float("nan")
+        p = self.latest
+        on, off = p.get("kl_replay_on", nan), p.get("kl_replay_off", nan)
+        return {"mismatch/kl": on if replay == "r3" else off, "mismatch/kl_replay_on": on,
+                "mismatch/kl_replay_off": off, "mismatch/router_disagreement": p.get("router_disagreement", nan),
+                "mismatch/probe_version": p.get("version", nan), "mismatch/probe_engines": p.get("engines", nan),
+                "mismatch/probe_dropped": float(self.dropped)}
