@@ -12,8 +12,12 @@ engine's. With r = exp(learner logprob - rollout logprob) per response token:
   (r > high), 1 elsewhere: such tokens are dropped instead of down-weighted.
 - `icepop`: weight 0 for tokens whose r leaves [low, high] (both sides), 1 inside.
 
-At `level="sequence"` (tis and mis) the ratio is the sequence's: the product of
-its tokens' ratios, and the weight applies to all its tokens.
+At `level="sequence"` (tis and mis) the ratio is the sequence's, R = the product
+of its tokens' ratios. Sequence TIS weights every token of the sequence by
+min(R, high) in all, as verl's sequence-level rollout importance sampling and
+TRL's `vllm_importance_sampling_mode="sequence_truncate"` do: the detached weight
+is min(R, high) / r_t, so that times the loss's own ratio r_t it is min(R, high).
+Sequence MIS drops the whole sequence when R > high.
 
 The weight is computed from detached log-probs, so it scales gradients and
 never receives one. The learner computes r with the weights it is about to
@@ -71,12 +75,17 @@ class Correction:
         none = torch.zeros_like(on)
         if self.kind == "none":
             return torch.ones_like(log_ratio), none, none
+        token_log_ratio = log_ratio
         if self.level == "sequence":
             n = int(segments.max()) + 1 if segments.numel() and int(segments.max()) >= 0 else 0
             log_ratio = broadcast_segments(segment_sum(log_ratio, torch.where(on, segments, -1), n), segments)
         if self.kind == "tis":
             above = (log_ratio > math.log(self.high)) & on
-            weight = torch.where(above, self.high * torch.exp(-log_ratio), torch.ones_like(log_ratio))
+            if self.level == "sequence":  # min(R, high) / r_t on every token of the sequence
+                capped = torch.clamp(log_ratio, max=math.log(self.high))
+                weight = torch.where(on, torch.exp(capped - token_log_ratio), torch.ones_like(log_ratio))
+            else:  # min(1, high / r_t): with the loss's r_t, min(r_t, high)
+                weight = torch.where(above, self.high * torch.exp(-log_ratio), torch.ones_like(log_ratio))
             return weight, above, none
         if self.kind == "mis":
             out = (log_ratio > math.log(self.high)) & on

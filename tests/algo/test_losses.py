@@ -119,15 +119,21 @@ def test_tis_truncates_the_weight_of_a_large_ratio_with_negative_advantage():
     assert grad_off == A([[r]])  # without TIS the stale token's weight is the full ratio
 
 
-def test_sequence_level_tis_scales_every_token_of_the_sequence_by_high_over_the_product_ratio():
-    # Sequence 0: log-ratios 0.5 + 0.5 -> product e^1 = 2.72 > 2 -> weight 2/e on both tokens. Sequence 1: ratio 1.
+def test_sequence_level_tis_weights_every_token_of_the_sequence_by_min_of_the_sequence_ratio_and_the_cap():
+    """verl's sequence-level rollout IS and TRL's sequence truncation: every token of a sequence is weighted by
+    min(R, C), R = the product of its tokens' ratios, C = correction_high (here 2)."""
     corr = Correction("tis", level="sequence", high=2.0)
+    # Sequence 0: log-ratios 0.5 + 0.5 -> R = e > 2: both tokens weigh 2 in all. Sequence 1: ratio 1: weight 1.
     loss, grad, stats = _run(grpo(0.9, 0.9, corr), [[0.0, 0.0], [0.0, 0.0]], [[-0.5, -0.5], [0.0, 0.0]],
                              [[-1.0, -1.0], [-1.0, -1.0]], [[1.0, 1.0], [1.0, 1.0]])
-    w, r = 2.0 / math.e, math.exp(0.5)
-    assert grad == A([[w * r, w * r], [1.0, 1.0]])
-    assert loss == pytest.approx(2 * w * r + 2.0)
+    assert grad == A([[2.0, 2.0], [1.0, 1.0]])
+    assert loss == pytest.approx(2 * 2.0 + 2 * 1.0)
     assert stats["correction/truncated_fraction"] == 2
+    # One token far likelier to the learner (r = e^2 = 7.4), the other less (e^-1.5): R = e^0.5 = 1.65 < C, so
+    # both tokens weigh R; the old per-token form r_t * min(1, C/R) gave the first 7.4, over three times the cap.
+    _, grad, stats = _run(grpo(9.0, 9.0, corr), [[2.0, -1.5]], [[0.0, 0.0]], [[-1.0, -1.0]], [[1.0, 1.0]])
+    assert grad == A([[math.exp(0.5), math.exp(0.5)]])
+    assert max(grad) <= 2.0 and stats["correction/truncated_fraction"] == 0
 
 
 def test_mis_masks_what_tis_would_truncate_at_token_and_sequence_level():
@@ -239,7 +245,14 @@ def test_advantages_with_and_without_std_normalisation():
 
     r = np.array([[1.0, 0.0, 0.0, 1.0], [0.5, 0.5, 0.5, 0.5]])
     assert group_relative_advantages(r, normalize_std=False).tolist() == [[0.5, -0.5, -0.5, 0.5], [0, 0, 0, 0]]
-    assert group_relative_advantages(r)[0] == pytest.approx([1, -1, -1, 1], abs=1e-5)  # std 0.5
+    # verl and TRL divide by the sample std (ddof 1): sqrt(4 * 0.25 / 3) = 0.5774, so +-0.5 / (0.5774 + 1e-6);
+    # the population std (0.5) would give +-1, sqrt(G / (G - 1)) = 1.155 times larger.
+    sample_std = math.sqrt(((1 - 0.5) ** 2 * 4) / 3)
+    assert group_relative_advantages(r)[0] == pytest.approx([0.5 / (sample_std + 1e-6)] * 1 + [-0.5 / (sample_std + 1e-6)] * 2
+                                                            + [0.5 / (sample_std + 1e-6)], rel=1e-6)
+    assert group_relative_advantages(r)[1].tolist() == [0, 0, 0, 0]
+    g8 = np.array([[1.0, 0, 0, 0, 1, 1, 0, 1]])
+    assert group_relative_advantages(g8)[0, 0] == pytest.approx(0.5 / (np.std(g8, ddof=1) + 1e-6), rel=1e-6)
 
 
 def test_overlong_penalty_by_hand_and_the_dynamic_sampling_filter():
