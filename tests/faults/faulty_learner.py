@@ -6,8 +6,9 @@ from moe_grpo.orchestrator.learner_actor import LearnerWorker
 
 
 class FaultyLearner(LearnerWorker):
-    nan_at = {3}
-    """Steps whose gradient gets a NaN (the step must be skipped and counted)."""
+    nan_at = {3, 13, 14}
+    """Steps whose gradient gets a NaN: step 3 alone (skipped and counted), then 13 and 14 in a row (with
+    learner.max_skipped_in_a_row=2 the run stops there: a learner that keeps producing NaN is not trained on)."""
     jump_at = {9, 10}
     """Steps whose reported train/rollout_kl is forced far above its running level (two in a row: a sustained jump)."""
 
@@ -26,9 +27,3 @@ class FaultyLearner(LearnerWorker):
             metrics["train/rollout_kl"] = 0.5
         return metrics
 
-
-class AlwaysNaNLearner(FaultyLearner):
-    """Every gradient from step 2 on is NaN: a learner that cannot be trained on."""
-
-    nan_at = set(range(2, 1000))
-    jump_at = set()
