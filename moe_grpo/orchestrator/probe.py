@@ -10,8 +10,9 @@ weights, routing replayed (R3) and free. Every engine is probed, so each sync
 is also checked end to end (a wrong shard shows up as a large KL).
 
 The probe never blocks the schedule: requests and learner calls are collected
-as they finish, a row carries the newest finished probe, and a probe overtaken
-by the next publish before it finished is dropped (`mismatch/probe_dropped`).
+as they finish, a row carries the newest finished probe, and a probe still
+sampling when the next version is published is dropped (`mismatch/probe_dropped`;
+one already handed to the learner ranks finishes).
 """
 
 from __future__ import annotations
@@ -49,6 +50,9 @@ class MismatchProbe:
         self.sampling = sampling
         """`sampling(seed)` -> the engines' sampling settings for one probe sample."""
         self.round: ProbeRound | None = None
+        """The round still sampling (the newest published version's)."""
+        self.scoring: list[ProbeRound] = []
+        """Rounds handed to the learner ranks, oldest first."""
         self.latest: dict[str, float] = {}
         self.dropped = 0
 
@@ -112,7 +116,7 @@ class MismatchProbe:
     def score(self, learners: list[Any], pool: Any) -> None:
         """Hand the round's completions to the learner ranks once every engine has answered or dropped out."""
         r = self.round
-        if r is None or r.learner_refs or r.outstanding or r.waiting:
+        if r is None or r.outstanding or r.waiting:
             return
         if not r.completions:
             self.dropped += 1
@@ -126,27 +130,28 @@ class MismatchProbe:
                                 routing=c.routing, advantage=0.0, old_logprobs=c.logprobs, versions=c.versions)
                 for c in r.completions]
         r.learner_refs = [a.probe.remote(seqs, r.version) for a in learners]
+        self.scoring.append(r)
+        self.round = None
 
     def refs(self) -> list[Any]:
-        return list(self.round.learner_refs) if self.round is not None else []
+        return [ref for r in self.scoring for ref in r.learner_refs]
 
     def collect(self, timeout: float = 0.0) -> None:
-        """Take the learner ranks' answer if it is there."""
+        """Take the learner ranks' answers that are there, in the order they were asked."""
         import ray
 
-        r = self.round
-        if r is None or not r.learner_refs:
-            return
-        done, _ = ray.wait(r.learner_refs, num_returns=len(r.learner_refs), timeout=timeout)
-        if len(done) < len(r.learner_refs):
-            return
-        result = ray.get(r.learner_refs[0])
-        self.round = None
-        if result is None:  # the learner no longer holds that version's weights
-            self.dropped += 1
-            return
-        self.latest = {**result, "version": float(r.version), "engines": float(len(r.engines)),
-                       "sequences": float(len(r.completions))}
+        while self.scoring:
+            r = self.scoring[0]
+            done, _ = ray.wait(r.learner_refs, num_returns=len(r.learner_refs), timeout=timeout)
+            if len(done) < len(r.learner_refs):
+                return
+            self.scoring.pop(0)
+            result = ray.get(r.learner_refs[0])
+            if result is None:  # the learner no longer holds that version's weights
+                self.dropped += 1
+                continue
+            self.latest = {**result, "version": float(r.version), "engines": float(len(r.engines)),
+                           "sequences": float(len(r.completions))}
 
     def row(self, replay: str) -> dict[str, float]:
         """The run record's `mismatch/*` keys: the newest finished probe (NaN before the first)."""
