@@ -1,76 +1,89 @@
-"""The math-answer reward: a completion's final number against the reference, as numbers, not strings.
+"""The math-answer reward: Hugging Face's `math-verify` parses and compares, with what GSM8K needs on top.
 
-`1,250`, `1250`, `1250.00` and `$1,250` are the same answer; `-3` and `0.5`
-are read with their sign and decimals. GSM8K references end in `#### N`; the
-completion's answer is, in order of preference: the number after its last
-`####`, inside its last `\\boxed{...}`, after "answer is", or its last number.
+`math-verify` (the library TRL, verl and open-r1 use) finds a completion's
+answer (a `\\boxed{}` first, then the last expression), reads LaTeX (fractions,
+`{,}` thousands separators), currency and units, and compares mathematically
+(`0.75` == `\\frac{3}{4}`, `1,250` == 1250). On top of it, for GSM8K:
+
+- a completion that writes GSM8K's `#### N` is scored on the number right
+  after its last `####` (what follows, e.g. "and 5" or "wait, 73", is not its
+  answer);
+- a mixed number `2 1/2` is read as 2 + 1/2 (math-verify reads it as 2 * 1/2);
+- the reference is the number after the last `####` of the dataset's answer.
+
+Bad model output never raises (it scores 0); a reference that holds no number
+is a bad row (`gsm8k_row_problem` at load time; `ValueError` naming it here).
+`math-verify`'s own timeouts use SIGALRM, which only the main thread may set;
+they are off here: the reward worker's `reward.timeout_s` bounds every call.
 """
 
 from __future__ import annotations
 
 import re
-from decimal import Decimal, InvalidOperation
 from typing import Any, Sequence
 
-# A number with optional sign, thousands separators (1,250 / 1,250,000) and decimals; commas must group 3 digits.
-_NUMBER = re.compile(r"(?<![\w.])[-−]?\$?\s?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|(?<![\w.])[-−]?\.\d+")
-_BOXED = re.compile(r"\\boxed\{([^{}]*)\}")
-_ANSWER_IS = re.compile(r"answer\s*(?:is|:)\s*([^\n]*)", re.IGNORECASE)
+_MIXED_NUMBER = re.compile(r"(?<![\d.,/])(\d+)\s+(\d+)/(\d+)(?![\d/])")
+_LEADING_NUMBER = re.compile(r"\s*[-\u2212]?\s*[$\u20ac\u00a3]?\s*\d[\d,]*(?:\.\d+)?(?:\s*/\s*\d+)?")
+"""GSM8K's final answer after `####`: a number with its sign, currency, separators, decimals, or a fraction."""
 
 
-def parse_number(text: str) -> Decimal | None:
-    """The first number in `text` as an exact Decimal (`1,250` -> 1250, `-0.50` -> -0.5), or None."""
-    m = _NUMBER.search(text)
-    if not m:
-        return None
-    raw = m.group(0).replace("−", "-").replace("$", "").replace(",", "").replace(" ", "")
+def _normalize(text: str) -> str:
+    text = text.replace("\u2212", "-")  # the Unicode minus sign models copy from LaTeX renderings
+    return _MIXED_NUMBER.sub(r"(\1 + \2/\3)", text)
+
+
+def _parse(text: str) -> list[Any]:
+    from math_verify import parse
+
     try:
-        return Decimal(raw)
-    except InvalidOperation:
-        return None
+        return parse(_normalize(text), parsing_timeout=None)
+    except Exception:  # noqa: BLE001 - math-verify raises on some malformed LaTeX; bad output scores 0
+        return []
 
 
-def _last_number(text: str) -> Decimal | None:
-    found = _NUMBER.findall(text)
-    return parse_number(found[-1]) if found else None
-
-
-def reference_answer(answer: str) -> Decimal | None:
-    """A GSM8K reference: the number after the last `####` (the whole text when there is none)."""
-    tail = answer.rsplit("####", 1)[-1]
-    return parse_number(tail)
-
-
-def completion_answer(completion: str) -> Decimal | None:
-    """The number a completion gives as its answer (see the module docstring for the order)."""
+def answer_text(completion: str) -> str:
+    """The part of a completion its answer is read from: the number right after its last `####` (its first line if
+    no number starts it), else all of it."""
     if "####" in completion:
-        return parse_number(completion.rsplit("####", 1)[-1])
-    boxed = _BOXED.findall(completion)
-    if boxed:
-        return parse_number(boxed[-1])
-    stated = _ANSWER_IS.findall(completion)
-    if stated:
-        value = parse_number(stated[-1])
-        if value is not None:
-            return value
-    return _last_number(completion)
+        tail = completion.rsplit("####", 1)[-1]
+        lead = _LEADING_NUMBER.match(tail)
+        return lead.group(0) if lead else (tail.strip().splitlines() or [""])[0]
+    return completion
 
 
-def same_number(a: Decimal | None, b: Decimal | None) -> bool:
-    return a is not None and b is not None and a == b
+def reference_answer(answer: str) -> list[Any]:
+    """A GSM8K reference (the text after the last `####`, the whole text when there is none), parsed; [] when it
+    holds no number or expression."""
+    return _parse(answer.rsplit("####", 1)[-1])
+
+
+def completion_answer(completion: str) -> list[Any]:
+    """The completion's answer as math-verify parses it ([] when it gives none)."""
+    return _parse(answer_text(completion))
+
+
+def is_correct(completion: str, reference: str) -> bool:
+    """Whether the completion's answer equals the reference's, mathematically; raises ValueError when the
+    reference holds no answer (a bad row)."""
+    from math_verify import verify
+
+    want = reference_answer(reference)
+    if not want:
+        raise ValueError(f"reference answer {reference[-60:]!r} holds no number")
+    got = completion_answer(completion)
+    if not got:
+        return False
+    try:
+        return bool(verify(want, got, timeout_seconds=None))
+    except Exception:  # noqa: BLE001 - sympy can fail on odd expressions; no answer is a wrong answer
+        return False
 
 
 def math_answer_reward(prompts: Sequence[str], completions: Sequence[str], answer: Sequence[str],
                        **_: Any) -> list[float]:
-    """1.0 where the completion's final number equals the reference's (`#### N`), else 0.0."""
+    """1.0 where the completion's answer equals the reference's (`#### N`), else 0.0."""
     del prompts
-    out = []
-    for completion, ref in zip(completions, answer):
-        want = reference_answer(str(ref))
-        if want is None:
-            raise ValueError(f"reference answer {str(ref)[-60:]!r} holds no number")
-        out.append(1.0 if same_number(completion_answer(completion), want) else 0.0)
-    return out
+    return [1.0 if is_correct(str(completion), str(ref)) else 0.0 for completion, ref in zip(completions, answer)]
 
 
 def gsm8k_row_problem(row: dict[str, Any], answer_key: str = "answer") -> str | None:
@@ -78,6 +91,6 @@ def gsm8k_row_problem(row: dict[str, Any], answer_key: str = "answer") -> str | 
     ans = str(row.get(answer_key, ""))
     if "####" not in ans:
         return f"field {answer_key!r} has no '#### N' final answer"
-    if reference_answer(ans) is None:
+    if not reference_answer(ans):
         return f"field {answer_key!r}: no number after '####' ({ans.rsplit('####', 1)[-1].strip()[:40]!r})"
     return None

@@ -1,41 +1,47 @@
-"""The math-answer reward reads numbers as numbers: separators, signs, decimals, GSM8K's `#### N`."""
+"""The math-answer reward on math-verify: GSM8K's forms, zero false positives, bad output never raises."""
+
+import os
+import sys
 
 import pytest
 
-from moe_grpo.reward.math_answer import completion_answer, gsm8k_row_problem, math_answer_reward, reference_answer
+from moe_grpo.reward.math_answer import answer_text, gsm8k_row_problem, math_answer_reward, reference_answer
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from math_cases import CASES  # noqa: E402
 
 
-@pytest.mark.parametrize("completion, reference", [
-    ("so the total is 1,250", "1000 + 250 = 1250\n#### 1250"),
-    ("#### 1250", "#### 1,250"),
-    ("The answer is $1,250.00.", "#### 1250"),
-    ("\\boxed{-3}", "5 - 8 = -3\n#### -3"),
-    ("It is 0.5 of the cake", "#### .5"),
-    ("2.50", "#### 2.5"),
-    ("first 7, then 12, final answer: 12", "#### 12"),
-])
-def test_equal_numbers_score_one(completion, reference):
-    assert math_answer_reward(["q"], [completion], [reference]) == [1.0]
+@pytest.mark.parametrize("form, completion, reference, right", CASES,
+                         ids=[f"{i}-{c[0]}" for i, c in enumerate(CASES)])
+def test_each_form_models_emit_is_scored_right(form, completion, reference, right):
+    assert math_answer_reward(["q"], [completion], [reference]) == [1.0 if right else 0.0]
 
 
-@pytest.mark.parametrize("completion, reference", [
-    ("1,25", "#### 125"),          # not a thousands separator: reads 1
-    ("3", "#### -3"),              # the sign counts
-    ("12.5", "#### 125"),
-    ("no number here", "#### 4"),
-    ("#### 4 and 5", "#### 5"),    # after its own ####, the completion's answer is the first number
-])
-def test_other_numbers_score_zero(completion, reference):
-    assert math_answer_reward(["q"], [completion], [reference]) == [0.0]
+def test_no_wrong_answer_is_rewarded_and_the_table_covers_every_form():
+    """The README's table (tools/math_reward_table.py) is these cases: at least 40, every form, zero false
+    positives (a false positive is a reward RL will find and exploit)."""
+    assert len(CASES) >= 40
+    assert {f for f, *_ in CASES} >= {"plain", "####", "boxed", "fraction", "thousands", "currency", "units",
+                                      "bullets", "expression", "no answer"}
+    wrong = [c for c in CASES if not c[3]]
+    scores = math_answer_reward(["q"] * len(wrong), [c[1] for c in wrong], [c[2] for c in wrong])
+    assert [c for c, s in zip(wrong, scores) if s] == []
 
 
-def test_gsm8k_reference_is_the_number_after_the_last_marker():
-    assert reference_answer("48/2 = 24\n48+24 = 72\n#### 72") == 72
-    assert reference_answer("#### 1,250") == 1250
-    assert completion_answer("we get 3 then 4 so 7") == 7
+def test_after_gsm8ks_marker_the_answer_is_the_number_that_follows_it():
+    assert answer_text("work...\n#### $1,250.00 in all") == " $1,250.00"
+    assert answer_text("#### 4 and 5").strip() == "4"
+    assert answer_text("no marker here") == "no marker here"
 
 
-def test_rows_without_a_final_answer_are_refused_by_reason():
+@pytest.mark.parametrize("garbage", ["\\boxed{\\frac{", "}}}{{{", "\\sqrt[", "#### ", "∞" * 50, "1/0", "\x00\x01"])
+def test_bad_model_output_scores_zero_and_never_raises(garbage):
+    assert math_answer_reward(["q"], [garbage], ["#### 4"]) == [0.0]
+
+
+def test_gsm8k_references_and_rows_without_a_final_answer():
+    assert reference_answer("48/2 = 24\n48+24 = 72\n#### 72")[0] == 72
+    assert reference_answer("#### 1,250")[0] == 1250
     assert gsm8k_row_problem({"answer": "#### 72"}) is None
     assert "no '#### N'" in gsm8k_row_problem({"answer": "seventy-two"})
     assert "no number after" in gsm8k_row_problem({"answer": "#### many"})
