@@ -10,6 +10,9 @@ written twice. `from_hydra()` rejects unknown keys and bad values by name.
 from __future__ import annotations
 
 import dataclasses
+import math
+import types
+import typing
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Mapping
@@ -151,7 +154,60 @@ def _section(cls: type, name: str, values: Mapping[str, Any] | None) -> Any:
     unknown = sorted(set(values) - known)
     if unknown:
         raise ValueError(f"unknown key(s) {unknown} in {name}; expected a subset of {sorted(known)}")
-    return cls(**values)
+    return cls(**checked_types(cls, values, f"{name}."))
+
+
+_EXPECTED = {int: "an integer", float: "a finite number", bool: "true or false", str: "a string"}
+
+
+def checked_types(cls: type, values: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """`values` for the dataclass `cls`, each checked against its field's type hint: an int field takes integers
+    (2.0 becomes 2; 2.5, true and 'abc' are refused), a float field finite numbers, a bool field true/false, a str
+    field strings, `X | None` also null, a tuple each element. Raises ValueError naming `<prefix><key>`, the value
+    and what was expected, before the dataclass (whose range checks assume the types) sees it."""
+    hints = typing.get_type_hints(cls)
+    return {key: _checked(f"{prefix}{key}", value, hints[key]) if key in hints else value
+            for key, value in values.items()}
+
+
+def _checked(key: str, value: Any, hint: Any) -> Any:
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        options = [a for a in args if a is not type(None)]
+        errors = []
+        for option in options:
+            try:
+                return _checked(key, value, option)
+            except ValueError as e:
+                errors.append(str(e).split(": expected ", 1)[-1])
+        raise ValueError(f"{key}={value!r}: expected {' or '.join(errors)}"
+                         + (" or null" if type(None) in args else ""))
+    if origin is tuple:
+        items = value if isinstance(value, (list, tuple)) else [value]  # one value is a list of one
+        element = args[0] if args else Any
+        return tuple(_checked(f"{key}[{i}]", v, element) for i, v in enumerate(items)) if isinstance(
+            value, (list, tuple)) else _checked(key, value, element)
+    if dataclasses.is_dataclass(hint) and isinstance(hint, type) and isinstance(value, Mapping):
+        return checked_types(hint, value, f"{key}.")
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+    elif hint is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+    elif hint is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+            return float(value)
+    elif hint is str:
+        if isinstance(value, str):
+            return value
+    else:
+        return value  # Any, or a type the section checks itself
+    raise ValueError(f"{key}={value!r}: expected {_EXPECTED[hint]}")
 
 
 def from_hydra(cfg: Any) -> RunConfig:
@@ -185,9 +241,8 @@ def from_hydra(cfg: Any) -> RunConfig:
         raise ValueError("no model chosen; pass model=<name> (one of conf/model/*.yaml) or init.hf=DIR")
     else:
         kwargs["model"] = spec_from_mapping(model)
-    for f in fields(RunConfig):
-        if f.name not in kwargs and f.name in tree:
-            kwargs[f.name] = tree[f.name]
+    top_level = {f.name: tree[f.name] for f in fields(RunConfig) if f.name not in kwargs and f.name in tree}
+    kwargs.update(checked_types(RunConfig, top_level))
     return RunConfig(**kwargs)
 
 

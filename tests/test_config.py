@@ -75,3 +75,38 @@ def test_help_answers_without_importing_torch():
     import re
 
     assert not re.search(r"\|\s+torch$", out.stderr, re.MULTILINE), "--help imported torch"
+
+
+@pytest.mark.parametrize("override, message", [
+    ("steps=2.5", "steps=2.5: expected an integer"),
+    ("steps=abc", "steps='abc': expected an integer"),
+    ("learner.lr=abc", "learner.lr='abc': expected a finite number"),
+    ("algo.group_size=abc", "algo.group_size='abc': expected an integer"),
+    ("algo.group_size=true", "algo.group_size=True: expected an integer"),
+    ("rollout.request_timeout_s=-1", "rollout.request_timeout_s=-1.0, expected > 0"),
+    ("reward.timeout_s=-5", "reward.timeout_s=-5.0, expected > 0"),
+    ("cluster.learner_timeout_s=0", "cluster.learner_timeout_s=0.0"),
+    ("rollout.temperature=inf", "rollout.temperature=inf: expected a finite number"),
+    ("resume=maybe", "resume='maybe': expected true or false"),
+    ("cluster.learner_ranks=1.5", "cluster.learner_ranks=1.5: expected an integer or null"),
+    ("reward.weights=[1,x]", "reward.weights[1]='x': expected a finite number"),
+])
+def test_every_value_is_checked_for_its_type_and_range_with_the_key_named(override, message):
+    """What a user typing a wrong value sees: the key, the value and what was expected, never a TypeError from
+    inside the code (`steps=2.5` used to train 3 steps, `steps=abc` failed with a TypeError naming no key)."""
+    with pytest.raises(ValueError) as info:
+        from_hydra(compose([override]))
+    assert message in str(info.value)
+
+
+def test_whole_numbers_written_as_floats_are_integers():
+    assert from_hydra(compose(["steps=2.0"])).steps == 2 and isinstance(from_hydra(compose(["steps=2.0"])).steps, int)
+    assert from_hydra(compose(["learner.lr=1"])).learner.lr == 1.0
+
+
+def test_the_command_line_refuses_a_bad_value_at_once_naming_it():
+    out = subprocess.run([sys.executable, "-m", "moe_grpo.train", "model=deepseek_moe", "steps=abc"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0
+    assert "steps='abc': expected an integer" in out.stderr
+    assert "TypeError" not in out.stderr

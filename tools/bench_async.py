@@ -36,6 +36,7 @@ import tempfile
 def run_mode(mode: str, args: argparse.Namespace) -> list[dict]:
     from moe_grpo.config import from_hydra, load_model_spec
     from moe_grpo.orchestrator.driver import train
+    from moe_grpo.orchestrator.run_record import read_rows
 
     tree = {"model": dataclasses.asdict(load_model_spec("deepseek_moe")), "mode": mode, "steps": args.steps,
             "warm_start_steps": 0, "eval_every": 0,
@@ -45,8 +46,7 @@ def run_mode(mode: str, args: argparse.Namespace) -> list[dict]:
             "cluster": {"pin_cpus": True, "engine_cpus": 1, "learner_cpus": 1}}
     with tempfile.TemporaryDirectory(prefix=f"bench_async_{mode}_") as d:
         train(from_hydra(tree), d)
-        with open(os.path.join(d, "metrics.jsonl")) as f:
-            return [json.loads(line) for line in f]
+        return read_rows(os.path.join(d, "metrics.jsonl"))
 
 
 def main() -> None:

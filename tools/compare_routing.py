@@ -31,6 +31,7 @@ import time
 def run_one(args: argparse.Namespace, *, replay: str, loss: str, seed: int, run_dir: str) -> dict:
     from moe_grpo.config import from_hydra, load_model_spec
     from moe_grpo.orchestrator.driver import train
+    from moe_grpo.orchestrator.run_record import read_rows
 
     tree = {"model": dataclasses.asdict(load_model_spec(args.model)), "mode": "sync", "steps": args.steps,
             "warm_start_steps": args.warm_start, "eval_every": args.eval_every,
@@ -45,8 +46,7 @@ def run_one(args: argparse.Namespace, *, replay: str, loss: str, seed: int, run_
             "true", "false") else value
     t0 = time.perf_counter()
     summary = train(from_hydra(tree), run_dir)
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        rows = [json.loads(line) for line in f]
+    rows = read_rows(os.path.join(run_dir, "metrics.jsonl"))
     return {"replay": replay, "loss": loss, "seed": seed, "seconds": round(time.perf_counter() - t0, 1),
             "evals": summary["evals"], "eval_final": summary["eval_end"], "eval_start": summary["eval_start"],
             "kl": [r["mismatch/kl"] for r in rows], "router_disagreement": [r["mismatch/router_disagreement"] for r in rows],

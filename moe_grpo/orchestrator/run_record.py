@@ -23,7 +23,8 @@ REQUIRED_KEYS = (
     "watch/jumps", "watch/rollbacks", "faults/engine_restarts", "faults/requests_resubmitted", "faults/requests_lost",
     "faults/steps_skipped",
 )
-"""Keys on every line of metrics.jsonl; `kl/reference` is NaN unless algo.kl_coef > 0, `mismatch/*` NaN before the
+"""Keys on every line of metrics.jsonl (a value not measured is written as null; `read_rows` reads it back as NaN);
+`kl/reference` is NaN unless algo.kl_coef > 0, `mismatch/*` NaN before the
 first probe finished (or with routing.probe_prompts=0), `offpolicy/kl` NaN on a step that trained no stale token."""
 
 
@@ -47,7 +48,7 @@ class RunRecord:
                 if row.get("step", 0) <= resume_step:
                     self.rows.append(row)
             tmp = self.path.with_name(self.path.name + ".tmp")
-            tmp.write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in self.rows))
+            tmp.write_text("".join(json.dumps(r, sort_keys=True, allow_nan=False) + "\n" for r in self.rows))
             tmp.replace(self.path)
         self._file = open(self.path, "a")
         self._tb: Any = None
@@ -69,7 +70,9 @@ class RunRecord:
         if missing:
             raise KeyError(f"step {row.get('step')}: run-record keys {missing} missing")
         clean = {k: (float(v) if isinstance(v, (int, float)) else v) for k, v in row.items()}
-        self._file.write(json.dumps(clean, sort_keys=True) + "\n")
+        # A value not measured (NaN) is written as null: strict JSON readers (jq, JavaScript's JSON.parse) refuse NaN.
+        strict = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in clean.items()}
+        self._file.write(json.dumps(strict, sort_keys=True, allow_nan=False) + "\n")
         self._file.flush()
         self.rows.append(clean)
         step = int(row["step"])
@@ -129,6 +132,12 @@ def plot(rows: list[dict[str, float]], path: Path) -> Path:
     fig.savefig(path, dpi=90)
     plt.close(fig)
     return path
+
+
+def read_rows(path: str | Path) -> list[dict[str, Any]]:
+    """The rows of a metrics.jsonl, a `null` (a value not measured) read back as NaN, for code that computes."""
+    with open(path) as f:
+        return [{k: (float("nan") if v is None else v) for k, v in json.loads(line).items()} for line in f if line.strip()]
 
 
 def _value(row: dict[str, Any], key: str) -> float:

@@ -154,3 +154,32 @@ def test_weight_slots_of_a_dead_driver_are_removed_and_a_live_ones_kept(tmp_path
         (tmp_path / name).mkdir()
     assert remove_orphaned_sync_roots(str(tmp_path)) == [orphan]
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([f"run-{os.getpid()}-1795460000", "other"])
+
+
+def test_the_run_record_writes_null_for_values_not_measured_and_strict_readers_accept_every_line(tmp_path):
+    """NaN is not JSON: jq and JavaScript's JSON.parse refuse it. A value not measured is written as null."""
+    import json
+    import math
+    import shutil
+    import subprocess
+
+    from moe_grpo.orchestrator.run_record import REQUIRED_KEYS, RunRecord, read_rows
+
+    record = RunRecord(tmp_path, 2, progress=False)
+    for step in (1, 2):
+        row = {k: 0.5 for k in REQUIRED_KEYS}
+        row.update({"step": step, "kl/reference": float("nan"), "mismatch/kl": float("inf") if step == 2 else 1e-9})
+        record.log(row)
+    record.close()
+
+    def refuse(constant):
+        raise ValueError(f"{constant} is not JSON")
+
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    rows = [json.loads(line, parse_constant=refuse) for line in lines]
+    assert [r["kl/reference"] for r in rows] == [None, None] and rows[1]["mismatch/kl"] is None
+    assert rows[0]["mismatch/kl"] == 1e-9
+    assert math.isnan(read_rows(tmp_path / "metrics.jsonl")[0]["kl/reference"])
+    if shutil.which("jq"):
+        out = subprocess.run(["jq", "-c", ".step"], input="\n".join(lines), capture_output=True, text=True)
+        assert out.returncode == 0 and out.stdout.split() in (["1.0", "2.0"], ["1", "2"]), out.stderr
