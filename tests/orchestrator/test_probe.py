@@ -1,0 +1,96 @@
+"""The mismatch probe's bookkeeping (pure logic: an engine pool and learner handles stand in for the real ones,
+which tests/orchestrator/test_loop.py runs it on)."""
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from moe_grpo.orchestrator.probe import PROBE_SEED, MismatchProbe
+from moe_grpo.rollout.types import Completion
+
+
+@dataclass
+class Slot:
+    name: str
+    served: int = 0
+    status: str = "up"
+    applying: object = None
+
+
+@dataclass
+class Pool:
+    slots: dict
+    sent: list = field(default_factory=list)
+
+    def submit(self, request, sampling, engine=None):
+        self.sent.append((engine, request, sampling))
+        return True
+
+
+class Learner:
+    def __init__(self):
+        self.calls = []
+        self.probe = self
+
+    def remote(self, seqs, version):
+        self.calls.append((len(seqs), version))
+        return f"ref-{version}"
+
+
+def completion(version, n=3):
+    return Completion(np.array([1, 2, 3]), np.arange(n), np.zeros(n, np.float32), versions=np.full(n, version))
+
+
+def test_each_engine_samples_the_fixed_prompts_once_it_serves_the_version_and_the_learner_scores_them():
+    probe = MismatchProbe(["p0", "p1"], sampling=lambda seed: {"seed": seed})
+    pool = Pool({"engine0": Slot("engine0", served=4), "engine1": Slot("engine1", served=4)})
+    probe.start(5, list(pool.slots))
+    probe.submit(pool)
+    assert pool.sent == [], "no engine serves version 5 yet"
+    pool.slots["engine0"].served = 5
+    probe.submit(pool)
+    assert [(e, r.kind, r.version, s["seed"]) for e, r, s in pool.sent] == [
+        ("engine0", "probe", 5, PROBE_SEED), ("engine0", "probe", 5, PROBE_SEED + 1)]
+    learners = [Learner(), Learner()]
+    for _, request, _ in pool.sent:
+        probe.on_completion(request, "engine0", completion(5))
+    probe.score(learners, pool)
+    assert learners[0].calls == [], "engine1 may still serve version 5: wait for it"
+    pool.slots["engine1"].served = 6  # it went straight past 5: left out of this round
+    probe.submit(pool)
+    probe.score(learners, pool)
+    assert [lr.calls for lr in learners] == [[(2, 5)], [(2, 5)]], "every rank scores the same sequences"
+    assert probe.refs() == ["ref-5", "ref-5"] and probe.dropped == 0
+
+
+def test_a_completion_sampled_partly_by_other_weights_is_left_out_and_a_round_still_sampling_is_dropped():
+    probe = MismatchProbe(["p0"], sampling=lambda seed: {})
+    pool = Pool({"engine0": Slot("engine0", served=2)})
+    probe.start(2, ["engine0"])
+    probe.submit(pool)
+    request = pool.sent[0][1]
+    mixed = completion(2)
+    mixed.versions[-1] = 3  # the engine took version 3 mid-completion
+    probe.on_completion(request, "engine0", mixed)
+    learners = [Learner()]
+    probe.score(learners, pool)
+    assert learners[0].calls == [] and probe.dropped == 1, "nothing comparable came back: the round is dropped"
+    probe.start(3, ["engine0"])
+    probe.start(4, ["engine0"])  # version 3 was never sampled before 4 came
+    assert probe.dropped == 2 and probe.round.version == 4
+
+
+def test_a_failed_probe_request_ends_that_engines_part_and_rows_carry_nan_before_the_first_result():
+    probe = MismatchProbe(["p0"], sampling=lambda seed: {})
+    assert all(v != v for k, v in probe.row("r3").items() if k != "mismatch/probe_dropped")
+    pool = Pool({"engine0": Slot("engine0", served=1), "engine1": Slot("engine1", served=1)})
+    probe.start(1, list(pool.slots))
+    probe.submit(pool)
+    (_, r0, _), (_, r1, _) = pool.sent
+    probe.on_failure(r0, "engine0")
+    probe.on_completion(r1, "engine1", completion(1))
+    learners = [Learner()]
+    probe.score(learners, pool)
+    assert learners[0].calls == [(1, 1)]
+    probe.latest = {"kl_replay_on": 1e-9, "kl_replay_off": 2e-3, "router_disagreement": 0.1, "version": 1.0}
+    assert probe.row("r3")["mismatch/kl"] == 1e-9 and probe.row("off")["mismatch/kl"] == 2e-3
