@@ -131,7 +131,8 @@ def wandb_tracker(cfg: WandbConfig, run_dir: str | Path, config: Mapping[str, An
                      # console capture would wrap the driver's stdout/stderr (progress bar, Ray's output): off; the
                      # run directory already holds the logs.
                      settings=wandb.Settings(console="off"))
-    log.info("W&B run %s (%s) in %s", run.name, cfg.mode, run.dir)
+    # run.dir is the run's files/ folder; its parent is what `wandb sync` takes
+    log.info("W&B run %s (%s) in %s", run.name or run.id, cfg.mode, Path(run.dir).parent)
 
     def log_row(metrics: dict[str, float], step: int) -> None:
         run.log(metrics, step=step)
