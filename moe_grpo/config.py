@@ -25,7 +25,7 @@ from moe_grpo.learner.config import LearnerConfig
 from moe_grpo.learner.parallel import ParallelLayout
 from moe_grpo.models.options import MegatronOptions
 from moe_grpo.models.spec import MoEModelSpec, spec_from_mapping
-from moe_grpo.orchestrator.config import CheckpointConfig, ClusterConfig, RolloutConfig
+from moe_grpo.orchestrator.config import CheckpointConfig, ClusterConfig, LoggerConfig, RolloutConfig
 from moe_grpo.reward.config import RewardConfig
 from moe_grpo.routing.config import RoutingConfig
 
@@ -62,6 +62,8 @@ class RunConfig:
     """Routing replay mode (r3 / r2 / off) and the jump warning (routing/config.py)."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     """Run checkpoints: how often, how many kept (orchestrator/config.py)."""
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    """Experiment trackers besides TensorBoard: W&B, MLflow (orchestrator/config.py)."""
     steps: int = 300
     """Optimizer steps the run takes."""
     mode: str = "async"
@@ -114,7 +116,7 @@ class RunConfig:
 _SECTIONS = {"parallel": ParallelLayout, "learner": LearnerConfig, "megatron": MegatronOptions, "algo": AlgoConfig,
              "rollout": RolloutConfig, "cluster": ClusterConfig, "task": TaskConfig, "data": DataConfig,
              "reward": RewardConfig, "init": InitConfig, "routing": RoutingConfig,
-             "checkpoint": CheckpointConfig}
+             "checkpoint": CheckpointConfig, "logger": LoggerConfig}
 
 _RENAMED = {
     "replay": "replay= was replaced by routing.replay=r3|r2|off (replay=true is r3, replay=false is off)",

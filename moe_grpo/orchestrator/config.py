@@ -1,9 +1,11 @@
-"""Settings of the rollout side and of the Ray cluster (config groups `rollout` and `cluster`)."""
+"""Settings of the rollout side, the Ray cluster, run checkpoints and experiment trackers (config groups `rollout`,
+`cluster`, `checkpoint`, `logger`)."""
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
+from typing import Mapping
 
 
 @dataclass(frozen=True)
@@ -112,3 +114,65 @@ class CheckpointConfig:
             raise ValueError(f"checkpoint.every={self.every}, expected >= 0 (0 = only on signals and at the end)")
         if self.keep < 1:
             raise ValueError(f"checkpoint.keep={self.keep}, expected >= 1")
+
+
+@dataclass(frozen=True)
+class WandbConfig:
+    """Weights & Biases (config group `logger.wandb`; needs `pip install -e .[wandb]`)."""
+
+    mode: str = "disabled"
+    """'disabled' (no W&B run), 'online' (stream to the W&B server; needs `wandb login` or WANDB_API_KEY) or
+    'offline' (write `<run dir>/wandb/offline-run-*`, upload later with `wandb sync`)."""
+    project: str = "moe_grpo"
+    """W&B project the run is filed under."""
+    name: str = ""
+    """W&B run name; empty lets W&B pick one."""
+    entity: str = ""
+    """W&B team or user; empty = the logged-in user's default entity."""
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("disabled", "online", "offline"):
+            raise ValueError(f"logger.wandb.mode={self.mode!r}, expected 'disabled', 'online' or 'offline'")
+        if self.mode != "disabled" and not self.project:
+            raise ValueError("logger.wandb.project is empty; expected a W&B project name")
+
+
+@dataclass(frozen=True)
+class MlflowConfig:
+    """MLflow (config group `logger.mlflow`; needs `pip install -e .[mlflow]`)."""
+
+    tracking_uri: str = ""
+    """Where runs are recorded; empty = no MLflow run. A local file store (`file:///abs/path/mlruns`), a server
+    (`http://host:5000`) or anything else MLflow accepts (`sqlite:///mlflow.db` needs full `mlflow`)."""
+    experiment: str = "moe_grpo"
+    """MLflow experiment the run is filed under (created if missing)."""
+    run_name: str = ""
+    """MLflow run name; empty lets MLflow pick one."""
+
+    def __post_init__(self) -> None:
+        if self.tracking_uri and not self.experiment:
+            raise ValueError("logger.mlflow.experiment is empty; expected an MLflow experiment name")
+
+
+@dataclass(frozen=True)
+class LoggerConfig:
+    """Experiment trackers fed the rows of metrics.jsonl and the resolved config (config group `logger`);
+    metrics.jsonl, TensorBoard events and metrics.png are always written."""
+
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    """Weights & Biases: `logger.wandb.mode=online|offline` turns it on."""
+    mlflow: MlflowConfig = field(default_factory=MlflowConfig)
+    """MLflow: a non-empty `logger.mlflow.tracking_uri` turns it on."""
+
+    def __post_init__(self) -> None:
+        # Hydra hands nested sections over as mappings; build (and check) the frozen dataclasses here.
+        for name, cls in (("wandb", WandbConfig), ("mlflow", MlflowConfig)):
+            value = getattr(self, name)
+            if isinstance(value, Mapping):
+                known = {f.name for f in fields(cls)}
+                unknown = sorted(set(value) - known)
+                if unknown:
+                    raise ValueError(f"unknown key(s) {unknown} in logger.{name}; expected a subset of {sorted(known)}")
+                object.__setattr__(self, name, cls(**value))
+            elif not isinstance(value, cls):
+                raise ValueError(f"logger.{name}={value!r}, expected a mapping of {sorted(f.name for f in fields(cls))}")

@@ -576,8 +576,10 @@ def train(run: Any, run_dir: str | Path, *, learner_cls: type | None = None) -> 
     from moe_grpo.orchestrator import run_checkpoint
     from moe_grpo.orchestrator.pools import start_pools, start_ray, stop_pools
     from moe_grpo.orchestrator.run_record import RunRecord
+    from moe_grpo.orchestrator.trackers import check_installed
     from moe_grpo.sync.transport import SharedMemoryTransport, default_root
 
+    check_installed(run.logger)  # a missing tracker package fails now, not after the pools took minutes to start
     t_start = time.perf_counter()
     run_dir = str(Path(run_dir).resolve())
     tokenizer = load_tokenizer(run.model, run.init.hf)
@@ -625,7 +627,8 @@ def train(run: Any, run_dir: str | Path, *, learner_cls: type | None = None) -> 
             log.info("no held-out set (data.eval_path is not set): no evaluation")
         if run.eval_every and source.held_out and resume_from is None:
             driver.evaluate()
-        driver.record = RunRecord(run_dir, run.steps, resume_step=state.step if resume_from is not None else None)
+        driver.record = RunRecord(run_dir, run.steps, resume_step=state.step if resume_from is not None else None,
+                                  logger=run.logger, config=dataclasses.asdict(run))
         try:
             driver.run_schedule()
         except Stopped as e:

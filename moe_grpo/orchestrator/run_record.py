@@ -1,4 +1,5 @@
-"""The run record: metrics.jsonl (one object per optimizer step), TensorBoard events, a progress bar, a PNG.
+"""The run record: metrics.jsonl (one object per optimizer step), TensorBoard events, a progress bar, a PNG, and
+the experiment trackers `logger.*` turns on (W&B, MLflow: orchestrator/trackers.py).
 
 Every step's object holds every key of the README's run-record contract;
 keys that are measured less often than every step (`eval/reward/mean`)
@@ -11,7 +12,7 @@ import json
 import math
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 REQUIRED_KEYS = (
     "step", "policy_version", "reward/mean", "reward/std", "mismatch/kl", "mismatch/router_disagreement",
@@ -32,9 +33,11 @@ class RunRecord:
     """Writes one step at a time; `close()` draws the PNG."""
 
     def __init__(self, run_dir: str | Path, total_steps: int, *, progress: bool = True,
-                 resume_step: int | None = None) -> None:
+                 resume_step: int | None = None, logger: Any = None, config: Mapping[str, Any] | None = None) -> None:
         """`resume_step`: continue the record of a run resumed from the checkpoint of that step (rows written after
-        it, by the process that was interrupted, are dropped: the resumed run writes those steps again)."""
+        it, by the process that was interrupted, are dropped: the resumed run writes those steps again).
+        `logger`: a `LoggerConfig` whose trackers get each row from now on, started with `config` (the resolved run
+        config, nested); a resumed run starts new tracker runs that begin after the checkpoint's step."""
         self.dir = Path(run_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.path = self.dir / "metrics.jsonl"
@@ -58,6 +61,11 @@ class RunRecord:
             self._tb = SummaryWriter(str(self.dir / "tensorboard"))
         except ImportError:  # tensorboard is a declared dependency; a broken install only loses the events
             print("[run] tensorboard is not importable; no event files will be written", file=sys.stderr)
+        self._trackers: list[Any] = []
+        if logger is not None:
+            from moe_grpo.orchestrator.trackers import open_trackers
+
+            self._trackers = open_trackers(logger, self.dir, config or {})
         self._bar: Any = None
         if progress:
             from tqdm import tqdm
@@ -80,6 +88,8 @@ class RunRecord:
             for k, v in clean.items():
                 if isinstance(v, float) and math.isfinite(v) and k != "step":
                     self._tb.add_scalar(k, v, step)
+        for tracker in self._trackers:
+            tracker.log(clean)
         if self._bar is not None:
             self._bar.update(1)
             self._bar.set_postfix_str(
@@ -92,6 +102,8 @@ class RunRecord:
             self._bar.close()
         if self._tb is not None:
             self._tb.close()
+        for tracker in self._trackers:
+            tracker.close()
         return plot(self.rows, self.dir / "metrics.png") if self.rows else None
 
 

@@ -1,0 +1,204 @@
+"""W&B and MLflow get what metrics.jsonl gets (finite values, at each row's step) and the resolved config; read back
+through their own files and clients. Fast: no engines, no learners."""
+
+import dataclasses
+import glob
+import json
+import logging
+import math
+import struct
+import time
+
+import pytest
+
+from moe_grpo.config import from_hydra, load_model_spec
+from moe_grpo.orchestrator import trackers
+from moe_grpo.orchestrator.config import LoggerConfig, MlflowConfig, WandbConfig
+from moe_grpo.orchestrator.run_record import REQUIRED_KEYS, RunRecord
+from test_config import compose  # noqa: E402 - tests/ is on sys.path (rootdir conftest)
+
+NAN = float("nan")
+
+
+def run_config(**logger):
+    from moe_grpo.config import RunConfig
+
+    return RunConfig(model=load_model_spec("deepseek_moe"), logger=LoggerConfig(**logger))
+
+
+def rows(n=3):
+    """Run-record rows as the driver writes them: every required key, some NaN (not measured yet)."""
+    out = []
+    for step in range(1, n + 1):
+        row = {k: 0.0 for k in REQUIRED_KEYS}
+        row.update({"step": step, "policy_version": step, "reward/mean": 0.25 * step, "loss": -0.5 / step,
+                    "mismatch/kl": NAN if step == 1 else 1e-3 * step, "kl/reference": NAN})
+        out.append(row)
+    return out
+
+
+def write_record(tmp_path, run):
+    record = RunRecord(tmp_path / "run", total_steps=3, progress=False, logger=run.logger,
+                       config=dataclasses.asdict(run))
+    written = rows()
+    for row in written:
+        record.log(row)
+    record.close()
+    return written
+
+
+def require(module):
+    """The extras are part of `.[test]`: without them these tests skip, except under CI, where they fail."""
+    from conftest import in_ci
+
+    if in_ci():
+        __import__(module)
+    else:
+        pytest.importorskip(module, reason=f"pip install -e .[{module}]")
+
+
+@pytest.fixture
+def wandb_offline(tmp_path, monkeypatch):
+    require("wandb")
+    for key, value in {"WANDB_DIR": tmp_path, "WANDB_CACHE_DIR": tmp_path / "cache", "WANDB_CONFIG_DIR":
+                       tmp_path / "config", "WANDB_DATA_DIR": tmp_path / "data", "WANDB_SILENT": "true"}.items():
+        monkeypatch.setenv(key, str(value))
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+
+
+def wandb_records(path):
+    """The protobuf records of a W&B run file (`run-<id>.wandb`): W&B's LevelDB-style log of 32 KiB blocks, each
+    record a 7-byte header (crc32, length, type: 1 full, 2 first, 3 middle, 4 last) and part of a `Record`."""
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    data = open(path, "rb").read()
+    assert data[:4] == b":W&B", f"{path} does not start with W&B's header: {data[:7]!r}"
+    pos, block, part = 7, 32768, b""
+    while pos + 7 <= len(data):
+        left = block - pos % block
+        _crc, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        if left < 7 or (length == 0 and kind == 0):  # block trailer / padding
+            pos += left
+            continue
+        part += data[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):
+            record = pb.Record()
+            record.ParseFromString(part)
+            part = b""
+            yield record
+
+
+def test_logger_section_composes_from_the_command_line():
+    run = from_hydra(compose(["logger.wandb.mode=offline", "logger.wandb.project=x", "logger.wandb.name=r1",
+                              "logger.mlflow.tracking_uri=file:///tmp/mlruns", "logger.mlflow.experiment=e"]))
+    assert run.logger == LoggerConfig(wandb=WandbConfig(mode="offline", project="x", name="r1"),
+                                      mlflow=MlflowConfig(tracking_uri="file:///tmp/mlruns", experiment="e"))
+    default = from_hydra(compose([])).logger
+    assert default.wandb.mode == "disabled" and default.mlflow.tracking_uri == ""  # TensorBoard only by default
+
+
+@pytest.mark.parametrize("override, needle", [
+    ("logger.wandb.mode=sometimes", "logger.wandb.mode='sometimes', expected 'disabled', 'online' or 'offline'"),
+    ("+logger.mlflow.uri=file:///x", "unknown key(s) ['uri'] in logger.mlflow"),
+])
+def test_bad_logger_values_fail_with_the_key(override, needle):
+    with pytest.raises(ValueError) as e:
+        from_hydra(compose([override]))
+    assert needle in str(e.value)
+
+
+def test_a_missing_extra_fails_at_start_with_the_install_line(monkeypatch):
+    real = trackers.importlib.util.find_spec
+    monkeypatch.setattr(trackers.importlib.util, "find_spec", lambda name: None if name == "mlflow" else real(name))
+    with pytest.raises(ImportError) as e:
+        trackers.check_installed(LoggerConfig(mlflow=MlflowConfig(tracking_uri="file:///tmp/mlruns")))
+    assert "pip install -e .[mlflow]" in str(e.value) and "logger.mlflow.tracking_uri" in str(e.value)
+    trackers.check_installed(LoggerConfig())  # nothing asked for: nothing needed
+
+
+def test_wandb_offline_run_holds_every_row_and_the_config(tmp_path, wandb_offline):
+    run = run_config(wandb=WandbConfig(mode="offline", project="moe-test", name="offline-check"))
+    written = write_record(tmp_path, run)
+    files = glob.glob(str(tmp_path / "run" / "wandb" / "offline-run-*" / "run-*.wandb"))
+    assert len(files) == 1, f"expected one offline W&B run under {tmp_path / 'run' / 'wandb'}, found {files}"
+    history, config, meta = {}, {}, None
+    for record in wandb_records(files[0]):
+        kind = record.WhichOneof("record_type")
+        if kind == "history":
+            # a key comes as `key` or as `nested_key` (a path of one element for our flat keys), by the SDK's choice
+            items = {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in record.history.item}
+            history[record.history.step.num] = items
+        elif kind == "run":
+            meta = record.run
+            config.update({i.key: json.loads(i.value_json) for i in record.run.config.update})
+    assert meta is not None and meta.project == "moe-test" and meta.display_name == "offline-check"
+    assert config["algo"]["group_size"] == run.algo.group_size and config["steps"] == run.steps
+    assert sorted(history) == [1, 2, 3]
+    for row in written:
+        logged = history[row["step"]]
+        expected = {k: v for k, v in row.items() if k != "step" and math.isfinite(v)}
+        assert {k: logged[k] for k in expected} == pytest.approx(expected)
+        assert "kl/reference" not in logged  # NaN: not measured, not sent
+    assert "mismatch/kl" not in history[1] and history[2]["mismatch/kl"] == pytest.approx(2e-3)
+    assert (tmp_path / "run" / "metrics.jsonl").read_text().count("\n") == 3  # the run's own record is unchanged
+
+
+def test_mlflow_file_store_records_metrics_and_params(tmp_path):
+    require("mlflow")
+    from mlflow.tracking import MlflowClient
+
+    uri = (tmp_path / "mlruns").as_uri()
+    run = run_config(mlflow=MlflowConfig(tracking_uri=uri, experiment="moe-test", run_name="file-store"))
+    written = write_record(tmp_path, run)
+    client = MlflowClient(tracking_uri=uri)
+    experiment = client.get_experiment_by_name("moe-test")
+    (found,) = client.search_runs([experiment.experiment_id])
+    assert found.info.run_name == "file-store" and found.info.status == "FINISHED"
+    run_id = found.info.run_id
+    assert [(m.step, m.value) for m in client.get_metric_history(run_id, "reward/mean")] == \
+        [(r["step"], r["reward/mean"]) for r in written]
+    assert [(m.step, m.value) for m in client.get_metric_history(run_id, "mismatch/kl")] == [(2, 2e-3), (3, 3e-3)]
+    assert client.get_metric_history(run_id, "kl/reference") == []  # NaN on every row
+    assert len(found.data.metrics) == len([k for k in written[-1] if k != "step" and math.isfinite(written[-1][k])])
+    params = found.data.params
+    assert params["algo.group_size"] == str(run.algo.group_size) and params["logger.mlflow.run_name"] == "file-store"
+    assert params["model.num_experts"] == str(run.model.num_experts)
+    assert found.data.tags["moe_grpo.run_dir"] == str((tmp_path / "run").resolve())
+
+
+def test_a_failing_tracker_is_reported_once_and_the_run_goes_on(tmp_path, caplog):
+    calls = []
+
+    def flaky(metrics, step):
+        calls.append(step)
+        if step >= 2:
+            raise ConnectionError("tracking server unreachable")
+
+    record = RunRecord(tmp_path, total_steps=4, progress=False)
+    record._trackers = [trackers.Guarded("Flaky", flaky, lambda: None)]
+    with caplog.at_level(logging.WARNING, logger="moe_grpo"):
+        for row in rows(4):
+            record.log(row)
+        record.close()
+    assert calls == [1, 2, 3, 4]  # it was tried on every row
+    warnings = [r.getMessage() for r in caplog.records if "Flaky tracker failed" in r.getMessage()]
+    assert len(warnings) == 1 and "ConnectionError: tracking server unreachable" in warnings[0]
+    assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 4
+
+
+def test_a_stuck_tracker_does_not_hold_up_training_or_the_end_of_the_run(tmp_path, caplog):
+    def stuck(metrics, step):
+        time.sleep(30)
+
+    tracker = trackers.Guarded("Stuck", stuck, lambda: None, close_timeout_s=0.5)
+    record = RunRecord(tmp_path, total_steps=3, progress=False)
+    record._trackers = [tracker]
+    t0 = time.perf_counter()
+    with caplog.at_level(logging.WARNING, logger="moe_grpo"):
+        for row in rows(3):
+            record.log(row)
+        record.close()
+    assert time.perf_counter() - t0 < 10
+    assert any("Stuck tracker: rows still unsent" in r.getMessage() for r in caplog.records)
