@@ -42,6 +42,12 @@ def _k3(logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor) -> t
     return (torch.expm1(log_r) - log_r) * mask
 
 
+def _divide_logits(module: Any, args: Any, output: Any, *, temperature: float) -> Any:
+    """Forward hook on the output layer: logits / temperature (Megatron's output layer returns (logits, bias))."""
+    logits, bias = output
+    return logits / temperature, bias
+
+
 def _stale_positions(mb: Microbatch, policy_version: int) -> torch.Tensor:
     """1.0 on every position of the microbatch's sequences that hold a response token sampled before
     `policy_version` (by older weights), 0.0 elsewhere."""
@@ -90,7 +96,10 @@ class MegatronLearner:
         layout: ParallelLayout = ParallelLayout(),
         config: LearnerConfig = LearnerConfig(),
         options: MegatronOptions = MegatronOptions(),
+        temperature: float = 1.0,
     ) -> None:
+        """`temperature`: the engines' sampling temperature; every log-prob the learner computes (and so the loss)
+        is of the distribution they sample from, softmax(logits / temperature), as verl's and TRL's actors do."""
         # Megatron's INFO records list every parameter of every bucket; keep its log to warnings.
         logging.getLogger("megatron").setLevel(logging.WARNING)
         init_distributed(layout)
@@ -116,6 +125,12 @@ class MegatronLearner:
         module = build_gpt_model(
             spec, self.mconfig, pre_process=self.is_first_stage, post_process=self.is_last_stage, pp_rank=self.rank["pp"]
         )
+        if not (temperature > 0 and math.isfinite(temperature)):
+            raise ValueError(f"temperature={temperature}, expected a finite number > 0 (the engines' sampling "
+                             "temperature; greedy evaluation trains nothing)")
+        self.temperature = float(temperature)
+        if temperature != 1.0 and self.is_last_stage:
+            module.output_layer.register_forward_hook(partial(_divide_logits, temperature=self.temperature))
         self.model, self.optimizer = build_ddp_and_optimizer(module, self.mconfig, config, options)
         self.replayer = RoutingReplayer(module, spec.moe_layer_pattern, recompute=options.recompute) if options.routing_replay else None
         self.step_count = 0

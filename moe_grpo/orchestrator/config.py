@@ -13,9 +13,12 @@ class RolloutConfig:
     """How the engines sample."""
 
     temperature: float = 1.0
-    """Sampling temperature of training rollouts (evaluation is greedy)."""
+    """Sampling temperature of training rollouts (evaluation is greedy). The learner divides its logits by it and the
+    engines report the log-probs of the tempered distribution, so the policy trained is the one sampled from (as
+    verl's and TRL's actors do)."""
     top_p: float = 1.0
-    """Nucleus sampling mass."""
+    """Nucleus sampling mass. Below 1 the engines report log-probs of the truncated distribution, which the learner
+    does not truncate: the ratio then also carries the truncation."""
     max_tokens: int = 16
     """Longest completion in tokens (verl response_length, TRL max_completion_length)."""
     on_update: str = "keep"

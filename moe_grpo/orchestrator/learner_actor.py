@@ -28,7 +28,8 @@ class LearnerWorker:
         from moe_grpo.sync.weight_sync import WeightSync
 
         self.run = run
-        self.learner = MegatronLearner(run.model, run.parallel, run.learner, run.megatron)
+        self.learner = MegatronLearner(run.model, run.parallel, run.learner, run.megatron,
+                                       temperature=run.rollout.temperature)
         if run.init.megatron:  # init.hf, converted (checkpoint/hf_init.py); Megatron reshards it to this layout
             self.learner.load_checkpoint(run.init.megatron)
         self.sync = WeightSync(self.learner, SharedMemoryTransport(sync_root))

@@ -309,7 +309,10 @@ class VllmEngine:
         self._engine_args: dict[str, Any] = dict(
             model=self.model_dir, skip_tokenizer_init=True, trust_remote_code=True, dtype=dtype, enforce_eager=True,
             max_model_len=max_model_len, max_num_seqs=max_num_seqs, enable_prefix_caching=False, seed=seed,
-            disable_log_stats=True)
+            disable_log_stats=True,
+            # The log-probs of the distribution sampled from (after temperature), which the learner computes with
+            # its logits divided by the same temperature; at temperature 1 (and top_p 1) they equal the raw ones.
+            logprobs_mode="processed_logprobs")
         overrides = _hf_overrides(self.model_dir)
         if overrides:
             self._engine_args["hf_overrides"] = overrides

@@ -144,3 +144,21 @@ def test_bad_learner_settings_are_named():
         LearnerConfig(lr=-1)
     with pytest.raises(ValueError, match="micro_batch_size=0"):
         LearnerConfig(micro_batch_size=0)
+
+
+def test_the_learner_scores_the_distribution_the_engines_sample_from_at_their_temperature():
+    """With rollout.temperature=0.5 every log-prob is of softmax(logits / 0.5), as verl's and TRL's actors compute
+    it (the engine reports the same distribution's log-probs): the output layer's logits are divided by it."""
+    seqs = make_sequences(tiny_spec(), n=2)
+    plain = MegatronLearner(tiny_spec(), config=LearnerConfig(seed=11))
+    hot = MegatronLearner(tiny_spec(), config=LearnerConfig(seed=11), temperature=0.5)
+    tokens = torch.tensor(seqs[0].tokens[None, :], dtype=torch.long)
+    positions = torch.arange(tokens.shape[1])[None, :]
+    with torch.no_grad():
+        a = plain.module(tokens, positions, attention_mask=None)
+        b = hot.module(tokens, positions, attention_mask=None)
+    torch.testing.assert_close(b, a / 0.5)
+    lp_plain, lp_hot = plain.logprobs(seqs, replay=True)[0], hot.logprobs(seqs, replay=True)[0]
+    assert np.abs(lp_plain - lp_hot).max() > 1e-3
+    with pytest.raises(ValueError, match="temperature=0"):
+        MegatronLearner(tiny_spec(), temperature=0.0)
