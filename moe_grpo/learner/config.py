@@ -14,12 +14,12 @@ LR_DECAY_STYLES = ("constant", "cosine", "linear")
 class LearnerConfig:
     """Optimisation and batching settings of the learner."""
 
-    lr: float = 5e-4
+    lr: float = 1e-3
     """Adam learning rate (the peak of the schedule). Suits the embedded tiny model; real checkpoints want ~1e-6."""
     lr_warmup_steps: int = 0
     """RL steps over which the learning rate rises linearly from 0 to `lr` (the warm start's supervised steps run at
     `lr` and are not counted)."""
-    lr_decay: str = "constant"
+    lr_decay: str = "cosine"
     """After the warmup: 'constant' (stay at `lr`), 'cosine' or 'linear' (fall to `min_lr` at the run's last step).
     Megatron's OptimizerParamScheduler computes it."""
     min_lr: float = 0.0

@@ -28,7 +28,8 @@ def test_nan_gradients_are_skipped_a_sustained_jump_rolls_back_and_nan_in_a_row_
     from faulty_learner import FaultyLearner
     from moe_grpo.orchestrator.driver import train
 
-    run = small_run(steps=16, **{"checkpoint.every": 4, "routing.on_jump": "rollback", "routing.jump_sustain": 2,
+    run = small_run(steps=16, **{"learner.lr_decay": "constant",  # the rollback's halving reads off learner/lr
+                                 "checkpoint.every": 4, "routing.on_jump": "rollback", "routing.jump_sustain": 2,
                                  "routing.rollback_lr_factor": 0.5, "learner.max_skipped_in_a_row": 2})
     with caplog.at_level(logging.INFO, logger="moe_grpo"):
         with pytest.raises(RuntimeError, match=r"2 steps in a row \(through step 14\) had a non-finite loss or "

@@ -70,7 +70,7 @@ def test_the_learning_rate_schedule_is_the_published_one():
 
     linear = MegatronLearner(tiny_spec(), config=LearnerConfig(lr=peak, lr_decay="linear"))
     assert [linear.schedule_lr(s, 4) for s in (1, 2, 3, 4)] == pytest.approx([peak * (1 - s / 4) for s in (1, 2, 3, 4)])
-    constant = MegatronLearner(tiny_spec(), config=LearnerConfig(lr=peak))
+    constant = MegatronLearner(tiny_spec(), config=LearnerConfig(lr=peak, lr_decay="constant"))
     assert {constant.schedule_lr(s, 300) for s in (1, 150, 300)} == {peak}
 
 
