@@ -100,3 +100,17 @@ def test_the_resumed_async_run_trains_on_the_buffer_it_saved_and_nothing_staler_
     assert first["resume/buffered_groups"] > 0, "the checkpoint of an async run holds groups sampled ahead"
     assert first["resume/buffered_groups"] + first["resume/requests_resubmitted"] >= 4
     assert all(r["staleness/max"] <= 1 for r in rows)
+    # Training is the slower phase here, so the engine runs ahead of the learner: stale tokens were trained at the
+    # bound (max_staleness=1) or dropped, never beyond it.
+    assert max(r["staleness/max"] for r in rows) == 1 or rows[-1]["buffer/dropped_stale"] > 0
+
+
+def test_the_drift_of_stale_tokens_and_the_engine_learner_gap_are_reported_apart(chain):
+    """In this async run most trained tokens are one version stale: their drift shows in offpolicy/*, while the
+    probe (the engine and the learner on the same weights, fp32 both) finds no gap."""
+    rows = chain["finished"][0].rows()
+    stale = [r for r in rows if r["offpolicy/stale_fraction"]]
+    assert stale and max(r["offpolicy/kl"] for r in stale) > 1e-6, [r["offpolicy/kl"] for r in rows]
+    probed = [r["mismatch/kl"] for r in rows if r["mismatch/kl"] is not None]
+    assert probed and max(probed) < 1e-5, probed
+    assert max(r["offpolicy/kl"] for r in stale) > 10 * max(probed)
