@@ -28,6 +28,7 @@ from moe_grpo.models.spec import MoEModelSpec, spec_from_mapping
 from moe_grpo.orchestrator.config import CheckpointConfig, ClusterConfig, LoggerConfig, RolloutConfig
 from moe_grpo.reward.config import RewardConfig
 from moe_grpo.routing.config import RoutingConfig
+from moe_grpo.validate import at_least
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 
@@ -80,8 +81,7 @@ class RunConfig:
         if self.routing.replay != "off" and not self.megatron.routing_replay:
             raise ValueError(f"routing.replay={self.routing.replay} needs megatron.routing_replay=True (no RouterReplay "
                              "hooks would be built); use routing.replay=off to train without replay")
-        if self.steps < 1:
-            raise ValueError(f"steps={self.steps}, expected >= 1")
+        at_least("steps", self.steps, 1)
         if self.mode not in ("sync", "async"):
             raise ValueError(f"mode={self.mode!r}, expected 'async' or 'sync'")
         if self.mode == "async" and self.algo.max_staleness < self.algo.sync_every:
@@ -96,8 +96,8 @@ class RunConfig:
         if self.task.name in DATASET_TASKS and not self.data.train_path:
             raise ValueError(f"task.name={self.task.name!r} reads its prompts from a dataset; set data.train_path "
                              "(a .jsonl or .parquet file in its format)")
-        if self.warm_start_steps < 0 or self.eval_every < 0:
-            raise ValueError(f"warm_start_steps={self.warm_start_steps}, eval_every={self.eval_every}: expected >= 0")
+        at_least("warm_start_steps", self.warm_start_steps, 0)
+        at_least("eval_every", self.eval_every, 0, "(0 = never)")
 
     def learner_world_size(self) -> int:
         return self.cluster.learner_ranks or self.parallel.world_size()
@@ -242,7 +242,7 @@ def from_hydra(cfg: Any) -> RunConfig:
     elif not model:
         raise ValueError("no model chosen; pass model=<name> (one of conf/model/*.yaml) or init.hf=DIR")
     else:
-        kwargs["model"] = spec_from_mapping(model)
+        kwargs["model"] = spec_from_mapping(checked_types(MoEModelSpec, model, "model."))
     top_level = {f.name: tree[f.name] for f in fields(RunConfig) if f.name not in kwargs and f.name in tree}
     kwargs.update(checked_types(RunConfig, top_level))
     return RunConfig(**kwargs)

@@ -8,6 +8,7 @@ and config errors answer at once.
 
 from __future__ import annotations
 
+import math
 import sys
 
 import hydra
@@ -25,13 +26,18 @@ def main(cfg: DictConfig) -> None:
     from moe_grpo.config import from_hydra
     from moe_grpo.orchestrator.driver import train
 
-    run = from_hydra(cfg)
+    global _exit_code
+    try:
+        run = from_hydra(cfg)
+    except ValueError as e:  # a value the user wrote: the message names the key, a traceback would only bury it
+        _exit_code = 2  # usage error, as argparse reports one
+        print(f"[moe_grpo] config error: {e}", file=sys.stderr)
+        return
     run_dir = HydraConfig.get().runtime.output_dir
     with open(f"{run_dir}/config.yaml", "w") as f:
         f.write(OmegaConf.to_yaml(cfg, resolve=True))
     summary = train(run, run_dir)
     if summary["stopped"]:
-        global _exit_code
         _exit_code = 128 + 15  # what a shell reports for SIGTERM: schedulers see the run did not finish
         print(f"[moe_grpo] stopped by {summary['stopped']} after step {summary['steps']}; checkpoint "
               f"{summary['checkpoint']}; continue with the same command and resume=true hydra.run.dir={run_dir}",
@@ -39,9 +45,14 @@ def main(cfg: DictConfig) -> None:
         return
     faults = {k: v for k, v in summary["faults"].items() if v}
     print(f"[moe_grpo] {summary['steps']} steps in {summary['seconds'] / 60:.1f} min ({run.mode}); held-out reward "
-          f"{summary['eval_start']:.3f} at step 0 -> {summary['eval_end']:.3f} at the end; "
+          f"{_score(summary['eval_start'])} at step 0 -> {_score(summary['eval_end'])} at the end; "
           + (f"faults survived: {', '.join(f'{k} {v}' for k, v in faults.items())}; " if faults else "")
           + f"record in {run_dir}", file=sys.stderr)
+
+
+def _score(value: float | None) -> str:
+    """A held-out reward for the last line; NaN or None when none was measured (eval_every=0, no held-out set)."""
+    return f"{value:.3f}" if isinstance(value, (int, float)) and math.isfinite(value) else "not measured"
 
 
 def cli() -> None:

@@ -10,9 +10,10 @@ so code reads `run.algo.normalize_std` as a plain bool.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
+
+from moe_grpo.validate import at_least, between, non_negative
 
 LOSS_NAMES = ("grpo", "dr_grpo", "dapo", "gspo", "cispo")
 """Names `algo.loss` accepts: the keys of `algo.losses.LOSSES` (kept here so configs load without torch)."""
@@ -128,30 +129,22 @@ class AlgoConfig:
             raise ValueError("algo.correction=icepop masks tokens; algo.correction_level must be 'token'")
         if self.kl_estimator not in KL_ESTIMATORS:
             raise ValueError(f"algo.kl_estimator={self.kl_estimator!r}, expected one of {list(KL_ESTIMATORS)}")
-        if self.group_size < 2:
-            raise ValueError(f"algo.group_size={self.group_size}, expected >= 2 (advantages are relative to the group)")
-        if self.prompts_per_step < 1:
-            raise ValueError(f"algo.prompts_per_step={self.prompts_per_step}, expected >= 1")
+        at_least("algo.group_size", self.group_size, 2, "(advantages are relative to the group)")
+        at_least("algo.prompts_per_step", self.prompts_per_step, 1)
         for name in ("clip_ratio_low", "clip_ratio_high"):
-            v = getattr(self, name)
-            if not 0 < v < 1 or not math.isfinite(v):
-                raise ValueError(f"algo.{name}={v}, expected 0 < {name} < 1")
+            between(f"algo.{name}", getattr(self, name), 0.0, 1.0, low_open=True, high_open=True)
+        for name in ("correction_low", "correction_high"):
+            non_negative(f"algo.{name}", getattr(self, name))
         if self.correction in ("tis", "mis") and not self.correction_high >= 1:
             raise ValueError(f"algo.correction_high={self.correction_high}, expected >= 1 for {self.correction}")
         if self.correction == "icepop" and not 0 < self.correction_low < 1 < self.correction_high:
             raise ValueError(f"algo.correction_low={self.correction_low}, algo.correction_high={self.correction_high}: "
                              "icepop expects 0 < correction_low < 1 < correction_high")
-        if not self.kl_coef >= 0 or not math.isfinite(self.kl_coef):
-            raise ValueError(f"algo.kl_coef={self.kl_coef}, expected >= 0 (0 = off)")
-        if self.overlong_buffer < -1:
-            raise ValueError(f"algo.overlong_buffer={self.overlong_buffer}, expected >= 0, or -1 (a fifth of "
-                             "rollout.max_tokens)")
-        if not self.overlong_penalty >= 0:
-            raise ValueError(f"algo.overlong_penalty={self.overlong_penalty}, expected >= 0")
-        if self.max_staleness < 0:
-            raise ValueError(f"algo.max_staleness={self.max_staleness}, expected >= 0")
-        if self.sync_every < 1:
-            raise ValueError(f"algo.sync_every={self.sync_every}, expected >= 1")
+        non_negative("algo.kl_coef", self.kl_coef)
+        at_least("algo.overlong_buffer", self.overlong_buffer, -1, "(0 = off, -1 = a fifth of rollout.max_tokens)")
+        non_negative("algo.overlong_penalty", self.overlong_penalty)
+        at_least("algo.max_staleness", self.max_staleness, 0)
+        at_least("algo.sync_every", self.sync_every, 1)
 
     def overlong_buffer_tokens(self, max_tokens: int) -> int:
         """The overlong shaping's buffer in tokens for completions of at most `max_tokens` (0 = off)."""

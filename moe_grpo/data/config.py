@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from moe_grpo.validate import optional_at_least
+
 SUFFIXES = (".jsonl", ".ndjson", ".parquet")
 
 
@@ -43,8 +45,7 @@ class DataConfig:
             raise ValueError("data.prompt_key='', expected a field name or null")
         if not self.answer_key:
             raise ValueError("data.answer_key='', expected a field name")
-        if self.eval_size is not None and self.eval_size < 1:
-            raise ValueError(f"data.eval_size={self.eval_size}, expected >= 1 or null")
+        optional_at_least("data.eval_size", self.eval_size, 1)
 
     def resolved_prompt_key(self, task_name: str) -> str:
         if self.prompt_key:

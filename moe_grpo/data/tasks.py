@@ -22,6 +22,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from moe_grpo.data.tokenizer import ByteTokenizer
+from moe_grpo.validate import at_least
 
 MARKERS = {"reverse": "<", "copy": "=", "sort": "^"}
 DATASET_TASKS = ("gsm8k",)
@@ -52,10 +53,10 @@ class TaskConfig:
             raise ValueError(f"task.name={self.name!r}, expected one of {sorted(MARKERS) + list(DATASET_TASKS)}")
         if len(set(self.alphabet)) < 2 or any(not c.isalpha() or not c.isascii() for c in self.alphabet):
             raise ValueError(f"task.alphabet={self.alphabet!r}, expected at least 2 distinct ASCII letters")
-        if not 1 <= self.min_len <= self.max_len:
-            raise ValueError(f"task.min_len={self.min_len}, task.max_len={self.max_len}: expected 1 <= min_len <= max_len")
-        if self.eval_size < 1:
-            raise ValueError(f"task.eval_size={self.eval_size}, expected >= 1")
+        at_least("task.min_len", self.min_len, 1)
+        at_least("task.max_len", self.max_len, self.min_len, "(task.min_len)")
+        at_least("task.eval_size", self.eval_size, 1)
+        at_least("task.eval_seed", self.eval_seed, 0)  # numpy's generators refuse negative seeds
 
     @property
     def max_answer_tokens(self) -> int:

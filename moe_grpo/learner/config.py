@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
+
+from moe_grpo.validate import at_least, between, non_negative, optional_at_least, positive
 
 
 LR_DECAY_STYLES = ("constant", "cosine", "linear")
@@ -45,15 +46,17 @@ class LearnerConfig:
     run stops with an error; a single bad batch is skipped, a learner that keeps producing NaN is not trained on."""
 
     def __post_init__(self) -> None:
-        if self.lr <= 0 or not math.isfinite(self.lr):
-            raise ValueError(f"lr={self.lr}, expected a positive finite number")
+        positive("learner.lr", self.lr)
         if self.lr_decay not in LR_DECAY_STYLES:
             raise ValueError(f"learner.lr_decay={self.lr_decay!r}, expected one of {list(LR_DECAY_STYLES)}")
-        if not 0 <= self.min_lr <= self.lr:
-            raise ValueError(f"learner.min_lr={self.min_lr}, expected 0 <= min_lr <= learner.lr={self.lr}")
-        if self.lr_warmup_steps < 0:
-            raise ValueError(f"learner.lr_warmup_steps={self.lr_warmup_steps}, expected >= 0")
-        if self.max_skipped_in_a_row < 1:
-            raise ValueError(f"learner.max_skipped_in_a_row={self.max_skipped_in_a_row}, expected >= 1")
-        if self.micro_batch_size < 1:
-            raise ValueError(f"micro_batch_size={self.micro_batch_size}, expected >= 1")
+        between("learner.min_lr", self.min_lr, 0.0, self.lr)  # the schedule ends at or below its peak
+        at_least("learner.lr_warmup_steps", self.lr_warmup_steps, 0)
+        non_negative("learner.weight_decay", self.weight_decay)
+        # Adam divides by (1 - beta^t): beta = 1 never forgets and divides by zero at the first step.
+        between("learner.adam_beta1", self.adam_beta1, 0.0, 1.0, high_open=True)
+        between("learner.adam_beta2", self.adam_beta2, 0.0, 1.0, high_open=True)
+        non_negative("learner.clip_grad", self.clip_grad)
+        at_least("learner.micro_batch_size", self.micro_batch_size, 1)
+        optional_at_least("learner.packed_seq_len", self.packed_seq_len, 1)
+        at_least("learner.seed", self.seed, 0)  # numpy's generators refuse negative seeds
+        at_least("learner.max_skipped_in_a_row", self.max_skipped_in_a_row, 1)

@@ -11,6 +11,8 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from moe_grpo.validate import at_least
+
 
 @dataclass(frozen=True)
 class ParallelLayout:
@@ -25,9 +27,7 @@ class ParallelLayout:
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel", "expert_parallel", "pipeline_parallel"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name}={v!r}, expected a positive integer")
+            at_least(f"parallel.{name}", getattr(self, name), 1)
 
     @property
     def sequence_parallel(self) -> bool:

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from moe_grpo.validate import non_negative, positive, refuse
+
 if TYPE_CHECKING:
     import torch
 
@@ -37,15 +39,18 @@ class MegatronOptions:
     def __post_init__(self) -> None:
         name = str(self.params_dtype).removeprefix("torch.")
         if name not in ("float32", "bfloat16", "float16"):
-            raise ValueError(f"params_dtype={self.params_dtype!r}, expected 'float32', 'bfloat16' or 'float16'")
+            raise ValueError(f"megatron.params_dtype={self.params_dtype!r}, expected 'float32', 'bfloat16' or "
+                             "'float16'")
         object.__setattr__(self, "params_dtype", name)
         if self.token_dispatcher not in ("alltoall", "allgather"):
-            raise ValueError(f"token_dispatcher={self.token_dispatcher!r}, expected 'alltoall' or 'allgather'")
-        for flag in ("distributed_optimizer", "grad_reduce_in_fp32"):
+            raise ValueError(f"megatron.token_dispatcher={self.token_dispatcher!r}, expected 'alltoall' or "
+                             "'allgather'")
+        for flag in ("routing_replay", "recompute", "perform_initialization", "distributed_optimizer",
+                     "grad_reduce_in_fp32"):
             if not isinstance(getattr(self, flag), bool):
-                raise ValueError(f"{flag}={getattr(self, flag)!r}, expected true or false")
-        if self.aux_loss_coeff < 0:
-            raise ValueError(f"aux_loss_coeff={self.aux_loss_coeff}, expected >= 0")
+                raise refuse(f"megatron.{flag}", getattr(self, flag), "true or false")
+        non_negative("megatron.aux_loss_coeff", self.aux_loss_coeff)
+        positive("megatron.init_method_std", self.init_method_std)
 
     @property
     def dtype(self) -> "torch.dtype":

@@ -3,9 +3,10 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field, fields
 from typing import Mapping
+
+from moe_grpo.validate import at_least, between, non_negative, optional_at_least, positive
 
 
 @dataclass(frozen=True)
@@ -40,25 +41,18 @@ class RolloutConfig:
     """The window `max_restarts` counts over (seconds)."""
 
     def __post_init__(self) -> None:
-        if not self.temperature > 0 or not math.isfinite(self.temperature):
-            raise ValueError(f"rollout.temperature={self.temperature}, expected > 0 (groups need distinct samples)")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"rollout.top_p={self.top_p}, expected 0 < top_p <= 1")
-        if self.max_tokens < 1:
-            raise ValueError(f"rollout.max_tokens={self.max_tokens}, expected >= 1")
+        positive("rollout.temperature", self.temperature)  # greedy (0) would give a group identical samples
+        between("rollout.top_p", self.top_p, 0.0, 1.0, low_open=True)
+        at_least("rollout.max_tokens", self.max_tokens, 1)
         if self.on_update not in ("keep", "abort"):
             raise ValueError(f"rollout.on_update={self.on_update!r}, expected 'keep' or 'abort'")
         if self.dtype not in ("float32", "bfloat16"):
             raise ValueError(f"rollout.dtype={self.dtype!r}, expected 'float32' or 'bfloat16'")
-        if self.max_num_seqs < 1 or self.kv_cache_gib < 1:
-            raise ValueError(f"rollout.max_num_seqs={self.max_num_seqs}, rollout.kv_cache_gib={self.kv_cache_gib}: "
-                             "expected >= 1")
-        if not self.request_timeout_s > 0:
-            raise ValueError(f"rollout.request_timeout_s={self.request_timeout_s}, expected > 0")
-        if self.max_restarts < 0:
-            raise ValueError(f"rollout.max_restarts={self.max_restarts}, expected >= 0")
-        if not self.restart_window_s > 0:
-            raise ValueError(f"rollout.restart_window_s={self.restart_window_s}, expected > 0")
+        at_least("rollout.max_num_seqs", self.max_num_seqs, 1)
+        at_least("rollout.kv_cache_gib", self.kv_cache_gib, 1)
+        positive("rollout.request_timeout_s", self.request_timeout_s)
+        at_least("rollout.max_restarts", self.max_restarts, 0)
+        positive("rollout.restart_window_s", self.restart_window_s)
 
 
 @dataclass(frozen=True)
@@ -89,16 +83,12 @@ class ClusterConfig:
     the rank (a dead rank is named at once; a hung collective only by this timeout)."""
 
     def __post_init__(self) -> None:
-        if not self.start_timeout_s > 0 or not self.learner_timeout_s > 0:
-            raise ValueError(f"cluster.start_timeout_s={self.start_timeout_s}, cluster.learner_timeout_s="
-                             f"{self.learner_timeout_s}: expected > 0")
-        if self.num_engines < 1:
-            raise ValueError(f"cluster.num_engines={self.num_engines}, expected >= 1")
-        if self.learner_ranks is not None and self.learner_ranks < 1:
-            raise ValueError(f"cluster.learner_ranks={self.learner_ranks}, expected >= 1 or null")
+        positive("cluster.start_timeout_s", self.start_timeout_s)
+        positive("cluster.learner_timeout_s", self.learner_timeout_s)
+        at_least("cluster.num_engines", self.num_engines, 1)
+        optional_at_least("cluster.learner_ranks", self.learner_ranks, 1)
         for name in ("engine_cpus", "learner_cpus", "engine_gpus", "learner_gpus"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"cluster.{name}={getattr(self, name)}, expected >= 0")
+            non_negative(f"cluster.{name}", getattr(self, name))
 
 
 @dataclass(frozen=True)
@@ -113,10 +103,8 @@ class CheckpointConfig:
     """Write one after the last step too (what a later `steps=` increase with `resume=true` continues from)."""
 
     def __post_init__(self) -> None:
-        if self.every < 0:
-            raise ValueError(f"checkpoint.every={self.every}, expected >= 0 (0 = only on signals and at the end)")
-        if self.keep < 1:
-            raise ValueError(f"checkpoint.keep={self.keep}, expected >= 1")
+        at_least("checkpoint.every", self.every, 0, "(0 = only on signals and at the end)")
+        at_least("checkpoint.keep", self.keep, 1)
 
 
 @dataclass(frozen=True)

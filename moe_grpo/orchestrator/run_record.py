@@ -45,13 +45,13 @@ class RunRecord:
         if resume_step is not None and self.path.exists():
             for line in self.path.read_text().splitlines():
                 try:
-                    row = json.loads(line)
+                    row = _row(line)  # nulls back to NaN, as the rows this process logs hold them
                 except ValueError:  # the interrupted process's last line may be cut short
                     continue
                 if row.get("step", 0) <= resume_step:
                     self.rows.append(row)
             tmp = self.path.with_name(self.path.name + ".tmp")
-            tmp.write_text("".join(json.dumps(r, sort_keys=True, allow_nan=False) + "\n" for r in self.rows))
+            tmp.write_text("".join(_line(r) for r in self.rows))
             tmp.replace(self.path)
         self._file = open(self.path, "a")
         self._tb: Any = None
@@ -78,9 +78,7 @@ class RunRecord:
         if missing:
             raise KeyError(f"step {row.get('step')}: run-record keys {missing} missing")
         clean = {k: (float(v) if isinstance(v, (int, float)) else v) for k, v in row.items()}
-        # A value not measured (NaN) is written as null: strict JSON readers (jq, JavaScript's JSON.parse) refuse NaN.
-        strict = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in clean.items()}
-        self._file.write(json.dumps(strict, sort_keys=True, allow_nan=False) + "\n")
+        self._file.write(_line(clean))
         self._file.flush()
         self.rows.append(clean)
         step = int(row["step"])
@@ -146,10 +144,22 @@ def plot(rows: list[dict[str, float]], path: Path) -> Path:
     return path
 
 
+def _line(row: Mapping[str, Any]) -> str:
+    """A row as one line of strict JSON: a value not measured (NaN, or an infinity) is written as null, because strict
+    readers (jq, JavaScript's JSON.parse) refuse NaN; allow_nan=False makes any other non-finite value an error here
+    rather than a line they cannot read."""
+    strict = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in row.items()}
+    return json.dumps(strict, sort_keys=True, allow_nan=False) + "\n"
+
+
 def read_rows(path: str | Path) -> list[dict[str, Any]]:
     """The rows of a metrics.jsonl, a `null` (a value not measured) read back as NaN, for code that computes."""
     with open(path) as f:
-        return [{k: (float("nan") if v is None else v) for k, v in json.loads(line).items()} for line in f if line.strip()]
+        return [_row(line) for line in f if line.strip()]
+
+
+def _row(line: str) -> dict[str, Any]:
+    return {k: (float("nan") if v is None else v) for k, v in json.loads(line).items()}
 
 
 def _value(row: dict[str, Any], key: str) -> float:

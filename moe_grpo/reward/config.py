@@ -7,6 +7,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from moe_grpo.validate import positive
+
 _DOTTED = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*$")
 
 TASK_REWARDS = {
@@ -52,8 +54,7 @@ class RewardConfig:
                              f"{len(self.fn)} reward.fn; expected one weight per function (or none)")
         if any(not math.isfinite(w) for w in self.weights):
             raise ValueError(f"reward.weights={list(self.weights)}, expected finite numbers")
-        if not self.timeout_s > 0 or not math.isfinite(self.timeout_s):
-            raise ValueError(f"reward.timeout_s={self.timeout_s}, expected > 0")
+        positive("reward.timeout_s", self.timeout_s)
 
     def resolved(self, task_name: str) -> tuple[tuple[str, ...], tuple[float, ...]]:
         """(functions, weights) with the task's default filled in."""

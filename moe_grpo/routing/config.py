@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from moe_grpo.validate import at_least, between, refuse
+
 REPLAY_MODES = ("r3", "r2", "off")
 """`routing.replay` (verl `router_replay.mode`: R3 / R2)."""
 
@@ -45,16 +47,12 @@ class RoutingConfig:
             hint = " (the old replay=true is r3, replay=false is off)" if isinstance(self.replay, bool) else ""
             raise ValueError(f"routing.replay={self.replay!r}, expected one of {list(REPLAY_MODES)}{hint}")
         if not self.jump_factor >= 0 or not math.isfinite(self.jump_factor) or 0 < self.jump_factor <= 1:
-            raise ValueError(f"routing.jump_factor={self.jump_factor}, expected 0 (off) or > 1")
+            raise refuse("routing.jump_factor", self.jump_factor, "0 (off) or a number > 1")
         if self.on_jump not in ("warn", "rollback"):
             raise ValueError(f"routing.on_jump={self.on_jump!r}, expected 'warn' or 'rollback'")
-        if self.jump_sustain < 1 or self.max_rollbacks < 0:
-            raise ValueError(f"routing.jump_sustain={self.jump_sustain}, routing.max_rollbacks={self.max_rollbacks}: "
-                             "expected >= 1 and >= 0")
-        if not 0 < self.rollback_lr_factor <= 1:
-            raise ValueError(f"routing.rollback_lr_factor={self.rollback_lr_factor}, expected 0 < factor <= 1")
-        if self.probe_prompts < 0 or self.probe_every < 0:
-            raise ValueError(f"routing.probe_prompts={self.probe_prompts}, routing.probe_every={self.probe_every}: "
-                             "expected >= 0 (0 turns the probe off)")
-        if self.jump_window < 5:
-            raise ValueError(f"routing.jump_window={self.jump_window}, expected >= 5")
+        at_least("routing.jump_sustain", self.jump_sustain, 1)
+        at_least("routing.max_rollbacks", self.max_rollbacks, 0)
+        between("routing.rollback_lr_factor", self.rollback_lr_factor, 0.0, 1.0, low_open=True)
+        at_least("routing.probe_prompts", self.probe_prompts, 0, "(0 = no probe)")
+        at_least("routing.probe_every", self.probe_every, 0, "(0 = no probe)")
+        at_least("routing.jump_window", self.jump_window, 5, "(the warning starts once 5 steps are in)")

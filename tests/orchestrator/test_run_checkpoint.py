@@ -183,3 +183,9 @@ def test_the_run_record_writes_null_for_values_not_measured_and_strict_readers_a
     if shutil.which("jq"):
         out = subprocess.run(["jq", "-c", ".step"], input="\n".join(lines), capture_output=True, text=True)
         assert out.returncode == 0 and out.stdout.split() in (["1.0", "2.0"], ["1", "2"]), out.stderr
+    # A resumed run keeps the rows up to its checkpoint: read back as NaN, written again as null.
+    resumed = RunRecord(tmp_path, 2, progress=False, resume_step=1)
+    assert len(resumed.rows) == 1 and math.isnan(resumed.rows[0]["kl/reference"])
+    assert resumed.close() is not None  # the PNG is drawn from rows that hold NaN
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert len(lines) == 1 and json.loads(lines[0], parse_constant=refuse)["kl/reference"] is None

@@ -1,0 +1,51 @@
+"""Range checks the config sections share, each raising one message shape: `<key>=<value!r>: expected <what>`.
+
+Types are checked before a section sees its values (config.py `checked_types`), so these assume numbers; they
+still refuse NaN and infinity themselves because a dataclass may also be built directly in code.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+
+def refuse(key: str, value: Any, expected: str) -> ValueError:
+    """The error every check raises: the key (with its section), the value as written and what was expected."""
+    return ValueError(f"{key}={value!r}: expected {expected}")
+
+
+def _finite(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def positive(key: str, value: Any) -> None:
+    """A finite number > 0 (timeouts, learning rates, widths)."""
+    if not (_finite(value) and value > 0):
+        raise refuse(key, value, "a number > 0")
+
+
+def non_negative(key: str, value: Any) -> None:
+    """A finite number >= 0 (coefficients where 0 turns the term off, resources, penalties)."""
+    if not (_finite(value) and value >= 0):
+        raise refuse(key, value, "a number >= 0")
+
+
+def at_least(key: str, value: Any, low: int, note: str = "") -> None:
+    """An integer >= `low` (counts); `note` says what the smallest values mean, e.g. '(0 = off)'."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise refuse(key, value, f"an integer >= {low}" + (f" {note}" if note else ""))
+
+
+def optional_at_least(key: str, value: Any, low: int) -> None:
+    """None, or an integer >= `low`."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < low):
+        raise refuse(key, value, f"an integer >= {low} or null")
+
+
+def between(key: str, value: Any, low: float, high: float, *, low_open: bool = False, high_open: bool = False) -> None:
+    """A finite number in [low, high]; `low_open` / `high_open` exclude that end (e.g. 0 < top_p <= 1)."""
+    ok = _finite(value) and (value > low if low_open else value >= low) and (value < high if high_open else
+                                                                             value <= high)
+    if not ok:
+        raise refuse(key, value, f"a number {'>' if low_open else '>='} {low:g} and {'<' if high_open else '<='} {high:g}")
