@@ -16,6 +16,10 @@ class RolloutConfig:
     """Nucleus sampling mass."""
     max_tokens: int = 16
     """Longest completion in tokens (verl response_length, TRL max_completion_length)."""
+    max_model_len: int = 0
+    """The engines' context in tokens (vLLM max_model_len); 0 = the longest prompt plus `max_tokens`. Either way it
+    must fit the model's max_position_embeddings, and a run whose longest prompt plus `max_tokens` does not fit is
+    refused at start (see rollout/context.py)."""
     on_update: str = "keep"
     """What a weight update does to requests in flight: 'keep' (pause, load, resume on the new weights)
     or 'abort' (abort and resubmit prompt + tokens so far, AReaL's way)."""
@@ -41,6 +45,9 @@ class RolloutConfig:
             raise ValueError(f"rollout.top_p={self.top_p}, expected 0 < top_p <= 1")
         if self.max_tokens < 1:
             raise ValueError(f"rollout.max_tokens={self.max_tokens}, expected >= 1")
+        if self.max_model_len < 0:
+            raise ValueError(f"rollout.max_model_len={self.max_model_len}, expected >= 0 (0 = the longest prompt "
+                             "plus max_tokens)")
         if self.on_update not in ("keep", "abort"):
             raise ValueError(f"rollout.on_update={self.on_update!r}, expected 'keep' or 'abort'")
         if self.dtype not in ("float32", "bfloat16"):

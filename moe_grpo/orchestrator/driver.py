@@ -571,7 +571,7 @@ def train(run: Any, run_dir: str | Path, *, learner_cls: type | None = None) -> 
     import shutil
 
     from moe_grpo.checkpoint import hf_init
-    from moe_grpo.data.prompts import prompt_source
+    from moe_grpo.data.prompts import engine_context, prompt_source
     from moe_grpo.data.tokenizer import load_tokenizer
     from moe_grpo.orchestrator import run_checkpoint
     from moe_grpo.orchestrator.pools import start_pools, start_ray, stop_pools
@@ -582,6 +582,8 @@ def train(run: Any, run_dir: str | Path, *, learner_cls: type | None = None) -> 
     run_dir = str(Path(run_dir).resolve())
     tokenizer = load_tokenizer(run.model, run.init.hf)
     source = prompt_source(run, tokenizer, np.random.default_rng(run.seed), run_dir)  # bad rows reported here
+    # The engines' context, decided once from the prompts (a run that cannot fit them stops here, not mid-run).
+    run = dataclasses.replace(run, rollout=dataclasses.replace(run.rollout, max_model_len=engine_context(run, source)))
     state = RunState(bad_rows=source.bad_rows)
     saved, resume_from = None, None
     if run.resume:
