@@ -27,7 +27,13 @@ ROWS = "evaluation_rows.jsonl"
 
 
 def evaluate(cfg: EvaluateConfig, out_dir: str | Path, *, progress: bool = True) -> dict[str, Any]:
-    """Score `cfg.policy`; writes `SUMMARY` and `ROWS` under `out_dir` and returns the summary."""
+    """Score `cfg.policy`; writes `SUMMARY` and `ROWS` (and vLLM's log, `engine.log`) under `out_dir` and returns
+    the summary."""
+    from moe_grpo.orchestrator.logs import quiet_vllm
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    quiet_vllm(out)  # before vLLM is imported: its log goes to out_dir/engine.log, the console keeps the bar
     from tqdm import tqdm
 
     from moe_grpo.checkpoint.hf_init import InitConfig
@@ -71,8 +77,6 @@ def evaluate(cfg: EvaluateConfig, out_dir: str | Path, *, progress: bool = True)
     finally:
         engine.shutdown()
         rewards.close()
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     with open(out / ROWS, "w") as f:
         f.writelines(json.dumps(row) + "\n" for row in rows)
     summary.update(policy=str(Path(cfg.policy).resolve()), bad_rows=source.bad_rows, max_model_len=context,
