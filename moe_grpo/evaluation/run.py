@@ -56,10 +56,12 @@ def evaluate(cfg: EvaluateConfig, out_dir: str | Path, *, progress: bool = True)
     greedy = sampling_settings(cfg, tokenizer, greedy=True)
     rewards = Rewards(*cfg.reward.resolved(cfg.task.name), timeout_s=cfg.reward.timeout_s)
     r = cfg.rollout
-    engine = VllmEngine(cfg.policy, spec, max_model_len=context, max_num_seqs=r.max_num_seqs,
-                        kv_cache_gib=r.kv_cache_gib, dtype=r.dtype, seed=cfg.seed, capture=False,
-                        request_timeout_s=r.request_timeout_s, name="evaluate")
+    engine = None
     try:
+        # No routing capture: evaluation trains nothing, and the hooks only record what the routers chose.
+        engine = VllmEngine(cfg.policy, spec, max_model_len=context, max_num_seqs=r.max_num_seqs,
+                            kv_cache_gib=r.kv_cache_gib, dtype=r.dtype, seed=cfg.seed, capture=False,
+                            request_timeout_s=r.request_timeout_s, name="evaluate")
         requests = {}
         for i, e in enumerate(examples):
             requests[engine.submit(e.prompt_ids, greedy)] = (i, "greedy")
@@ -75,7 +77,8 @@ def evaluate(cfg: EvaluateConfig, out_dir: str | Path, *, progress: bool = True)
                 bar.update()
         rows, summary = _score(cfg, tokenizer, rewards, examples, done)
     finally:
-        engine.shutdown()
+        if engine is not None:
+            engine.shutdown()
         rewards.close()
     with open(out / ROWS, "w") as f:
         f.writelines(json.dumps(row) + "\n" for row in rows)
