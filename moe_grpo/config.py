@@ -96,6 +96,9 @@ class RunConfig:
         if self.task.name in DATASET_TASKS and not self.data.train_path:
             raise ValueError(f"task.name={self.task.name!r} reads its prompts from a dataset; set data.train_path "
                              "(a .jsonl or .parquet file in its format)")
+        if self.data.eval_path is not None and self.data.train_path is None:  # `evaluate` takes eval_path alone
+            raise ValueError(f"data.eval_path={self.data.eval_path!r} without data.train_path: held-out rows need "
+                             "training rows of the same format")
         at_least("warm_start_steps", self.warm_start_steps, 0)
         at_least("eval_every", self.eval_every, 0, "(0 = never)")
 

@@ -18,8 +18,8 @@ class DataConfig:
     """Training prompts: a JSON Lines file (.jsonl, one object per line) or a Parquet file (.parquet); None = the
     built-in task's generator. Rows are drawn in a fresh shuffled order every pass (seeded by `learner.seed`)."""
     eval_path: str | None = None
-    """Held-out prompts (same format), scored greedily every `eval_every` steps; None with `train_path` set = no
-    held-out evaluation."""
+    """Held-out prompts (same format), scored greedily every `eval_every` steps (a training run needs `train_path`
+    with it) and by `python -m moe_grpo.evaluate`; None with `train_path` set = no held-out evaluation."""
     prompt_key: str | None = None
     """Field holding the prompt; None = 'question' for task.name=gsm8k, else 'prompt'. Every other field of the row
     is handed to the reward function as a keyword argument."""
@@ -38,9 +38,6 @@ class DataConfig:
                 raise ValueError(f"data.{name}={path!r}, expected a file path or null")
             if Path(path).suffix.lower() not in SUFFIXES:
                 raise ValueError(f"data.{name}={path!r}: expected a file ending in one of {list(SUFFIXES)}")
-        if self.eval_path is not None and self.train_path is None:
-            raise ValueError(f"data.eval_path={self.eval_path!r} without data.train_path: held-out rows need "
-                             "training rows of the same format")
         if self.prompt_key is not None and not self.prompt_key:
             raise ValueError("data.prompt_key='', expected a field name or null")
         if not self.answer_key:

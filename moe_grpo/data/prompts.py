@@ -41,6 +41,14 @@ class PromptSource:
     def bad_rows(self) -> int:
         return len(self.bad)
 
+    def longest_prompt(self) -> tuple[int, str]:
+        """(tokens, where) of the longest prompt this source can give: what the engines' context must hold."""
+        examples = self.held_out + list(getattr(self, "train", []))
+        if not examples:
+            return 0, ""
+        e = max(examples, key=lambda x: len(x.prompt_ids))
+        return len(e.prompt_ids), e.where
+
     def probe_set(self, n: int) -> list[Example]:
         """`n` fixed prompts for the mismatch probe: the first of the held-out set (of the training rows when
         there is none; the probe trains on nothing, so either is fine)."""
@@ -57,6 +65,16 @@ class TaskPrompts(PromptSource):
 
     def take(self, n: int) -> list[Example]:
         return make_examples(self.task, self.tokenizer, self.rng, n)
+
+    def longest_prompt(self) -> tuple[int, str]:
+        # The generator's longest strings have task.max_len letters; the byte tokenizer gives every string of one
+        # length the same number of tokens, a checkpoint's own may not, so the held-out prompts count too.
+        from moe_grpo.data.tasks import MARKERS
+
+        letters = (self.task.alphabet * self.task.max_len)[:self.task.max_len]
+        generated = len(self.tokenizer.encode(letters + MARKERS[self.task.name]))
+        held_out, where = super().longest_prompt()
+        return (generated, f"task.max_len={self.task.max_len}") if generated >= held_out else (held_out, where)
 
 
 class DatasetPrompts(PromptSource):
@@ -104,7 +122,7 @@ def required_fields(run: Any) -> list[str]:
     """Fields every row must have: the prompt, and the answer when a built-in reward or a warm start reads it
     (or the task's format has one: GSM8K)."""
     fields = [run.data.resolved_prompt_key(run.task.name)]
-    if not run.reward.fn or run.warm_start_steps > 0 or run.task.name == "gsm8k":
+    if not run.reward.fn or getattr(run, "warm_start_steps", 0) > 0 or run.task.name == "gsm8k":
         fields.append(run.data.answer_key)
     return fields
 
@@ -115,15 +133,7 @@ def prompt_source(run: Any, tokenizer: Any, rng: np.random.Generator, run_dir: s
     Bad rows are logged with their line numbers and, when `run_dir` is given, listed in `run_dir/bad_rows.txt`."""
     if not run.data.train_path:
         return TaskPrompts(run.task, tokenizer, rng)
-    check = None
-    if run.task.name == "gsm8k":
-        from moe_grpo.reward.math_answer import gsm8k_row_problem
-
-        answer_key = run.data.answer_key
-
-        def check(row: dict[str, Any]) -> str | None:
-            return gsm8k_row_problem(row, answer_key)
-
+    check = _row_check(run)
     needed = required_fields(run)
     train = read_rows(run.data.train_path, needed, check)
     held_out = read_rows(run.data.eval_path, needed, check) if run.data.eval_path else None
@@ -133,15 +143,42 @@ def prompt_source(run: Any, tokenizer: Any, rng: np.random.Generator, run_dir: s
              source.bad_rows)
     if run_dir is not None and source.bad:
         Path(run_dir, "bad_rows.txt").write_text("".join(f"{b}\n" for b in source.bad))
-    too_long = [e.where for e in source.train + source.held_out if len(e.prompt_ids) >= _context(run)]
-    if too_long:
-        log.warning("data: %d prompt(s) are as long as the engine's context (%d tokens) and will be refused, "
-                    "e.g. %s", len(too_long), _context(run), too_long[0])
     return source
 
 
-def _context(run: Any) -> int:
-    return min(run.model.max_position_embeddings, 512)  # the engine actor's max_model_len
+def _row_check(run: Any) -> Any:
+    """What makes a row bad beyond a missing field (GSM8K: an answer without a parsable `#### N`), or None."""
+    if run.task.name != "gsm8k":
+        return None
+    from moe_grpo.reward.math_answer import gsm8k_row_problem
+
+    answer_key = run.data.answer_key
+
+    def check(row: dict[str, Any]) -> str | None:
+        return gsm8k_row_problem(row, answer_key)
+
+    return check
+
+
+def held_out_source(run: Any, tokenizer: Any) -> PromptSource:
+    """The held-out set alone, as a training run builds it (what `python -m moe_grpo.evaluate` scores): the rows of
+    `data.eval_path` (at most `data.eval_size`), else the built-in task's held-out set. `run` needs `task`, `data`
+    and `reward`."""
+    if not run.data.eval_path:
+        return TaskPrompts(run.task, tokenizer, np.random.default_rng(0))
+    needed = required_fields(run)
+    rows = read_rows(run.data.eval_path, needed, _row_check(run))
+    return DatasetPrompts(Rows(run.data.eval_path), rows, tokenizer, np.random.default_rng(0), needed[0],
+                          run.data.answer_key, run.data.eval_size)
+
+
+def engine_context(run: Any, source: PromptSource) -> int:
+    """The engines' context (`rollout.max_model_len`, 0 = auto) for this run's prompts; refuses a run whose longest
+    prompt plus `rollout.max_tokens` does not fit, naming the numbers (rollout/context.py)."""
+    from moe_grpo.rollout.context import context_length
+
+    longest, where = source.longest_prompt()
+    return context_length(run.rollout, run.model.max_position_embeddings, longest, where)
 
 
 def group_fields(example: Example, n: int) -> dict[str, list[Any]]:

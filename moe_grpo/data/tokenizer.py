@@ -192,3 +192,16 @@ def load_tokenizer(spec: Any, hf_dir: str | None) -> ByteTokenizer | HFTokenizer
     if hf_dir:
         return HFTokenizer(hf_dir, spec.vocab_size)
     return ByteTokenizer(spec.vocab_size)
+
+
+def policy_tokenizer(spec: Any, directory: str | Path) -> ByteTokenizer | HFTokenizer:
+    """The tokenizer a policy directory was trained with: the byte tokenizer when its tokenizer.json is the one
+    `write_tokenizer` writes (a run that did not start from `init.hf`; encoding then matches the run's exactly),
+    else the directory's own (as `init.hf` loads it)."""
+    path = Path(directory) / "tokenizer.json"
+    try:
+        written = json.loads(json.dumps(tokenizer_json(spec.vocab_size)))  # as stored: lists, string keys
+        ours = path.is_file() and json.loads(path.read_text()) == written
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        ours = False
+    return ByteTokenizer(spec.vocab_size) if ours else HFTokenizer(directory, spec.vocab_size)

@@ -22,6 +22,10 @@ class RolloutConfig:
     does not truncate: the ratio then also carries the truncation."""
     max_tokens: int = 16
     """Longest completion in tokens (verl response_length, TRL max_completion_length)."""
+    max_model_len: int = 0
+    """The engines' context in tokens (vLLM max_model_len); 0 = the longest prompt plus `max_tokens`. Either way it
+    must fit the model's max_position_embeddings, and a run whose longest prompt plus `max_tokens` does not fit is
+    refused at start (see rollout/context.py)."""
     on_update: str = "keep"
     """What a weight update does to requests in flight: 'keep' (pause, load, resume on the new weights)
     or 'abort' (abort and resubmit prompt + tokens so far, AReaL's way)."""
@@ -44,6 +48,7 @@ class RolloutConfig:
         positive("rollout.temperature", self.temperature)  # greedy (0) would give a group identical samples
         between("rollout.top_p", self.top_p, 0.0, 1.0, low_open=True)
         at_least("rollout.max_tokens", self.max_tokens, 1)
+        at_least("rollout.max_model_len", self.max_model_len, 0, "(0 = the longest prompt plus max_tokens)")
         if self.on_update not in ("keep", "abort"):
             raise ValueError(f"rollout.on_update={self.on_update!r}, expected 'keep' or 'abort'")
         if self.dtype not in ("float32", "bfloat16"):

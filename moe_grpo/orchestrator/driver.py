@@ -262,8 +262,10 @@ class Driver:
                                f"last: {metrics.get('error')}; {self._checkpoint_hint()}")
 
     def publish(self, metrics: dict[str, float]) -> None:
-        """Every `sync_every` steps: the learner ranks publish the step's weights, the engines are offered them."""
-        if metrics.get("skipped") or self.state.step % self.run.algo.sync_every:
+        """Every `sync_every` steps, and after the last step: the learner ranks publish the step's weights, the
+        engines are offered them (the final evaluation and the exported policy are then the last step's weights)."""
+        last = self.state.step == self.run.steps
+        if not last and (metrics.get("skipped") or self.state.step % self.run.algo.sync_every):
             return
         self.state.published = self.state.step
         probe = self._probe_due(self.state.published)
@@ -281,11 +283,15 @@ class Driver:
             self.evaluate()
 
     def evaluate(self) -> None:
-        """Greedy reward on the held-out set, spread over the engines (groups keep arriving meanwhile)."""
+        """Greedy reward on the held-out set, spread over the engines (groups keep arriving meanwhile), of the
+        newest published weights: it first waits until every engine serves them (in async mode a publish is only
+        offered, and an engine still loading would score the version before; `python -m moe_grpo.evaluate` on
+        the exported policy reproduces the final score only if the run's evaluation is of that version)."""
         import ray
 
         from moe_grpo.reward.scoring import score_held_out
 
+        self.engines.settle(block=True)
         examples = self.source.held_out
         self.eval_results = {}
         for i, example in enumerate(examples):
@@ -571,7 +577,7 @@ def train(run: Any, run_dir: str | Path, *, learner_cls: type | None = None) -> 
     import shutil
 
     from moe_grpo.checkpoint import hf_init
-    from moe_grpo.data.prompts import prompt_source
+    from moe_grpo.data.prompts import engine_context, prompt_source
     from moe_grpo.data.tokenizer import load_tokenizer
     from moe_grpo.orchestrator import run_checkpoint
     from moe_grpo.orchestrator.pools import start_pools, start_ray, stop_pools
@@ -584,6 +590,8 @@ def train(run: Any, run_dir: str | Path, *, learner_cls: type | None = None) -> 
     run_dir = str(Path(run_dir).resolve())
     tokenizer = load_tokenizer(run.model, run.init.hf)
     source = prompt_source(run, tokenizer, np.random.default_rng(run.seed), run_dir)  # bad rows reported here
+    # The engines' context, decided once from the prompts (a run that cannot fit them stops here, not mid-run).
+    run = dataclasses.replace(run, rollout=dataclasses.replace(run.rollout, max_model_len=engine_context(run, source)))
     state = RunState(bad_rows=source.bad_rows)
     saved, resume_from = None, None
     if run.resume:

@@ -20,11 +20,12 @@ class EngineWorker:
             os.environ["OMP_NUM_THREADS"] = str(len(cpus))
         quiet_vllm(run_dir)
         quiet_libraries()
+        from moe_grpo.rollout.context import context_length
         from moe_grpo.rollout.vllm_engine import VllmEngine
         from moe_grpo.sync.transport import SharedMemoryTransport
 
         self.name, self.rollout = name, rollout
-        self.engine = VllmEngine(model_dir, spec, max_model_len=min(spec.max_position_embeddings, 512),
+        self.engine = VllmEngine(model_dir, spec, max_model_len=context_length(rollout, spec.max_position_embeddings),
                                  max_num_seqs=rollout.max_num_seqs, kv_cache_gib=rollout.kv_cache_gib,
                                  dtype=rollout.dtype, on_update=rollout.on_update, seed=seed,
                                  request_timeout_s=rollout.request_timeout_s, name=name)

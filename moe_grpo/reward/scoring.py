@@ -34,10 +34,16 @@ def score_group(rewards: Any, tokenizer: Any, example: Any, completions: Sequenc
     return kept, scores.rewards[kept], int(failed.sum())
 
 
-def score_held_out(rewards: Any, tokenizer: Any, examples: Sequence[Any], token_ids: Sequence[Sequence[int]]) -> float:
-    """Mean reward of one greedy completion per held-out example; a failed reward counts as 0."""
+def held_out_rewards(rewards: Any, tokenizer: Any, examples: Sequence[Any],
+                     token_ids: Sequence[Sequence[int]]) -> np.ndarray:
+    """The reward of one greedy completion per held-out example; a failed reward counts as 0."""
     texts = [tokenizer.completion_text(ids) for ids in token_ids]
     scores = rewards.score([e.prompt for e in examples], texts, batch_fields(examples))
     if scores.failed.any():
         _report(rewards, "the held-out set", int(scores.failed.sum()), len(texts), scores.errors)
-    return float(np.mean(np.where(scores.failed, 0.0, scores.rewards)))
+    return np.where(scores.failed, 0.0, scores.rewards)
+
+
+def score_held_out(rewards: Any, tokenizer: Any, examples: Sequence[Any], token_ids: Sequence[Sequence[int]]) -> float:
+    """Mean reward of one greedy completion per held-out example (the run's `eval/reward/mean`)."""
+    return float(np.mean(held_out_rewards(rewards, tokenizer, examples, token_ids)))

@@ -1,0 +1,44 @@
+"""Entry point: `python -m moe_grpo.evaluate policy=DIR [overrides...]`: greedy accuracy and pass@k of a policy.
+
+Composes conf/evaluate.yaml over `EvaluateConfig` (moe_grpo/evaluation/config.py) and hands it to
+`evaluation.run.evaluate`. torch and vLLM are imported only after the config is composed, so `--help` and config
+errors answer at once.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import hydra
+from hydra.core.config_store import ConfigStore
+from omegaconf import DictConfig
+
+
+@hydra.main(version_base="1.3", config_path="../conf", config_name="evaluate")
+def main(cfg: DictConfig) -> None:
+    from hydra.core.hydra_config import HydraConfig
+
+    from moe_grpo.evaluation.config import from_hydra
+    from moe_grpo.evaluation.run import SUMMARY, evaluate
+
+    config = from_hydra(cfg)
+    out_dir = config.output or HydraConfig.get().runtime.output_dir
+    summary = evaluate(config, out_dir)
+    passes = "".join(f", pass@{k} {summary[f'pass@{k}']:.3f}" for k in config.pass_k if f"pass@{k}" in summary)
+    print(f"[moe_grpo] {summary['rows']} prompts of {summary['dataset']}: greedy accuracy "
+          f"{summary['greedy']['accuracy']:.3f} (reward mean {summary['greedy']['reward_mean']:.3f})"
+          f"{passes}{f' ({config.samples} samples per prompt)' if config.samples else ''}; "
+          f"{out_dir}/{SUMMARY}", file=sys.stderr)
+
+
+def cli() -> None:
+    from moe_grpo.evaluation.config import defaults_tree
+    from moe_grpo.orchestrator.logs import quiet_libraries
+
+    quiet_libraries()
+    ConfigStore.instance().store(name="evaluate_defaults", node=defaults_tree())
+    main()
+
+
+if __name__ == "__main__":
+    cli()

@@ -1,0 +1,34 @@
+"""The engine's context length (vLLM's `max_model_len`): from `rollout.max_model_len`, or the prompts and `max_tokens`.
+
+One function decides it, so the engines, the prompt checks and the evaluation command agree on what fits.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def context_length(rollout: Any, model_limit: int, longest_prompt: int | None = None, where: str = "") -> int:
+    """The context an engine is started with, in tokens.
+
+    `rollout.max_model_len` > 0 is taken as given; 0 (auto) is `longest_prompt + rollout.max_tokens`, or
+    `model_limit` when the prompts are not known. Refused (ValueError naming the numbers) when it exceeds
+    `model_limit` (the model's `max_position_embeddings`) or when the longest prompt plus `rollout.max_tokens`
+    does not fit in it: completions would be cut short of `max_tokens` without anyone noticing.
+    `where`: which prompt is the longest (a dataset's `file:line`), for the message."""
+    if model_limit < 1:
+        raise ValueError(f"the model's max_position_embeddings is {model_limit}, expected >= 1")
+    if rollout.max_model_len > model_limit:
+        raise ValueError(f"rollout.max_model_len={rollout.max_model_len} exceeds the model's context "
+                         f"(max_position_embeddings={model_limit})")
+    if longest_prompt is None:
+        return rollout.max_model_len or model_limit
+    need = longest_prompt + rollout.max_tokens
+    limit = rollout.max_model_len or model_limit
+    if need > limit:
+        source = (f"rollout.max_model_len={rollout.max_model_len}" if rollout.max_model_len
+                  else f"the model's context (max_position_embeddings={model_limit})")
+        raise ValueError(f"the longest prompt ({longest_prompt} tokens{', ' + where if where else ''}) plus "
+                         f"rollout.max_tokens={rollout.max_tokens} needs {need} tokens, more than {source}; "
+                         "shorten the prompts or lower rollout.max_tokens")
+    return rollout.max_model_len or need

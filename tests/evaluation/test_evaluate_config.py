@@ -1,0 +1,61 @@
+"""`python -m moe_grpo.evaluate`: its config refuses what cannot be evaluated, naming the value; --help is instant."""
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from moe_grpo.evaluation.config import EvaluateConfig, defaults_tree, from_hydra
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.fixture
+def policy(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    return str(tmp_path)
+
+
+def test_defaults_and_overrides_convert(policy):
+    tree = defaults_tree()
+    tree.update(policy=policy, samples=4, pass_k=[1, 4])
+    tree["rollout"] = {**tree["rollout"], "max_tokens": 32}
+    cfg = from_hydra(tree)
+    assert cfg.samples == 4 and cfg.pass_k == (1, 4) and cfg.rollout.max_tokens == 32 and cfg.task.name == "reverse"
+
+
+@pytest.mark.parametrize("change,message", [
+    (dict(policy=None), "policy is not set"),
+    (dict(policy="/nonexistent/policy"), "policy='/nonexistent/policy': expected a model directory with a config.json"),
+    (dict(samples=4, pass_k=(1, 8)), r"pass_k=\[1, 8\] with samples=4: expected 1 <= k <= samples"),
+    (dict(samples=-1), "samples=-1, expected >= 0"),
+])
+def test_bad_values_are_refused_by_name(policy, change, message):
+    with pytest.raises(ValueError, match=message):
+        EvaluateConfig(**{"policy": policy, **change})
+
+
+def test_dataset_choices_are_checked(policy):
+    from moe_grpo.data.config import DataConfig
+    from moe_grpo.data.tasks import TaskConfig
+
+    with pytest.raises(ValueError, match="task.name='gsm8k' has no built-in held-out set; set data.eval_path"):
+        EvaluateConfig(policy=policy, task=TaskConfig(name="gsm8k"))
+    with pytest.raises(ValueError, match="data.train_path='t.jsonl': evaluate does not read training rows"):
+        EvaluateConfig(policy=policy, data=DataConfig(train_path="t.jsonl"))
+    assert EvaluateConfig(policy=policy, data=DataConfig(eval_path="e.jsonl")).data.eval_path == "e.jsonl"
+    with pytest.raises(ValueError, match=r"unknown key\(s\) \['steps'\]"):
+        from_hydra({**defaults_tree(), "policy": policy, "steps": 3})
+
+
+def test_help_lists_the_keys_without_importing_torch():
+    t0 = time.perf_counter()
+    out = subprocess.run([sys.executable, "-X", "importtime", "-m", "moe_grpo.evaluate", "--help"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "pass_k:" in out.stdout and "policy: null" in out.stdout and "max_model_len: 0" in out.stdout
+    imported = {line.rsplit("|", 1)[-1].strip().split(".")[0] for line in out.stderr.splitlines() if "|" in line}
+    assert not imported & {"torch", "vllm", "ray", "megatron"}, "heavy imports before the config is read"
+    assert time.perf_counter() - t0 < 120
