@@ -30,7 +30,7 @@ def test_prompts_plus_max_tokens_that_cannot_fit_are_refused_with_the_numbers():
     with pytest.raises(ValueError, match=r"rollout.max_model_len=8192 exceeds the model's context "
                                          r"\(max_position_embeddings=4096\)"):
         context_length(RolloutConfig(max_model_len=8192), 4096, longest_prompt=7)
-    with pytest.raises(ValueError, match="rollout.max_model_len=-1, expected >= 0"):
+    with pytest.raises(ValueError, match="rollout.max_model_len=-1: expected an integer >= 0"):
         RolloutConfig(max_model_len=-1)
 
 
