@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -86,12 +87,21 @@ def _cores(cluster: Any, index: int, per: float, offset: int) -> list[int] | Non
     return available[first : first + n]
 
 
-def _rendezvous() -> tuple[str, int]:
+def _rendezvous(single_host: bool) -> tuple[str, int]:
+    """Where learner rank 0 serves the run's store: loopback when the whole run is on one host (no other host needs
+    to reach it), this node's address otherwise."""
     import ray
 
     from moe_grpo.learner.spawn import free_port
 
-    return ray.util.get_node_ip_address(), free_port()
+    return ("127.0.0.1" if single_host else ray.util.get_node_ip_address()), free_port()
+
+
+def single_host() -> bool:
+    """Whether the Ray cluster is this one machine (then every run port binds to loopback)."""
+    import ray
+
+    return len([n for n in ray.nodes() if n.get("Alive")]) == 1
 
 
 def start_pools(run: Any, run_dir: str, sync_root: str, model_dir_fn: Any, learner_cls: type | None = None) -> Pools:
@@ -116,11 +126,14 @@ def start_pools(run: Any, run_dir: str, sync_root: str, model_dir_fn: Any, learn
     def at(i: int) -> Any:
         return PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=i)
 
-    addr, port = ray.get(ray.remote(num_cpus=0)(_rendezvous).options(scheduling_strategy=at(c.num_engines)).remote())
+    addr, port = ray.get(ray.remote(num_cpus=0)(_rendezvous).options(scheduling_strategy=at(c.num_engines))
+                         .remote(single_host()))
+    secret = secrets.token_hex(32)  # the run's rendezvous secret, handed to the ranks as an actor argument
     learner_cls = ray.remote(learner_cls or LearnerWorker)
     learners = [learner_cls.options(num_cpus=c.learner_cpus, num_gpus=c.learner_gpus, scheduling_strategy=at(c.num_engines + r),
                                     name=None).remote(r, world, addr, port, run, sync_root,
-                                                      _cores(c, r, c.learner_cpus, int(c.engine_cpus) * c.num_engines))
+                                                      _cores(c, r, c.learner_cpus, int(c.engine_cpus) * c.num_engines),
+                                                      secret)
                 for r in range(world)]
     try:
         infos = ray.get([a.info.remote() for a in learners], timeout=c.start_timeout_s)

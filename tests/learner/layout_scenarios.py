@@ -186,7 +186,8 @@ def die_while_publishing(root: str, version: int, after_buckets: int) -> None:
     WeightSync(learner, Dying(root), max_bucket_bytes=1 << 16).sync(version)
 
 
-def relay_receive(host: str, port: int, world: int, rank: int, root: str, die_after_buckets: int = -1) -> list:
+def relay_receive(host: str, port: int, world: int, secret: str, rank: int, root: str,
+                  die_after_buckets: int = -1) -> list:
     """A relay receiver on an 'engine host': returns the versions it got until the sender closed.
 
     With die_after_buckets >= 0 it is killed (SIGKILL) after receiving that many buckets."""
@@ -205,7 +206,7 @@ def relay_receive(host: str, port: int, world: int, rank: int, root: str, die_af
             self.got += 1
             return super().raw_bucket(slot, bucket, writable)
 
-    receiver = RelayReceiver(Dying(root), RelayGroup(host, port, world, timeout_s=30), rank)
+    receiver = RelayReceiver(Dying(root), RelayGroup(host, port, world, secret, timeout_s=30), rank)
     versions = []
     while (v := receiver.receive()) is not None:
         versions.append(v)
