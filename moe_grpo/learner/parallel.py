@@ -77,6 +77,9 @@ environment, which only its user can read)."""
 
 _store_server: Any = None
 """Rank 0's `RunStoreServer`, kept for the life of the process group."""
+_store_client: Any = None
+"""This rank's `RunStore`, kept alive here: torch holds only the C++ half of a Python store, and its Python methods
+vanish with the last Python reference (new_group then fails with "Not implemented")."""
 
 
 def init_distributed(layout: ParallelLayout, *, timeout_s: float = 300.0) -> None:
@@ -135,7 +138,7 @@ def init_distributed(layout: ParallelLayout, *, timeout_s: float = 300.0) -> Non
 
 def _run_store(secret: str, timeout: datetime.timedelta) -> Any:
     """This rank's client of the run's store; rank 0 serves it first, on MASTER_ADDR only (not every interface)."""
-    global _store_server
+    global _store_server, _store_client
     from moe_grpo.learner.rendezvous import RunStore, RunStoreServer
 
     host, port = os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ["MASTER_PORT"])
@@ -143,7 +146,8 @@ def _run_store(secret: str, timeout: datetime.timedelta) -> Any:
         if _store_server is not None:
             _store_server.close()
         _store_server = RunStoreServer(host, port, secret)
-    return RunStore(host, port, secret, timeout)
+    _store_client = RunStore(host, port, secret, timeout)
+    return _store_client
 
 
 def seed_everything(seed: int) -> None:

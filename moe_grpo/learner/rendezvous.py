@@ -125,6 +125,10 @@ class RunStoreServer:
                     self._cond.notify_all()
                     return desired
                 return current if current is not None else expected
+            if op == "append":
+                d[args[0]] = d.get(args[0], b"") + bytes(args[1])
+                self._cond.notify_all()
+                return None
             if op == "check":
                 return all(k in d for k in args[0])
             if op == "delete_key":
@@ -147,9 +151,11 @@ class RunStore(dist.Store):
     def __init__(self, host: str, port: int, secret: str, timeout: timedelta = timedelta(seconds=300)) -> None:
         super().__init__()
         self._authkey = _authkey(secret)
+        self._secret = secret
         self.host, self.port = host, int(port)
         self._timeout = timeout
         self._lock = threading.Lock()
+        self._clones: list[RunStore] = []
         self._conn = self._connect()
 
     def _connect(self) -> Connection:
@@ -209,6 +215,25 @@ class RunStore(dist.Store):
 
     def num_keys(self) -> int:
         return int(self._call("num_keys"))
+
+    def clone(self) -> RunStore:
+        """A second client of the same store on its own connection (gloo clones the store per group)."""
+        twin = RunStore(self.host, self.port, self._secret, self._timeout)
+        self._clones.append(twin)  # torch keeps only the C++ half: the Python half must stay referenced
+        return twin
+
+    def append(self, key: str, value: Any) -> None:
+        self._call("append", key, value.encode() if isinstance(value, str) else bytes(value))
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        return [self.get(k) for k in keys]
+
+    def multi_set(self, keys: list[str], values: list[Any]) -> None:
+        for k, v in zip(keys, values):
+            self.set(k, v)
+
+    def has_extended_api(self) -> bool:
+        return True
 
     def set_timeout(self, timeout: timedelta) -> None:
         self._timeout = timeout

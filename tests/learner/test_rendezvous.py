@@ -106,3 +106,15 @@ def test_the_store_listens_on_loopback_only(served):
 def test_a_short_secret_is_refused():
     with pytest.raises(ValueError, match="at least 32"):
         RunStoreServer("127.0.0.1", 0, "short")
+
+
+@pytest.mark.multiprocess
+def test_learner_ranks_meet_on_loopback_and_a_process_without_the_secret_cannot_join():
+    import layout_scenarios as S
+
+    from moe_grpo.learner.spawn import run_distributed
+
+    rank0, rank1 = run_distributed(S.intrude_on_the_learner_store, 2, timeout_s=300)
+    assert rank0["tcpstore"] == "DistNetworkError" and rank0["runstore"] == "StoreAuthError"
+    assert rank0["store_port_listening"] and rank0["listening"] == ["127.0.0.1"]  # gloo's pair sockets too
+    assert rank0["sum"] == rank1["sum"] == 3.0  # the run goes on
