@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import secrets
+import shutil
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -55,17 +56,37 @@ class Pools:
         return int(self.infos[0]["dp_size"])
 
 
-def start_ray(cluster: Any, run_dir: str) -> None:
-    """Join `cluster.ray_address`, or start a local Ray that logs warnings only to the console."""
+def start_ray(cluster: Any, run_dir: str) -> str | None:
+    """Start a Ray cluster of this run's own (or join `cluster.ray_address` when it names one); returns the run's
+    private directory (Ray's temp dir and vLLM's RPC sockets, 0700) that `stop_pools` removes, or None when joining.
+
+    A local cluster is started with `address="local"`, so neither RAY_ADDRESS nor a `ray_current_cluster` file in
+    the shared /tmp/ray attaches the run to another job's cluster."""
     import ray
 
+    from moe_grpo.orchestrator.run_dirs import make_private_dir, remove_orphaned_private_dirs
+
+    if cluster.ray_address == "auto":
+        raise ValueError("cluster.ray_address='auto' joins whichever Ray cluster this host last started, possibly "
+                         "another job's or another user's; pass its address (cluster.ray_address=<head ip>:6379, "
+                         "what `ray start --head` printed), or leave it unset for a cluster of this run's own")
     if ray.is_initialized():
-        return
+        return None
     kwargs: dict[str, Any] = dict(logging_level=logging.WARNING, include_dashboard=False, log_to_driver=True)
+    private = None
     if cluster.ray_address:
         ray.init(address=cluster.ray_address, **kwargs)
     else:
-        ray.init(num_cpus=os.cpu_count() or 2, **kwargs)
+        remove_orphaned_private_dirs()
+        private = make_private_dir()
+        rpc = os.path.join(private, "vllm")
+        os.mkdir(rpc, 0o700)
+        try:
+            ray.init(address="local", num_cpus=os.cpu_count() or 2, _temp_dir=os.path.join(private, "ray"),
+                     runtime_env={"env_vars": {"VLLM_RPC_BASE_PATH": rpc}}, **kwargs)
+        except BaseException:
+            shutil.rmtree(private, ignore_errors=True)
+            raise
     try:  # Ray's own logs stay in its session directory; point at them from the run directory
         session = ray._private.worker._global_node.get_session_dir_path()  # noqa: SLF001 - no public accessor
         link = os.path.join(run_dir, "ray_logs")
@@ -73,6 +94,7 @@ def start_ray(cluster: Any, run_dir: str) -> None:
             os.symlink(os.path.join(session, "logs"), link)
     except Exception:
         pass
+    return private
 
 
 def _cores(cluster: Any, index: int, per: float, offset: int) -> list[int] | None:
