@@ -66,10 +66,6 @@ def start_ray(cluster: Any, run_dir: str) -> str | None:
 
     from moe_grpo.orchestrator.run_dirs import make_private_dir, remove_orphaned_private_dirs
 
-    if cluster.ray_address == "auto":
-        raise ValueError("cluster.ray_address='auto' joins whichever Ray cluster this host last started, possibly "
-                         "another job's or another user's; pass its address (cluster.ray_address=<head ip>:6379, "
-                         "what `ray start --head` printed), or leave it unset for a cluster of this run's own")
     if ray.is_initialized():
         return None
     kwargs: dict[str, Any] = dict(logging_level=logging.WARNING, include_dashboard=False, log_to_driver=True)

@@ -63,3 +63,23 @@ def release_private_dir(private_dir: str | None, run_dir: str) -> None:
     except OSError:
         pass  # the logs are a convenience; the private directory goes either way
     shutil.rmtree(private_dir, ignore_errors=True)
+
+
+RECORD = ("metrics.jsonl", "checkpoints")
+"""What marks a directory as holding a run's record (run_record.py, run_checkpoint.py)."""
+
+
+class RunDirTaken(RuntimeError):
+    """The run directory holds another run's record and `resume=true` was not given."""
+
+
+def check_run_dir(run_dir: str, resume: bool) -> None:
+    """Refuse `run_dir` when it holds a run's record (`metrics.jsonl`, `checkpoints/`) unless `resume`: two runs
+    in one directory interleave their metrics and overwrite each other's config and policy."""
+    if resume or not os.path.isdir(run_dir):
+        return
+    found = [name for name in RECORD if os.path.exists(os.path.join(run_dir, name))
+             and not (os.path.isdir(os.path.join(run_dir, name)) and not os.listdir(os.path.join(run_dir, name)))]
+    if found:
+        raise RunDirTaken(f"hydra.run.dir={run_dir} already holds a run's record ({', '.join(found)}); continue that "
+                          "run with resume=true, or leave hydra.run.dir unset for a fresh directory")

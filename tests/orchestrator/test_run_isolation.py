@@ -9,14 +9,13 @@ from pathlib import Path
 import pytest
 
 from moe_grpo.orchestrator.config import ClusterConfig
-from moe_grpo.orchestrator.pools import start_ray
 
 HERE = Path(__file__).parent
 
 
-def test_ray_address_auto_is_refused_with_what_to_pass(tmp_path):
+def test_ray_address_auto_is_refused_with_what_to_pass():
     with pytest.raises(ValueError, match=r"cluster.ray_address='auto'.*another job's.*<head ip>:6379"):
-        start_ray(ClusterConfig(ray_address="auto"), str(tmp_path))
+        ClusterConfig(ray_address="auto")
 
 
 @pytest.mark.slow
@@ -39,3 +38,47 @@ def test_a_stray_ray_current_cluster_file_changes_nothing_and_the_run_keeps_its_
     assert not info["private_after"]  # removed when the run ends
     assert (run_dir / "ray_logs").is_dir() and not (run_dir / "ray_logs").is_symlink()  # the logs are kept
     assert sorted(p.name for p in (shared / "ray").iterdir()) == ["ray_current_cluster"]  # nothing written there
+
+
+def _train(*args, cwd):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parent.parent), os.environ.get("PYTHONPATH", "")])}
+    return subprocess.Popen([sys.executable, "-m", "moe_grpo.train", *args], cwd=cwd, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def test_two_runs_started_at_once_get_separate_run_directories(tmp_path):
+    procs = [_train("--cfg", "hydra", "--resolve", cwd=tmp_path) for _ in range(2)]  # the same second
+    dirs = []
+    for p in procs:
+        out, err = p.communicate(timeout=240)
+        assert p.returncode == 0, err[-2000:]
+        dirs += [line.split("dir:", 1)[1].strip() for line in out.splitlines()
+                 if line.strip().startswith("dir: outputs/")][:1]
+    assert len(dirs) == 2 and dirs[0] != dirs[1], dirs
+    assert all(d.startswith("outputs/") for d in dirs)
+
+
+def test_a_run_pointed_at_another_runs_directory_is_refused_before_it_writes_anything(tmp_path):
+    taken = tmp_path / "taken"
+    taken.mkdir()
+    (taken / "metrics.jsonl").write_text('{"step": 1}\n')
+    before = sorted(os.listdir(taken)), sorted(os.listdir(tmp_path))
+    p = _train("steps=1", f"hydra.run.dir={taken}", cwd=tmp_path)
+    out, err = p.communicate(timeout=240)
+    assert p.returncode == 2, err[-2000:]
+    assert f"hydra.run.dir={taken} already holds a run's record (metrics.jsonl)" in err and "resume=true" in err
+    assert "Traceback" not in err
+    assert (sorted(os.listdir(taken)), sorted(os.listdir(tmp_path))) == before  # no .hydra/, no config.yaml
+    assert (taken / "metrics.jsonl").read_text() == '{"step": 1}\n'
+
+
+def test_only_a_directory_with_a_record_is_refused_and_resume_takes_it(tmp_path):
+    from moe_grpo.orchestrator.run_dirs import RunDirTaken, check_run_dir
+
+    check_run_dir(str(tmp_path / "new"), resume=False)  # not there yet
+    (tmp_path / "checkpoints").mkdir()
+    check_run_dir(str(tmp_path), resume=False)  # empty: nothing to trample (a test's tmp_path, say)
+    (tmp_path / "checkpoints" / "step_000002").mkdir()
+    with pytest.raises(RunDirTaken, match=r"\(checkpoints\); continue that run with resume=true"):
+        check_run_dir(str(tmp_path), resume=False)
+    check_run_dir(str(tmp_path), resume=True)
