@@ -71,12 +71,24 @@ class ParallelLayout:
         )
 
 
+SECRET_ENV = "MOE_GRPO_STORE_SECRET"
+"""The run's rendezvous secret (learner_actor.LearnerWorker and spawn.run_distributed set it in each rank's own
+environment, which only its user can read)."""
+
+_store_server: Any = None
+"""Rank 0's `RunStoreServer`, kept for the life of the process group."""
+_store_client: Any = None
+"""This rank's `RunStore`, kept alive here: torch holds only the C++ half of a Python store, and its Python methods
+vanish with the last Python reference (new_group then fails with "Not implemented")."""
+
+
 def init_distributed(layout: ParallelLayout, *, timeout_s: float = 300.0) -> None:
     """Start torch.distributed (gloo on CPU, NCCL on GPU) and Megatron's model-parallel groups.
 
-    Reads RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT from the environment
-    (torchrun, Ray actors and our test launcher all set them). Applies the
-    megatron-core CPU patches first when CUDA is absent.
+    Reads RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT and the run's secret (`MOE_GRPO_STORE_SECRET`) from the
+    environment (Ray actors and our test launcher set them). Rank 0 serves the rendezvous store on
+    MASTER_ADDR:MASTER_PORT and only processes holding the secret get in (learner/rendezvous.py); under torchrun,
+    without a secret, torchrun's own store is used. Applies the megatron-core CPU patches first when CUDA is absent.
     """
     import torch
 
@@ -89,22 +101,30 @@ def init_distributed(layout: ParallelLayout, *, timeout_s: float = 300.0) -> Non
     if not dist.is_initialized():
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         timeout = datetime.timedelta(seconds=timeout_s)
-        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        if world_size > 1:
             if "MASTER_PORT" not in os.environ:
                 raise RuntimeError("WORLD_SIZE > 1 but MASTER_PORT is not set; launch with torchrun or set it")
             if backend == "nccl":
                 local = int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0")))
                 torch.cuda.set_device(local % torch.cuda.device_count())
-            dist.init_process_group(backend, timeout=timeout)
+            secret = os.environ.get(SECRET_ENV)
+            if os.environ.get("MASTER_ADDR") == "127.0.0.1":
+                # A single-host group: gloo's own pair sockets listen on loopback too (not the hostname's address).
+                os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+            if secret:
+                dist.init_process_group(backend, store=_run_store(secret, timeout), rank=int(os.environ["RANK"]),
+                                        world_size=world_size, timeout=timeout)
+            elif "TORCHELASTIC_RUN_ID" in os.environ:
+                dist.init_process_group(backend, timeout=timeout)  # torchrun's rendezvous
+            else:
+                raise RuntimeError(f"WORLD_SIZE={world_size} but {SECRET_ENV} is not set: the rendezvous store "
+                                   "admits only holders of the run's secret (launch with torchrun, or set it)")
         else:
-            # One process: a private rendezvous, and nothing written into os.environ
-            # (child processes must not inherit a port that is already taken).
-            from moe_grpo.learner.spawn import free_port
-
+            # One process: an in-process store, no port at all.
             if backend == "nccl":
                 torch.cuda.set_device(0)
-            dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
-                                    timeout=timeout)
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     world = dist.get_world_size()
     layout.data_parallel(world)  # validates
     if parallel_state.model_parallel_is_initialized():
@@ -114,6 +134,20 @@ def init_distributed(layout: ParallelLayout, *, timeout_s: float = 300.0) -> Non
         pipeline_model_parallel_size=layout.pipeline_parallel,
         expert_model_parallel_size=layout.expert_parallel,
     )
+
+
+def _run_store(secret: str, timeout: datetime.timedelta) -> Any:
+    """This rank's client of the run's store; rank 0 serves it first, on MASTER_ADDR only (not every interface)."""
+    global _store_server, _store_client
+    from moe_grpo.learner.rendezvous import RunStore, RunStoreServer
+
+    host, port = os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ["MASTER_PORT"])
+    if int(os.environ["RANK"]) == 0:
+        if _store_server is not None:
+            _store_server.close()
+        _store_server = RunStoreServer(host, port, secret)
+    _store_client = RunStore(host, port, secret, timeout)
+    return _store_client
 
 
 def seed_everything(seed: int) -> None:

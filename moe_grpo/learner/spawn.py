@@ -11,6 +11,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import pickle
+import secrets
 import socket
 import tempfile
 import traceback
@@ -23,10 +24,13 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _entry(fn: Callable[..., Any], rank: int, world: int, port: int, out_dir: str, args: tuple, env: dict) -> None:
+def _entry(fn: Callable[..., Any], rank: int, world: int, port: int, out_dir: str, args: tuple, env: dict,
+           secret: str) -> None:
+    from moe_grpo.learner.parallel import SECRET_ENV
+
     os.environ.update(env)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **{SECRET_ENV: secret})
     # Each rank gets one intra-op thread: ranks share the host's cores.
     import torch
 
@@ -56,8 +60,9 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
     """`fn(*args)` on ranks 0..world_size-1; returns their results in rank order."""
     ctx = mp.get_context("spawn")
     port = free_port()
+    secret = secrets.token_hex(32)  # this group's rendezvous secret (parallel.init_distributed)
     with tempfile.TemporaryDirectory(prefix="moe_grpo_spawn_") as out_dir:
-        procs = [ctx.Process(target=_entry, args=(fn, r, world_size, port, out_dir, args, env or {}), daemon=False)
+        procs = [ctx.Process(target=_entry, args=(fn, r, world_size, port, out_dir, args, env or {}, secret), daemon=False)
                  for r in range(world_size)]
         for p in procs:
             p.start()

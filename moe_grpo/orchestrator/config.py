@@ -65,7 +65,8 @@ class ClusterConfig:
     """Where the pools run: Ray, engines, learner ranks and their resources."""
 
     ray_address: str | None = None
-    """Ray cluster to join ('auto', 'host:port'); None starts a local one."""
+    """Address ('host:port') of a Ray cluster to join; None starts a cluster of this run's own (private temp dir,
+    see pools.start_ray). 'auto' is refused: it joins whichever cluster the host last started, maybe another job's."""
     num_engines: int = 1
     """vLLM engines (one Ray actor each)."""
     engine_cpus: float = 1.0
@@ -88,6 +89,10 @@ class ClusterConfig:
     the rank (a dead rank is named at once; a hung collective only by this timeout)."""
 
     def __post_init__(self) -> None:
+        if self.ray_address == "auto":
+            raise ValueError("cluster.ray_address='auto' joins whichever Ray cluster this host last started, possibly "
+                             "another job's or another user's; pass its address (cluster.ray_address=<head ip>:6379, "
+                             "what `ray start --head` printed), or leave it unset for a cluster of this run's own")
         positive("cluster.start_timeout_s", self.start_timeout_s)
         positive("cluster.learner_timeout_s", self.learner_timeout_s)
         at_least("cluster.num_engines", self.num_engines, 1)

@@ -581,6 +581,7 @@ def train(run: Any, run_dir: str | Path, *, learner_cls: type | None = None) -> 
     from moe_grpo.data.tokenizer import load_tokenizer
     from moe_grpo.orchestrator import run_checkpoint
     from moe_grpo.orchestrator.pools import start_pools, start_ray, stop_pools
+    from moe_grpo.orchestrator.run_dirs import release_private_dir
     from moe_grpo.orchestrator.run_record import RunRecord
     from moe_grpo.orchestrator.trackers import check_installed
     from moe_grpo.sync.transport import SharedMemoryTransport, default_root
@@ -609,11 +610,11 @@ def train(run: Any, run_dir: str | Path, *, learner_cls: type | None = None) -> 
     remove_orphaned_sync_roots(default_root())
     sync_root = os.path.join(default_root(), f"run-{os.getpid()}-{int(time.time())}")
     SharedMemoryTransport(sync_root)  # created (private) before any actor opens it
-    pools, driver = None, None
+    pools, driver, private_dir = None, None, None
     signals = SignalRelay()
     stopped = None
     try:
-        start_ray(run.cluster, run_dir)
+        private_dir = start_ray(run.cluster, run_dir)
         signals.install()  # after Ray, whose own SIGTERM handler would exit without cleaning up
         t0 = time.perf_counter()
         initial = InitialWeights(run, run_dir, tokenizer, source, state, resume_from)
@@ -657,6 +658,7 @@ def train(run: Any, run_dir: str | Path, *, learner_cls: type | None = None) -> 
             if png:
                 log.info("plots: %s", png)
         stop_pools(pools, list(driver.engines.handles().values()) if driver is not None else None)
+        release_private_dir(private_dir, run_dir)
         shutil.rmtree(sync_root, ignore_errors=True)
     engines = driver.engines
     return {"steps": state.step, "eval_start": state.evals[0][1] if state.evals else float("nan"),

@@ -11,12 +11,15 @@ class LearnerWorker:
     """Holds this rank's `MegatronLearner` and its `WeightSync`; every rank gets the same calls in the same order."""
 
     def __init__(self, rank: int, world_size: int, master_addr: str, master_port: int, run: Any, sync_root: str,
-                 cpus: list[int] | None = None) -> None:
+                 cpus: list[int] | None = None, secret: str = "") -> None:
+        """`secret`: the run's rendezvous secret (the driver's; only holders get into the learners' store)."""
+        from moe_grpo.learner.parallel import SECRET_ENV
         from moe_grpo.orchestrator.logs import quiet_libraries
 
         quiet_libraries()
+        # This process's own environment: readable by its user only (/proc/<pid>/environ is 0400).
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                          MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
+                          MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), **{SECRET_ENV: secret})
         import torch
 
         if cpus:

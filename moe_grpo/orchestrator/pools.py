@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
+import shutil
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -54,17 +56,33 @@ class Pools:
         return int(self.infos[0]["dp_size"])
 
 
-def start_ray(cluster: Any, run_dir: str) -> None:
-    """Join `cluster.ray_address`, or start a local Ray that logs warnings only to the console."""
+def start_ray(cluster: Any, run_dir: str) -> str | None:
+    """Start a Ray cluster of this run's own (or join `cluster.ray_address` when it names one); returns the run's
+    private directory (Ray's temp dir and vLLM's RPC sockets, 0700) that `stop_pools` removes, or None when joining.
+
+    A local cluster is started with `address="local"`, so neither RAY_ADDRESS nor a `ray_current_cluster` file in
+    the shared /tmp/ray attaches the run to another job's cluster."""
     import ray
 
+    from moe_grpo.orchestrator.run_dirs import make_private_dir, remove_orphaned_private_dirs
+
     if ray.is_initialized():
-        return
+        return None
     kwargs: dict[str, Any] = dict(logging_level=logging.WARNING, include_dashboard=False, log_to_driver=True)
+    private = None
     if cluster.ray_address:
         ray.init(address=cluster.ray_address, **kwargs)
     else:
-        ray.init(num_cpus=os.cpu_count() or 2, **kwargs)
+        remove_orphaned_private_dirs()
+        private = make_private_dir()
+        rpc = os.path.join(private, "vllm")
+        os.mkdir(rpc, 0o700)
+        try:
+            ray.init(address="local", num_cpus=os.cpu_count() or 2, _temp_dir=os.path.join(private, "ray"),
+                     runtime_env={"env_vars": {"VLLM_RPC_BASE_PATH": rpc}}, **kwargs)
+        except BaseException:
+            shutil.rmtree(private, ignore_errors=True)
+            raise
     try:  # Ray's own logs stay in its session directory; point at them from the run directory
         session = ray._private.worker._global_node.get_session_dir_path()  # noqa: SLF001 - no public accessor
         link = os.path.join(run_dir, "ray_logs")
@@ -72,6 +90,7 @@ def start_ray(cluster: Any, run_dir: str) -> None:
             os.symlink(os.path.join(session, "logs"), link)
     except Exception:
         pass
+    return private
 
 
 def _cores(cluster: Any, index: int, per: float, offset: int) -> list[int] | None:
@@ -86,12 +105,21 @@ def _cores(cluster: Any, index: int, per: float, offset: int) -> list[int] | Non
     return available[first : first + n]
 
 
-def _rendezvous() -> tuple[str, int]:
+def _rendezvous(single_host: bool) -> tuple[str, int]:
+    """Where learner rank 0 serves the run's store: loopback when the whole run is on one host (no other host needs
+    to reach it), this node's address otherwise."""
     import ray
 
     from moe_grpo.learner.spawn import free_port
 
-    return ray.util.get_node_ip_address(), free_port()
+    return ("127.0.0.1" if single_host else ray.util.get_node_ip_address()), free_port()
+
+
+def single_host() -> bool:
+    """Whether the Ray cluster is this one machine (then every run port binds to loopback)."""
+    import ray
+
+    return len([n for n in ray.nodes() if n.get("Alive")]) == 1
 
 
 def start_pools(run: Any, run_dir: str, sync_root: str, model_dir_fn: Any, learner_cls: type | None = None) -> Pools:
@@ -116,11 +144,14 @@ def start_pools(run: Any, run_dir: str, sync_root: str, model_dir_fn: Any, learn
     def at(i: int) -> Any:
         return PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=i)
 
-    addr, port = ray.get(ray.remote(num_cpus=0)(_rendezvous).options(scheduling_strategy=at(c.num_engines)).remote())
+    addr, port = ray.get(ray.remote(num_cpus=0)(_rendezvous).options(scheduling_strategy=at(c.num_engines))
+                         .remote(single_host()))
+    secret = secrets.token_hex(32)  # the run's rendezvous secret, handed to the ranks as an actor argument
     learner_cls = ray.remote(learner_cls or LearnerWorker)
     learners = [learner_cls.options(num_cpus=c.learner_cpus, num_gpus=c.learner_gpus, scheduling_strategy=at(c.num_engines + r),
                                     name=None).remote(r, world, addr, port, run, sync_root,
-                                                      _cores(c, r, c.learner_cpus, int(c.engine_cpus) * c.num_engines))
+                                                      _cores(c, r, c.learner_cpus, int(c.engine_cpus) * c.num_engines),
+                                                      secret)
                 for r in range(world)]
     try:
         infos = ray.get([a.info.remote() for a in learners], timeout=c.start_timeout_s)

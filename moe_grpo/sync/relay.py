@@ -10,9 +10,10 @@ checks and all-or-nothing load. A receiver marks a version done only after
 its last bucket arrived, so a relay that dies mid-version leaves nothing an
 engine would apply.
 
-The group is private (its own TCPStore and gloo ProcessGroup, not
+The group is private (its own store and gloo ProcessGroup, not
 `torch.distributed`'s global group), so it never mixes with the learner's
-collectives. Gloo carries host memory over TCP; an NCCL relay (buckets
+collectives. Its store admits only holders of the run's secret
+(learner/rendezvous.py) and listens on `RelayGroup.host` only. Gloo carries host memory over TCP; an NCCL relay (buckets
 through a device buffer) is not built: no GPU to run it on yet.
 """
 
@@ -34,29 +35,38 @@ class RelayGroup:
     """Where the relay's group meets: the sender is rank 0, receivers are ranks 1..world-1."""
 
     host: str
+    """The address the sender's store listens on (only that interface): loopback when every member is on its host."""
     port: int
     world: int
     """1 sender + one receiver per engine host."""
+    secret: str
+    """The run's secret (secrets.token_hex(32), handed to every member through Ray): the store admits no one else."""
     timeout_s: float = 120.0
     """How long any broadcast may take before the group fails (names the part in the error)."""
 
     def __post_init__(self) -> None:
         if self.world < 2:
             raise ValueError(f"RelayGroup.world={self.world}, expected at least 2 (a sender and a receiver)")
+        if len(self.secret) < 32:
+            raise ValueError(f"RelayGroup.secret of {len(self.secret)} characters, expected at least 32 "
+                             "(secrets.token_hex(16) or longer)")
 
-
-def _open(group: RelayGroup, rank: int) -> Any:
-    import torch.distributed as dist
-
-    timeout = timedelta(seconds=group.timeout_s)
-    store = dist.TCPStore(group.host, group.port, group.world, is_master=rank == 0, timeout=timeout)
-    return dist.ProcessGroupGloo(store, rank, group.world, timeout)
+    def __repr__(self) -> str:  # never print the secret
+        return f"RelayGroup(host={self.host!r}, port={self.port}, world={self.world}, timeout_s={self.timeout_s})"
 
 
 class _Broadcaster:
     def __init__(self, group: RelayGroup, rank: int, role: str) -> None:
+        import torch.distributed as dist
+
+        from moe_grpo.learner.rendezvous import RunStore, RunStoreServer
+
         self.group, self.rank, self.role = group, rank, role
-        self.pg = _open(group, rank)
+        timeout = timedelta(seconds=group.timeout_s)
+        # The sender serves the store (kept as long as the group: gloo's pairs were set up through it).
+        self.server = RunStoreServer(group.host, group.port, group.secret) if rank == 0 else None
+        self.store = RunStore(group.host, group.port, group.secret, timeout)
+        self.pg = dist.ProcessGroupGloo(self.store, rank, group.world, timeout)
 
     def __call__(self, tensor: torch.Tensor, what: str) -> None:
         import torch.distributed as dist

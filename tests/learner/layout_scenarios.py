@@ -186,7 +186,8 @@ def die_while_publishing(root: str, version: int, after_buckets: int) -> None:
     WeightSync(learner, Dying(root), max_bucket_bytes=1 << 16).sync(version)
 
 
-def relay_receive(host: str, port: int, world: int, rank: int, root: str, die_after_buckets: int = -1) -> list:
+def relay_receive(host: str, port: int, world: int, secret: str, rank: int, root: str,
+                  die_after_buckets: int = -1) -> list:
     """A relay receiver on an 'engine host': returns the versions it got until the sender closed.
 
     With die_after_buckets >= 0 it is killed (SIGKILL) after receiving that many buckets."""
@@ -205,7 +206,7 @@ def relay_receive(host: str, port: int, world: int, rank: int, root: str, die_af
             self.got += 1
             return super().raw_bucket(slot, bucket, writable)
 
-    receiver = RelayReceiver(Dying(root), RelayGroup(host, port, world, timeout_s=30), rank)
+    receiver = RelayReceiver(Dying(root), RelayGroup(host, port, world, secret, timeout_s=30), rank)
     versions = []
     while (v := receiver.receive()) is not None:
         versions.append(v)
@@ -260,3 +261,39 @@ def train_sync_then_route(tp: int, ep: int, pp: int, ckpt_dir: str, version: int
     torch.distributed.barrier()
     return {"logprobs": lps, "router_disagreement": metrics["train/router_disagreement"],
             "replay/applied": metrics["replay/applied"]}
+
+
+def intrude_on_the_learner_store() -> dict:
+    """Both ranks join through `init_distributed` (Megatron's groups included); rank 0 then tries the store as a
+    process without the secret would, lists this process's listening sockets, and both ranks all-reduce."""
+    import datetime
+    import os
+    import secrets
+
+    import psutil
+    import torch
+    import torch.distributed as dist
+
+    from moe_grpo.learner.parallel import ParallelLayout, init_distributed
+    from moe_grpo.learner.rendezvous import RunStore
+
+    init_distributed(ParallelLayout())
+    out: dict = {}
+    if dist.get_rank() == 0:
+        port = int(os.environ["MASTER_PORT"])
+        try:
+            out["tcpstore"] = dist.TCPStore("127.0.0.1", port, None, False, datetime.timedelta(seconds=3)).list_keys()
+        except Exception as e:  # noqa: BLE001
+            out["tcpstore"] = type(e).__name__
+        try:
+            out["runstore"] = RunStore("127.0.0.1", port, secrets.token_hex(32), datetime.timedelta(seconds=3)).num_keys()
+        except Exception as e:  # noqa: BLE001
+            out["runstore"] = type(e).__name__
+        out["listening"] = sorted({c.laddr.ip for c in psutil.Process().net_connections("tcp")
+                                   if c.status == "LISTEN"})
+        out["store_port_listening"] = port in {c.laddr.port for c in psutil.Process().net_connections("tcp")
+                                               if c.status == "LISTEN"}
+    t = torch.tensor([dist.get_rank() + 1.0])
+    dist.all_reduce(t)
+    out["sum"] = float(t)
+    return out

@@ -254,6 +254,7 @@ def _mid_rollout_hang_and_death_are_named(engine):
 def test_engine_on_another_host_matches_the_learner_through_the_relay(synced, tmp_path):
     """Learner -> its host's shared memory -> gloo relay -> the engine host's shared memory -> engine."""
     import multiprocessing as mp
+    import secrets
 
     from moe_grpo.learner.spawn import free_port
     from moe_grpo.sync.deliver import apply_version
@@ -264,10 +265,11 @@ def test_engine_on_another_host_matches_the_learner_through_the_relay(synced, tm
     version = _serve_other_weights(engine, transport, reference["start"], seed=99)
     learner_lp = run_distributed(S.train_and_sync, 2, 1, 2, 1, ckpt, version, str(transport.root))[0]
     assert _max_gap(_scores(engine), learner_lp) > NOT_YET_SYNCED
-    port, engine_host = free_port(), str(tmp_path / "engine_host")
-    receiver = mp.get_context("spawn").Process(target=S.relay_receive, args=("127.0.0.1", port, 2, 1, engine_host))
+    port, engine_host, secret = free_port(), str(tmp_path / "engine_host"), secrets.token_hex(32)
+    receiver = mp.get_context("spawn").Process(target=S.relay_receive,
+                                               args=("127.0.0.1", port, 2, secret, 1, engine_host))
     receiver.start()
-    sender = RelaySender(transport, RelayGroup("127.0.0.1", port, 2, timeout_s=60))
+    sender = RelaySender(transport, RelayGroup("127.0.0.1", port, 2, secret, timeout_s=60))
     sender.send(version)
     sender.close()
     receiver.join(60)

@@ -1,0 +1,27 @@
+"""Run as a script by test_run_isolation.py: starts the run's Ray as the driver does, in a clean process."""
+
+import json
+import os
+import sys
+
+
+def main(run_dir: str) -> None:
+    import ray
+
+    from moe_grpo.orchestrator.config import ClusterConfig
+    from moe_grpo.orchestrator.pools import start_ray, stop_pools
+    from moe_grpo.orchestrator.run_dirs import release_private_dir
+
+    private = start_ray(ClusterConfig(), run_dir)
+    seen = ray.get(ray.remote(lambda: os.environ.get("VLLM_RPC_BASE_PATH")).remote())
+    info = {"private": private, "mode": oct(os.stat(private).st_mode & 0o777), "worker_rpc": seen,
+            "session": ray._private.worker._global_node.get_session_dir_path(),  # noqa: SLF001
+            "nodes": len(ray.nodes())}
+    stop_pools(None)
+    release_private_dir(private, run_dir)
+    info["private_after"] = os.path.exists(private)
+    print("RESULT " + json.dumps(info))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
