@@ -65,8 +65,9 @@ def pool(*handles, max_restarts=2, made=None):
     return EnginePool([EngineSlot(f"engine{i}", i, h) for i, h in enumerate(handles)], rollout, make, 60.0)
 
 
-def pump(p, until, timeout=20.0):
-    """Run the pool as the driver does until `until()`; returns the finished requests' results."""
+def pump(p, until, timeout=90.0):
+    """Run the pool as the driver does until `until()`; returns the finished requests' results. (The bound is
+    generous: a replacement actor starts a Python process, which took over 20 s on a loaded 2-core machine.)"""
     out, deadline = [], time.monotonic() + timeout
     while not until(out):
         assert time.monotonic() < deadline, "the pool did not get there"
