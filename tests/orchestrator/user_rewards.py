@@ -32,14 +32,14 @@ async def async_constant(prompts, completions, **fields):
 
 
 async def async_sleeps(prompts, completions, **fields):
-    await asyncio.sleep(10)
+    await asyncio.sleep(30)
     return [0.0] * len(completions)
 
 
 def sleeps(prompts, completions, **fields):
     import time
 
-    time.sleep(2)
+    time.sleep(30)
     return [0.0] * len(completions)
 
 
