@@ -146,7 +146,14 @@ class MismatchProbe:
             if len(done) < len(r.learner_refs):
                 return
             self.scoring.pop(0)
-            result = ray.get(r.learner_refs[0])
+            try:
+                result = ray.get(r.learner_refs[0])
+            except Exception as e:  # noqa: BLE001 - a rank that died is named by the driver where it waits on the
+                # ranks (step_done, learners_call), with the last checkpoint; the probe only gives this round up
+                log.warning("probe of version %d: the learner ranks did not answer (%s)", r.version,
+                            str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__)
+                self.dropped += 1
+                continue
             if result is None:  # the learner no longer holds that version's weights
                 self.dropped += 1
                 continue
