@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from moe_grpo.orchestrator.engine_pool import EngineFailedError, EnginePool, EngineSlot, Request
-from moe_grpo.orchestrator.probe import MismatchProbe
+from moe_grpo.orchestrator.probe import MismatchProbe, probe_due
 from moe_grpo.orchestrator.state import RunState
 
 log = logging.getLogger("moe_grpo")
@@ -158,10 +158,6 @@ class Driver:
         self.probe.score(self.pools.learners, self.engines)
         self.probe.collect()
 
-    def _probe_due(self, version: int) -> bool:
-        every = self.run.routing.probe_every
-        return self.probe.enabled and every > 0 and version % (every * self.run.algo.sync_every) == 0
-
     def _sampling(self, request: Request) -> Any:
         from moe_grpo.orchestrator.groups import sampling_settings
 
@@ -268,7 +264,7 @@ class Driver:
         if not last and (metrics.get("skipped") or self.state.step % self.run.algo.sync_every):
             return
         self.state.published = self.state.step
-        probe = self._probe_due(self.state.published)
+        probe = probe_due(self.run, self.state.published)
         self.learners_call("publish", self.state.published, self.is_async, probe,
                            what=f"publishing {self.state.published}")
         if probe:
@@ -563,7 +559,7 @@ class InitialWeights:
                 log.info("warm start: %d supervised steps in %.1fs, answer NLL %.3f -> %.3f", len(warm),
                          time.perf_counter() - t0, warm[0], warm[-1])
         self.state.published = version
-        probe = self.run.routing.probe_prompts > 0 and self.run.routing.probe_every > 0
+        probe = probe_due(self.run, version)
         ray.get([a.publish.remote(version, False, probe) for a in learners])
         if self.run.init.hf and not self.state.warm_start_loss and self.resume_from is None:
             return str(hf_init.engine_dir(self.run.init.hf, self.run.model, os.path.join(self.run_dir, "model_v0")))
@@ -630,7 +626,7 @@ def train(run: Any, run_dir: str | Path, *, learner_cls: type | None = None) -> 
                      state.resume_buffered_groups, state.resume_resubmitted)
         driver.engines.offer(state.published)
         driver.engines.settle(block=True)
-        if run.routing.probe_every > 0:
+        if probe_due(run, state.published):
             driver.probe.start(state.published, list(driver.engines.slots))
         if run.eval_every and not source.held_out:
             log.info("no held-out set (data.eval_path is not set): no evaluation")

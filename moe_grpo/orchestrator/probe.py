@@ -27,6 +27,14 @@ PROBE_SEED = 1_000_000_007
 """Sampling seed of probe prompt i: PROBE_SEED + i (the same samples for a given version on every engine)."""
 
 
+def probe_due(run: Any, version: int) -> bool:
+    """Whether the publish of `version` is probed (the learner ranks keep a copy of its weights for it): with
+    routing.probe_prompts > 0, every routing.probe_every-th published version. The one rule for the initial
+    publish, every later one and the driver's first round."""
+    every = run.routing.probe_every
+    return run.routing.probe_prompts > 0 and every > 0 and version % (every * run.algo.sync_every) == 0
+
+
 @dataclass
 class ProbeRound:
     """One published version's probe in progress."""
