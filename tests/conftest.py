@@ -1,5 +1,6 @@
 import functools
 import os
+import subprocess
 import sys
 import warnings
 
@@ -82,3 +83,18 @@ def engine_and_learner(tmp_path_factory):
     engine = VllmEngine(model_dir, spec, max_model_len=256, max_num_seqs=16, max_num_batched_tokens=64)
     yield engine, learner
     engine.shutdown()
+
+
+@pytest.fixture(scope="session")
+def main_job(tmp_path_factory):
+    """README command 1, shortened, as a user runs it (`python -m moe_grpo.train`), once per test run: the main-job
+    test reads its console and record, the evaluation test scores its exported policy. It publishes every 2 steps
+    and stops at step 3, so the last step is published only because it is the last (the final evaluation and the
+    exported policy must still be step 3's weights)."""
+    require_vllm()
+    run_dir = tmp_path_factory.mktemp("main_job")
+    cmd = [sys.executable, "-m", "moe_grpo.train", "model=deepseek_moe", "steps=3", "warm_start_steps=50",
+           "eval_every=2", "algo.prompts_per_step=4", "algo.group_size=4", "algo.sync_every=2",
+           "algo.max_staleness=2", "task.eval_size=16", f"hydra.run.dir={run_dir}"]
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1200)
+    return run_dir, out

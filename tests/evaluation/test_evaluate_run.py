@@ -1,7 +1,8 @@
 """`python -m moe_grpo.evaluate` on a run's exported policy reproduces the run's last held-out score.
 
-The run publishes every 2 steps and stops at step 3: its final evaluation must still be of step 3's weights (the
-last step is published and the evaluation waits until the engine serves it), which are the exported policy's."""
+The run (tests/conftest.py `main_job`) publishes every 2 steps and stops at step 3: its final evaluation must still
+be of step 3's weights (the last step is published and the evaluation waits until the engine serves it), which are
+the exported policy's."""
 
 import json
 import os
@@ -15,18 +16,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 @pytest.mark.vllm
 @pytest.mark.slow
-def test_evaluating_a_runs_policy_gives_its_last_held_out_score(tmp_path):
-    run_dir, eval_dir = tmp_path / "run", tmp_path / "eval"
-    train = [sys.executable, "-m", "moe_grpo.train", "model=deepseek_moe", "steps=3", "warm_start_steps=50",
-             "eval_every=2", "algo.prompts_per_step=4", "algo.group_size=4", "algo.sync_every=2",
-             "algo.max_staleness=2", "task.eval_size=16", "checkpoint.at_end=false", f"hydra.run.dir={run_dir}"]
-    out = subprocess.run(train, cwd=ROOT, capture_output=True, text=True, timeout=1200)
+def test_evaluating_a_runs_policy_gives_its_last_held_out_score(main_job, tmp_path):
+    run_dir, out = main_job  # tests/conftest.py: the main job, 3 steps, publishing every 2 and after the last
     assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
     record = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
-    # Each evaluation is of the newest published version (0, 2, then 3: the last step is published too).
     assert [(r["eval/step"], r["eval/policy_version"]) for r in record] == [(0, 0), (2, 2), (3, 3)]
     last = record[-1]
     assert 0 < last["eval/reward/mean"] < 1, "a score that a wrong policy, tokenizer or held-out set would change"
+    eval_dir = tmp_path / "eval"
 
     evaluate = [sys.executable, "-m", "moe_grpo.evaluate", f"policy={run_dir / 'policy'}", "task.eval_size=16",
                 "samples=4", "pass_k=[1,4]", f"output={eval_dir}", f"hydra.run.dir={tmp_path / 'hydra'}",

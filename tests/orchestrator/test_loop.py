@@ -111,28 +111,19 @@ def assert_repeats(want, got, steps):
             assert g[key] == pytest.approx(w[key], rel=1e-4, abs=1e-5), (step, key, g[key], w[key])
 
 
-def test_a_resumed_sync_run_repeats_the_uninterrupted_one(sync_run, tmp_path):
+def test_a_run_killed_after_a_checkpoint_resumes_at_another_layout_and_repeats_the_uninterrupted_one(sync_run, tmp_path):
     """Killed after step 2's checkpoint (a half-written later checkpoint and a record cut mid-line left behind),
-    resumed at the same layout: steps 3-5 repeat the uninterrupted run."""
+    saved at EP=1 and resumed at EP=2 (two learner ranks): Megatron reshards the weights and the Adam state, and
+    steps 3-5 repeat the uninterrupted run. The layouts add the same numbers in another order, which the tolerance
+    of `COMPUTED` covers. (One run checks both: a resume at the same layout is the case with nothing resharded.)"""
     from moe_grpo.orchestrator.driver import train
 
     resume_from_step_2(sync_run, tmp_path)
-    summary = train(small_run(**SYNC, resume=True), tmp_path)
+    summary = train(small_run(**SYNC, resume=True, **{"parallel.expert_parallel": 2, "cluster.learner_cpus": 0.5}),
+                    tmp_path)
     want, got = rows_of(sync_run[0]), rows_of(tmp_path)
     assert [r["step"] for r in got] == [1, 2, 3, 4, 5]
     assert got[2]["resume/from_step"] == 2 and got[1]["resume/from_step"] == -1
     assert_repeats(want, got, (3, 4, 5))
     assert [s for s, _ in summary["evals"]] == [0, 2, 4, 5]
     check_clean_sync_rows(got[2:])
-
-
-def test_a_run_checkpointed_at_one_learner_layout_resumes_at_another(sync_run, tmp_path):
-    """Saved at EP=1, resumed at EP=2 (two learner ranks): Megatron reshards the weights and the Adam state. The
-    layouts add the same numbers in another order, which the tolerance of `COMPUTED` covers."""
-    from moe_grpo.orchestrator.driver import train
-
-    resume_from_step_2(sync_run, tmp_path)
-    train(small_run(**SYNC, resume=True, **{"parallel.expert_parallel": 2, "cluster.learner_cpus": 0.5}), tmp_path)
-    want, got = rows_of(sync_run[0]), rows_of(tmp_path)
-    assert [r["step"] for r in got] == [1, 2, 3, 4, 5]
-    assert_repeats(want, got, (3, 4, 5))
