@@ -110,7 +110,12 @@ class AlgoConfig:
     """No trained token was sampled more than this many policy versions before the weights it trains
     (TRL max_staleness, PRIME-RL max_off_policy_steps, AReaL max_head_offpolicyness). 0 = on-policy."""
     sync_every: int = 1
-    """Optimizer steps between weight syncs to the engines (a new policy version each time)."""
+    """Training steps (batches) between weight syncs to the engines (a new policy version each time)."""
+    mini_batches: int = 1
+    """Optimizer steps per batch: each data-parallel rank's share of the batch is split into this many parts, one
+    optimizer step each, all against the rollout log-probs (verl: train_batch_size / ppo_mini_batch_size; TRL's
+    num_iterations > 1 instead repeats the whole batch). With routing.replay=r2 the routing is recorded once,
+    before the first part's step, and replayed in every part (verl's R2)."""
 
     def __post_init__(self) -> None:
         if self.loss not in LOSS_NAMES:
@@ -131,6 +136,10 @@ class AlgoConfig:
             raise ValueError(f"algo.kl_estimator={self.kl_estimator!r}, expected one of {list(KL_ESTIMATORS)}")
         at_least("algo.group_size", self.group_size, 2, "(advantages are relative to the group)")
         at_least("algo.prompts_per_step", self.prompts_per_step, 1)
+        at_least("algo.mini_batches", self.mini_batches, 1)
+        if self.mini_batches > self.prompts_per_step * self.group_size:
+            raise ValueError(f"algo.mini_batches={self.mini_batches} > the batch's {self.prompts_per_step} x "
+                             f"{self.group_size} completions; expected at most one part per completion")
         for name in ("clip_ratio_low", "clip_ratio_high"):
             between(f"algo.{name}", getattr(self, name), 0.0, 1.0, low_open=True, high_open=True)
         for name in ("correction_low", "correction_high"):

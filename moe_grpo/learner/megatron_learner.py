@@ -311,13 +311,45 @@ class MegatronLearner:
 
     def train_step(self, seqs: Sequence[LearnerSequence], *, replay: bool | str = True,
                    global_num_tokens: int | None = None, loss_fn: TokenLoss | None = None,
-                   policy_version: int = 0) -> dict[str, float]:
+                   policy_version: int = 0, r2_targets: list[torch.Tensor] | None = None) -> dict[str, float]:
         """Zero gradients, `forward_backward` on this DP rank's sequences, `optimizer_step`."""
         self.zero_grad()
         metrics = self.forward_backward(seqs, replay=replay, global_num_tokens=global_num_tokens, loss_fn=loss_fn,
-                                        policy_version=policy_version)
+                                        policy_version=policy_version, r2_targets=r2_targets)
         metrics.update(self.optimizer_step())
         return metrics
+
+    def train_batch(self, seqs: Sequence[LearnerSequence], *, mini_batches: int = 1, replay: bool | str = True,
+                    loss_fn: TokenLoss | None = None, policy_version: int = 0) -> dict[str, float]:
+        """`mini_batches` optimizer steps on this DP rank's share of one batch, split into that many contiguous
+        parts (verl's ppo_mini_batch_size = the batch / `mini_batches`; every DP rank takes the same number of
+        steps). Each step's loss is against the rollout log-probs, so the later steps are off-policy to the
+        weights the earlier ones moved: the clip bounds how far.
+
+        With 'r2' every part's routing is recorded before the first step, with the weights the batch started
+        from, and replayed in each step (verl's R2: the old-log-prob forward's routing); r2 re-recorded per step
+        would be routing 'off' in all but name. Returns the parts' mean metrics, `grad_norm` included, and
+        `step` after the last. A non-finite part stops there (the earlier parts' updates stand)."""
+        seqs = list(seqs)
+        if mini_batches < 1 or len(seqs) < mini_batches:
+            raise ValueError(f"mini_batches={mini_batches} for {len(seqs)} sequences on this rank; expected "
+                             f"1 <= mini_batches <= the sequences each data-parallel rank trains on")
+        if mini_batches == 1:
+            return self.train_step(seqs, replay=replay, loss_fn=loss_fn, policy_version=policy_version)
+        bounds = np.linspace(0, len(seqs), mini_batches + 1).round().astype(int)
+        parts = [seqs[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
+        targets: list[list[torch.Tensor] | None] = [None] * len(parts)
+        if replay_mode(replay) == "r2":
+            targets = [self._record_own_routing(self._microbatches(p, False, routing=all(s.routing is not None
+                                                                                          for s in p)))
+                       for p in parts]
+        runs = [self.train_step(p, replay=replay, loss_fn=loss_fn, policy_version=policy_version, r2_targets=t)
+                for p, t in zip(parts, targets)]
+        keys = set.intersection(*(set(m) for m in runs))
+        out = {k: float(np.mean([m[k] for m in runs])) for k in keys}
+        out.update(step=runs[-1]["step"], tokens=sum(m["tokens"] for m in runs),
+                   sequences=sum(m["sequences"] for m in runs))
+        return out
 
     def zero_grad(self) -> None:
         self.model.zero_grad_buffer()
@@ -395,7 +427,8 @@ class MegatronLearner:
 
     def forward_backward(self, seqs: Sequence[LearnerSequence], *, replay: bool | str = True,
                          global_num_tokens: int | None = None, loss_fn: TokenLoss | None = None,
-                         policy_version: int = 0, global_num_sequences: int | None = None) -> dict[str, float]:
+                         policy_version: int = 0, global_num_sequences: int | None = None,
+                         r2_targets: list[torch.Tensor] | None = None) -> dict[str, float]:
         """Accumulate gradients of the policy loss; no optimizer step.
 
         `replay`: 'r3' (or True) replays each sequence's rollout trace, 'r2' replays the routing this learner
@@ -435,7 +468,8 @@ class MegatronLearner:
         normaliser = getattr(loss_fn, "normaliser", "tokens")
         denominator = global_num_tokens if normaliser == "tokens" else global_num_sequences
         have_old = all(s.old_logprobs is not None for s in seqs)
-        targets = self._record_own_routing(mbs) if mode == "r2" else None
+        # r2: the routing recorded now, or earlier by `train_batch` (before the batch's first update)
+        targets = (r2_targets if r2_targets is not None else self._record_own_routing(mbs)) if mode == "r2" else None
         ref = None
         if getattr(loss_fn, "kl_coef", 0.0) > 0:
             if self._reference is None:

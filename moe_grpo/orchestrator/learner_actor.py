@@ -63,14 +63,14 @@ class LearnerWorker:
         return losses
 
     def train(self, seqs: Sequence[Any], policy_version: int, replay: str) -> dict[str, float]:
-        """One optimizer step on this data-parallel rank's share of the batch (`replay`: r3, r2 or off)."""
+        """`algo.mini_batches` optimizer steps on this data-parallel rank's share of the batch (`replay`: r3, r2 or off)."""
         from moe_grpo.learner.megatron_learner import NonFiniteError
 
         t0 = time.perf_counter()
         lr = self.learner.schedule_lr(policy_version + 1, self.run.steps, self.lr_scale)
         try:
-            metrics = self.learner.train_step(list(seqs), replay=replay, loss_fn=self.loss,
-                                              policy_version=policy_version)
+            metrics = self.learner.train_batch(list(seqs), mini_batches=self.run.algo.mini_batches, replay=replay,
+                                               loss_fn=self.loss, policy_version=policy_version)
         except NonFiniteError as e:
             return {"skipped": 1.0, "error": str(e), "train_seconds": time.perf_counter() - t0}
         metrics["train_seconds"] = time.perf_counter() - t0

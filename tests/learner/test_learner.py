@@ -162,3 +162,51 @@ def test_the_learner_scores_the_distribution_the_engines_sample_from_at_their_te
     assert np.abs(lp_plain - lp_hot).max() > 1e-3
     with pytest.raises(ValueError, match="temperature=0"):
         MegatronLearner(tiny_spec(), temperature=0.0)
+
+
+def _weights(learner):
+    return {k: v.detach().clone() for k, v in learner.module.state_dict().items() if isinstance(v, torch.Tensor)}
+
+
+def _advantaged(n, seed=0):
+    seqs = make_sequences(tiny_spec(), n=n)
+    rng = np.random.default_rng(seed)
+    for s in seqs:
+        s.advantage = float(rng.choice([-1.0, 1.0]))
+    return seqs
+
+
+def test_mini_batches_take_one_optimizer_step_per_part_and_r2_replays_the_routing_the_batch_started_with():
+    """`algo.mini_batches=2`: two optimizer steps per batch. In r3 that is two train steps on the two halves. In
+    r2 both steps replay the routing recorded with the weights the batch started from, which differs from
+    re-recording before the second step (the first step moved the routers, lr 0.5): the three learners start
+    equal and end where each definition puts them."""
+    seqs = _advantaged(8)
+    make = lambda: MegatronLearner(tiny_spec(), config=LearnerConfig(micro_batch_size=2, lr=0.5, seed=3))  # noqa: E731
+    batch, by_hand, per_step = make(), make(), make()
+
+    m = batch.train_batch(seqs, mini_batches=2, replay="r3")
+    assert m["step"] == 2.0 and m["sequences"] == 8.0 and m["replay/applied"] == 1.0
+    by_hand.train_step(seqs[:4], replay="r3")
+    by_hand.train_step(seqs[4:], replay="r3")
+    for k, v in _weights(batch).items():
+        torch.testing.assert_close(v, _weights(by_hand)[k], rtol=0, atol=0, msg=k)
+
+    r2_seqs = _advantaged(8, seed=1)
+    start = [batch._record_own_routing(batch._microbatches(p, False, routing=False)) for p in (r2_seqs[:4], r2_seqs[4:])]
+    batch.train_batch(r2_seqs, mini_batches=2, replay="r2")
+    for learner in (by_hand, per_step):
+        learner.train_step(r2_seqs[:4], replay="r2")
+    by_hand.train_step(r2_seqs[4:], replay="r2", r2_targets=start[1])  # the start's routing, as train_batch does
+    moved = by_hand._record_own_routing(by_hand._microbatches(r2_seqs[4:], False, routing=False))
+    assert any((a != b).any() for a, b in zip(moved, start[1])), "the first step should move some routing"
+    per_step.train_step(r2_seqs[4:], replay="r2")  # re-recorded after the first step
+    got, want, other = _weights(batch), _weights(by_hand), _weights(per_step)
+    for k in got:
+        torch.testing.assert_close(got[k], want[k], rtol=0, atol=0, msg=k)
+    assert any(not torch.equal(got[k], other[k]) for k in got), "re-recording before each step is another method"
+
+
+def test_more_mini_batches_than_sequences_is_refused(learner):
+    with pytest.raises(ValueError, match="mini_batches=5 for 4 sequences"):
+        learner.train_batch(make_sequences(tiny_spec(), n=4), mini_batches=5)
