@@ -7,7 +7,13 @@ KL(rollout || learner) on response tokens, once routing freely and once
 replaying vLLM's routing. `--engine-dtype bfloat16` runs vLLM in bf16 against
 the fp32 learner (the usual production gap); float32 compares equal precision.
 
-    .venv/bin/python tools/bench_mismatch.py [--engine-dtype bfloat16] [--prompts 16] [--max-tokens 48]
+What drives the disagreement: per MoE layer, and against the learner's router
+logit gap between its k-th and (k+1)-th choice at each (token, layer): a bf16
+engine perturbs the logits by about 2^-8 of their size, so flips happen where
+that gap is small, and models with many experts and top-k > 1 have many such
+near-ties (`--model deepseek_moe_64e`: 64 experts, top-8).
+
+    .venv/bin/python tools/bench_mismatch.py [--model deepseek_moe_64e] [--engine-dtype bfloat16] [--prompts 16]
 
 Last line: one JSON object.
 """
@@ -51,6 +57,11 @@ def main() -> None:
                             routing=c.routing, old_logprobs=c.logprobs) for c in comps]
     learner_traces = learner.routing_traces(seqs, replay=False)["free"]
     agree = agreement([s.routing for s in seqs], learner_traces)
+    gaps = np.concatenate([g for g in router_logit_gaps(learner, seqs, spec.top_k)])  # [positions, layers]
+    flipped = np.concatenate([(np.sort(a.expert_ids, -1) != np.sort(b.expert_ids, -1)).any(-1)
+                              for a, b in zip([s.routing for s in seqs], learner_traces)])
+    quartiles = np.quantile(gaps, [0.25, 0.5, 0.75])
+    bins = np.digitize(gaps, quartiles)
     free = learner.forward_backward(seqs, replay=False)
     learner.zero_grad()
     replayed = learner.forward_backward(seqs, replay=True)
@@ -58,10 +69,50 @@ def main() -> None:
     print(json.dumps({
         "bench": "mismatch", "model": spec.name, "engine_dtype": args.engine_dtype, "learner_dtype": "float32",
         "completions": len(comps), "response_tokens": int(free["tokens"]),
+        "num_experts": spec.num_experts, "top_k": spec.top_k, "moe_layers": spec.num_moe_layers,
         "router_disagreement_without_replay": round(1 - agree["set_agreement"], 6),
+        "router_disagreement_per_layer": [round(1 - a, 6) for a in agree["set_agreement_per_layer"]],
+        "logit_gap_median": float(np.median(gaps)),
+        "logit_gap_median_where_flipped": float(np.median(gaps[flipped])) if flipped.any() else None,
+        "logit_gap_quartiles": [float(q) for q in quartiles],
+        "disagreement_by_gap_quartile": [round(float(flipped[bins == i].mean()), 6) for i in range(4)],
         "kl_k3_without_replay": free["train/rollout_kl"], "kl_k3_with_replay": replayed["train/rollout_kl"],
         "replay_applied": replayed["replay/applied"],
     }))
+
+
+def router_logit_gaps(learner, seqs, top_k: int) -> list:
+    """Per sequence, `[positions, moe_layers]`: the learner's router logit of its k-th choice minus that of its
+    (k+1)-th (free routing, the current weights): how far each decision is from a tie.
+
+    Captured by wrapping each router's `gating` (megatron-core 0.16.1's TopKRouter: the logits before the
+    score function), one sequence per forward so the logits' rows are that sequence's positions in order."""
+    import numpy as np
+
+    routers = [layer.mlp.router for layer in learner.module.decoder.layers if hasattr(layer.mlp, "router")]
+    captured: dict[int, object] = {}
+
+    def wrap(index: int, gating):
+        def gating_recorded(x):
+            logits = gating(x)
+            captured[index] = logits.detach().float().reshape(-1, logits.shape[-1]).cpu()
+            return logits
+        return gating_recorded
+
+    for i, r in enumerate(routers):
+        r.gating = wrap(i, r.gating)
+    try:
+        out = []
+        for s in seqs:
+            captured.clear()
+            learner.logprobs([s], replay=False)
+            n = len(s.tokens) - 1
+            top = [captured[i][:n].topk(top_k + 1, dim=-1).values for i in range(len(routers))]
+            out.append(np.stack([(t[:, top_k - 1] - t[:, top_k]).numpy() for t in top], axis=1))
+        return out
+    finally:
+        for r in routers:
+            del r.gating  # the class's method again
 
 
 if __name__ == "__main__":
