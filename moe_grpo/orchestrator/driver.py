@@ -83,7 +83,8 @@ class Driver:
         self.last_checkpoint: Path | None = None
         self.due: str | None = None
         """Why a checkpoint is owed at the next step boundary ('SIGTERM', 'SIGUSR1'), or None."""
-        self.stop_after_checkpoint = False
+        self.stop_after_checkpoint: str | None = None
+        """The signal (SIGTERM) that asked the run to stop once its next checkpoint is written."""
         self.t_last = time.perf_counter()
         self.busy_last: dict[str, float] = {}
         self.tokens_at_last = 0
@@ -445,7 +446,9 @@ class Driver:
                  time.perf_counter() - t0, "" if reason == "every" else f", on {reason}")
         self.due = None
         if self.stop_after_checkpoint:
-            raise Stopped(reason)
+            # The signal's name, not `reason`: a SIGTERM landing while a periodic checkpoint is being written
+            # stops the run after that one ("stopped by SIGTERM", not "stopped by every").
+            raise Stopped(self.stop_after_checkpoint)
         return self.last_checkpoint
 
     def _checkpoint_hint(self) -> str:
@@ -492,7 +495,7 @@ class Driver:
         flags: a signal handler must not take locks the interrupted code may hold, the log's included.)"""
         self.due = signal.Signals(signum).name
         if signum == signal.SIGTERM:
-            self.stop_after_checkpoint = True
+            self.stop_after_checkpoint = self.due
 
 
 def check_resumable(run: Any, saved_config: dict[str, Any]) -> None:

@@ -115,6 +115,28 @@ class Run:
             time.sleep(1)
 
 
+def shm_in_use() -> set[str]:
+    """Names under /dev/shm that a live process has mapped or open (another job's engine on a shared machine,
+    say): what a finished run left behind is what nobody holds any more."""
+    held = set()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/maps") as f:
+                held |= {line.split("/dev/shm/", 1)[1].split(" (deleted)")[0].strip() for line in f if "/dev/shm/" in line}
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if target.startswith("/dev/shm/"):
+                    held.add(target[len("/dev/shm/"):])
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+    return held
+
+
+def shm_left_behind(before: set[str]) -> set[str]:
+    """Entries added to /dev/shm since `before` that no live process holds."""
+    return shm_entries() - before - shm_in_use()
+
+
 def shm_entries() -> set[str]:
     """What is in /dev/shm (the run's weight slots live under moe_grpo_sync_<uid>/run-<pid>-...)."""
     out = set(os.listdir("/dev/shm"))

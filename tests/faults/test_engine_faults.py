@@ -15,7 +15,7 @@ import signal
 
 import pytest
 
-from runs import Run, shm_entries
+from runs import Run, shm_entries, shm_left_behind
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.multiprocess]
 
@@ -77,7 +77,7 @@ def test_nothing_of_the_run_is_left_behind(faulted_run):
     assert not run.leftovers(), run.leftovers()
     for pid in (first, second):
         assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z"
-    assert shm_entries() - shm_before == set()
+    assert shm_left_behind(shm_before) == set()
 
 
 def test_a_hanging_reward_costs_its_samples_and_never_the_run(faulted_run):
