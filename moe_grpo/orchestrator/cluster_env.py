@@ -92,11 +92,13 @@ def _expand_range(body: str, text: str) -> list[str]:
     return out
 
 
-def _run(argv: Sequence[str]) -> str:
+def run_command_stdout(argv: Sequence[str]) -> str:
+    """`argv`'s stdout; raises when it cannot run, fails or takes more than 10 s."""
     return subprocess.run(list(argv), capture_output=True, text=True, timeout=10, check=True).stdout
 
 
-def hostnames(nodelist: str, run: RunCommand | None = _run, scontrol: str = "scontrol") -> tuple[list[str], str]:
+def hostnames(nodelist: str, run: RunCommand | None = run_command_stdout,
+              scontrol: str = "scontrol") -> tuple[list[str], str]:
     """The host names of a SLURM node list and how they were expanded: `scontrol show hostnames` when it runs (it
     knows every syntax SLURM writes), the pure-Python expander otherwise (`run=None` skips scontrol)."""
     if run is not None and any(ch in nodelist for ch in "[,"):
@@ -159,7 +161,7 @@ def cpus_from_slurm(environ: Mapping[str, str], problems: list[str]) -> int | No
     return _int(environ, "SLURM_CPUS_ON_NODE", problems)
 
 
-def slurm_facts(environ: Mapping[str, str], run: RunCommand | None = _run) -> NodeFacts | None:
+def slurm_facts(environ: Mapping[str, str], run: RunCommand | None = run_command_stdout) -> NodeFacts | None:
     """The SLURM job's nodes (SLURM_JOB_NODELIST, checked against SLURM_NNODES / SLURM_JOB_NUM_NODES), GPUs and CPUs
     per node; None outside a SLURM job (no SLURM_JOB_NODELIST)."""
     nodelist = environ.get("SLURM_JOB_NODELIST", environ.get("SLURM_NODELIST", "")).strip()

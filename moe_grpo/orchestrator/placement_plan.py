@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 from moe_grpo.models.param_count import param_counts
-from moe_grpo.orchestrator.cluster_env import NodeFacts, RunCommand, _run, local_facts, slurm_facts
+from moe_grpo.orchestrator.cluster_env import NodeFacts, RunCommand, local_facts, run_command_stdout, slurm_facts
 from moe_grpo.orchestrator.memory_estimate import (DTYPE_BYTES, GIB, RESERVED_GIB, EngineMemory, RankMemory,
                                                    TrainingShape, engine_memory, rank_memory)
 
@@ -207,9 +207,11 @@ class Plan:
         if not self.pinned:
             return f"{what} through shared memory on the learner's host"
         remote = [h for h in hosts if h not in learner_hosts]
-        per_host = ", ".join(f"{h} {size}" for h in hosts) or "no engine host"
-        return (f"{what} into each engine host: {per_host}; {_bytes(self.sync_bytes * len(remote))} per version "
-                f"over the network to {_n(len(remote), 'host')} without a learner rank")
+        per_host = ", ".join(f"{h} {size}" + ("" if h in remote else " (shared memory: learner ranks run there)")
+                             for h in hosts) or "no engine host"
+        network = (f"{_bytes(self.sync_bytes * len(remote))} per version over the network to "
+                   f"{_n(len(remote), 'host')} without a learner rank" if remote else "nothing over the network")
+        return f"{what} into each engine host: {per_host}; {network}"
 
     def refusal(self) -> str:
         return "the placement plan is refused: " + "; ".join(self.problems)
@@ -236,7 +238,7 @@ def _bytes(n: float) -> str:
 
 
 def build_plan(run: Any, environ: Mapping[str, str] | None = None, *, seq_len: int | None = None,
-               run_command: RunCommand | None = _run) -> Plan:
+               run_command: RunCommand | None = run_command_stdout) -> Plan:
     """The plan for `run` (a RunConfig) in `environ` (default os.environ). `seq_len`: positions per sequence the
     learner trains on (the engines' context once the prompts were read); None = `rollout.max_model_len` when set,
     else `rollout.max_tokens` alone, said in a note. `run_command` runs `scontrol show hostnames` (None: the Python
@@ -265,30 +267,42 @@ def build_plan(run: Any, environ: Mapping[str, str] | None = None, *, seq_len: i
                             f"nodes have no GPUs (gpus_per_node={gpus}); set cluster.gpus_per_node if SLURM does not "
                             "say")
         engines_per_node = _per_node(engine_gpus, gpus, c.engine_cpus, cpus, c.num_engines)
-        ranks_per_node = _per_node(rank_gpus, gpus, c.learner_cpus, cpus, None)
         if use_gpus and engine_tp > gpus:
             problems.append(f"an engine's tensor parallelism (cluster.engine_tensor_parallel={engine_tp}) does not "
                             f"fit a node of {gpus} GPUs; an engine runs within one node")
-        training, inference, unused = _split_nodes(c, nodes, engines_per_node, problems)
-        world = c.learner_ranks or (len(training) * ranks_per_node if use_gpus and ranks_per_node
-                                    else run.parallel.world_size())
+        unit = "GPUs" if use_gpus else "CPUs"
+        per_node = gpus if use_gpus else cpus
+        need_engine = engine_gpus if use_gpus else c.engine_cpus
+        if len(nodes) == 1 and c.inference_nodes is None and c.training_nodes is None:
+            # A one-node job: both pools on it, the engines' GPUs (CPUs) first, the learner ranks on the rest.
+            training = inference = tuple(nodes)
+            unused: tuple[str, ...] = ()
+            gpus_left = (gpus or 0) - c.num_engines * engine_gpus
+            cpus_left = cpus - c.num_engines * c.engine_cpus if cpus else None
+            ranks_per_node = _per_node(rank_gpus, max(0, int(gpus_left)), c.learner_cpus,
+                                       max(0, int(cpus_left)) if cpus_left is not None else None, None)
+            room = f"{nodes[0]}'s {per_node} {unit} less the engines' {c.num_engines * need_engine:g}"
+            train_gpus = max(0, int(gpus_left)) if use_gpus else 0
+        else:
+            training, inference, unused = _split_nodes(c, nodes, engines_per_node, problems)
+            ranks_per_node = _per_node(rank_gpus, gpus, c.learner_cpus, cpus, None)
+            room = f"the training pool's {len(training)} node(s) x {per_node} {unit}"
+            train_gpus = len(training) * (gpus or 0)
+        world = c.learner_ranks or (train_gpus if use_gpus and train_gpus else run.parallel.world_size())
         engine_nodes = _fill(c.num_engines, inference, engines_per_node)
         rank_nodes = _fill(world, training, ranks_per_node)
-        unit = "GPUs" if use_gpus else "CPUs"
-        need_engine = engine_gpus if use_gpus else c.engine_cpus
         if None in engine_nodes and inference:
             problems.append(f"{c.num_engines} engine(s) x {need_engine:g} {unit} need {c.num_engines * need_engine:g} "
-                            f"{unit}; the inference pool ({len(inference)} node(s) x {gpus if use_gpus else cpus} "
-                            f"{unit}) holds {len(inference) * engines_per_node} engine(s)")
+                            f"{unit}; the inference pool ({len(inference)} node(s) x {per_node} {unit}) holds "
+                            f"{len(inference) * engines_per_node} engine(s)")
         if None in rank_nodes and training:
             need = 1 if use_gpus else c.learner_cpus
-            problems.append(f"{world} learner rank(s) x {need:g} {unit} need {world * need:g} {unit}; the training "
-                            f"pool ({len(training)} node(s) x {gpus if use_gpus else cpus} {unit}) has room for "
-                            f"{len(training) * (ranks_per_node or 0)}")
-        if use_gpus and training and world < len(training) * gpus:
-            problems.append(f"the learner world ({world} rank(s)) leaves {len(training) * gpus - world} of the "
-                            f"training pool's {len(training) * gpus} GPUs idle; set cluster.learner_ranks="
-                            f"{len(training) * gpus} or fewer cluster.training_nodes")
+            problems.append(f"{world} learner rank(s) x {need:g} {unit} need {world * need:g} {unit}; {room} have "
+                            f"room for {len(training) * (ranks_per_node or 0)}")
+        if use_gpus and training and world < train_gpus:
+            problems.append(f"the learner world ({world} rank(s)) leaves {train_gpus - world} of the training pool's "
+                            f"{train_gpus} GPUs idle; set cluster.learner_ranks={train_gpus} or fewer "
+                            "cluster.training_nodes")
         if ranks_per_node and run.parallel.tensor_parallel > 1 and ranks_per_node % run.parallel.tensor_parallel:
             notes.append(f"TP={run.parallel.tensor_parallel} groups span nodes ({ranks_per_node} ranks per node): "
                          "their all-reduces cross the network")

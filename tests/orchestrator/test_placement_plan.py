@@ -142,7 +142,7 @@ DSV3_ENV = slurm_env("gpu[01-04]", 4)
     ([*QWEN_2x8, "cluster.num_engines=8"], QWEN_ENV,
      "no node left for the training pool: 2 node(s), 2 of them for 8 engine(s)"),
     ([*QWEN_2x8, "cluster.learner_ranks=16"], QWEN_ENV,
-     "16 learner rank(s) x 1 GPUs need 16 GPUs; the training pool (1 node(s) x 8 GPUs) has room for 8"),
+     "16 learner rank(s) x 1 GPUs need 16 GPUs; the training pool's 1 node(s) x 8 GPUs have room for 8"),
     ([*QWEN_2x8, "cluster.inference_nodes=2", "cluster.training_nodes=1"], QWEN_ENV,
      "the pools want 1 training + 2 inference node(s) but the job has 2: gpu01 gpu02"),
     # a learner world Megatron cannot split, or one that leaves GPUs idle
@@ -173,6 +173,24 @@ def test_impossible_plans_are_refused_with_the_reason(overrides, environ, reason
     assert not plan.ok
     assert any(reason in p for p in plan.problems), plan.problems
     assert reason in plan.render() and "plan: REFUSED" in plan.render()
+
+
+def test_a_one_node_job_shares_its_node_engines_first_and_is_runnable_in_this_build():
+    plan = plan_for(["model=qwen3_moe_1b_64e", *GPU_TRAINING, "cluster.num_engines=2", "parallel.expert_parallel=2"],
+                    slurm_env("gpu07", 1))
+    text = plan.render()
+    assert plan.ok, text
+    assert ("training pool: 1 node (gpu07): 6 learner ranks, 1 GPU each, Megatron TP=1 PP=1 DP=6 EP=2 "
+            "(expert DP 3)") in text
+    assert "inference pool: 1 node (gpu07): 2 engines x TP=1, 1 GPU each" in text
+    assert "  gpu07: engine0, engine1 (2 of 8 GPUs)" in text
+    assert "gpu07 3.17 GB (shared memory: learner ranks run there); nothing over the network" in text
+    assert not_runnable_yet(plan) == []
+    assert plan.bundle_nodes() == ["gpu07"] * 8
+    crowded = plan_for(["model=qwen3_moe_1b_64e", *GPU_TRAINING, "cluster.num_engines=2", "cluster.learner_ranks=8"],
+                       slurm_env("gpu07", 1))
+    assert ("8 learner rank(s) x 1 GPUs need 8 GPUs; gpu07's 8 GPUs less the engines' 2 have room for 6"
+            in crowded.problems)
 
 
 def test_the_default_local_run_is_planned_as_before_on_this_host():
@@ -242,17 +260,20 @@ def test_the_driver_refuses_a_plan_before_anything_starts():
     assert plan.ok and run.cluster == run_config([]).cluster
 
 
-def _train(args, env, cwd):
+def _train(args, env, cwd, *python_flags):
     t0 = time.perf_counter()
-    out = subprocess.run([sys.executable, "-m", "moe_grpo.train", *args], cwd=cwd, capture_output=True, text=True,
-                         timeout=120, env={**os.environ, **env})
+    out = subprocess.run([sys.executable, *python_flags, "-m", "moe_grpo.train", *args], cwd=cwd, capture_output=True,
+                         text=True, timeout=120, env={**os.environ, **env})
     return out, time.perf_counter() - t0
 
 
 def test_a_dry_run_prints_the_plan_and_exits_before_ray_starts(tmp_path):
     env = {**slurm_env("gpu[01-02]", 2), "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    out, seconds = _train([*QWEN_2x8, "cluster.dry_run=true"], env, tmp_path)
+    out, seconds = _train([*QWEN_2x8, "cluster.dry_run=true"], env, tmp_path, "-X", "importtime")
     assert out.returncode == 0, out.stderr
+    import re
+
+    assert not re.search(r"\|\s+(torch|ray|vllm|megatron)$", out.stderr, re.MULTILINE), "a dry run imported them"
     assert "training pool: 1 node (gpu01): 8 learner ranks" in out.stdout and out.stdout.rstrip().endswith(
         "note: a run of this plan stops at start in this build: engines on gpu02, where no learner rank runs: the "
         "driver publishes weights through shared memory on the learners' hosts only; the transport to other hosts "
@@ -264,5 +285,5 @@ def test_a_dry_run_prints_the_plan_and_exits_before_ray_starts(tmp_path):
     assert refused.returncode == 2
     assert "plan: REFUSED (1 reason)" in refused.stdout
     assert refused.stderr.startswith("[moe_grpo] the placement plan is refused: 16 learner rank(s) x 1 GPUs need 16 "
-                                     "GPUs; the training pool (1 node(s) x 8 GPUs) has room for 8")
+                                     "GPUs; the training pool's 1 node(s) x 8 GPUs have room for 8")
     assert "Traceback" not in refused.stderr
