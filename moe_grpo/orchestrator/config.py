@@ -72,13 +72,15 @@ class ClusterConfig:
     engine_cpus: float = 1.0
     """CPUs reserved per engine actor."""
     engine_gpus: float = 0.0
-    """GPUs reserved per engine actor."""
+    """GPUs reserved per engine actor (cluster=slurm on GPU nodes: leave 0, the plan reserves
+    `engine_tensor_parallel`)."""
     learner_ranks: int | None = None
-    """Learner processes (one Ray actor per Megatron rank); None = TP x PP x EP of `parallel` (DP = EP)."""
+    """Learner processes (one Ray actor per Megatron rank); None = TP x PP x EP of `parallel` (DP = EP), or under
+    cluster=slurm on GPU nodes one per GPU of the training pool."""
     learner_cpus: float = 1.0
     """CPUs reserved per learner rank."""
     learner_gpus: float = 0.0
-    """GPUs reserved per learner rank."""
+    """GPUs reserved per learner rank (cluster=slurm on GPU nodes: leave 0, the plan reserves 1)."""
     pin_cpus: bool = False
     """Pin each actor's process (and the engine's children) to its own cores: engines first, then learner ranks
     (single host only; benchmarks use it so each pool gets exactly its share)."""

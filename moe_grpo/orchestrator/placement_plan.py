@@ -250,74 +250,9 @@ def build_plan(run: Any, environ: Mapping[str, str] | None = None, *, seq_len: i
     facts = _facts(c, environ, run_command, problems)
     gpus = c.gpus_per_node if c.gpus_per_node is not None else facts.gpus_per_node
     cpus = c.cpus_per_node if c.cpus_per_node is not None else facts.cpus_per_node
-    nodes = facts.nodes
     engine_tp = c.engine_tensor_parallel
-    if c.launcher == "slurm":
-        use_gpus = bool(gpus)
-        engine_gpus = float(engine_tp) if use_gpus else 0.0
-        rank_gpus = 1.0 if use_gpus else 0.0
-        if use_gpus and c.engine_gpus not in (0, engine_gpus):
-            problems.append(f"cluster.engine_gpus={c.engine_gpus:g} but an engine of cluster.engine_tensor_parallel="
-                            f"{engine_tp} holds {engine_tp} GPU(s) (leave engine_gpus at 0 under cluster=slurm)")
-        if use_gpus and c.learner_gpus not in (0, 1):
-            problems.append(f"cluster.learner_gpus={c.learner_gpus:g} but under cluster=slurm each learner rank "
-                            "holds one GPU (leave learner_gpus at 0)")
-        if not use_gpus and (c.engine_gpus or c.learner_gpus):
-            problems.append(f"cluster.engine_gpus={c.engine_gpus:g} / cluster.learner_gpus={c.learner_gpus:g} but the "
-                            f"nodes have no GPUs (gpus_per_node={gpus}); set cluster.gpus_per_node if SLURM does not "
-                            "say")
-        engines_per_node = _per_node(engine_gpus, gpus, c.engine_cpus, cpus, c.num_engines)
-        if use_gpus and engine_tp > gpus:
-            problems.append(f"an engine's tensor parallelism (cluster.engine_tensor_parallel={engine_tp}) does not "
-                            f"fit a node of {gpus} GPUs; an engine runs within one node")
-        unit = "GPUs" if use_gpus else "CPUs"
-        per_node = gpus if use_gpus else cpus
-        need_engine = engine_gpus if use_gpus else c.engine_cpus
-        if len(nodes) == 1 and c.inference_nodes is None and c.training_nodes is None:
-            # A one-node job: both pools on it, the engines' GPUs (CPUs) first, the learner ranks on the rest.
-            training = inference = tuple(nodes)
-            unused: tuple[str, ...] = ()
-            gpus_left = (gpus or 0) - c.num_engines * engine_gpus
-            cpus_left = cpus - c.num_engines * c.engine_cpus if cpus else None
-            ranks_per_node = _per_node(rank_gpus, max(0, int(gpus_left)), c.learner_cpus,
-                                       max(0, int(cpus_left)) if cpus_left is not None else None, None)
-            room = f"{nodes[0]}'s {per_node} {unit} less the engines' {c.num_engines * need_engine:g}"
-            train_gpus = max(0, int(gpus_left)) if use_gpus else 0
-        else:
-            training, inference, unused = _split_nodes(c, nodes, engines_per_node, problems)
-            ranks_per_node = _per_node(rank_gpus, gpus, c.learner_cpus, cpus, None)
-            room = f"the training pool's {len(training)} node(s) x {per_node} {unit}"
-            train_gpus = len(training) * (gpus or 0)
-        world = c.learner_ranks or (train_gpus if use_gpus and train_gpus else run.parallel.world_size())
-        engine_nodes = _fill(c.num_engines, inference, engines_per_node)
-        rank_nodes = _fill(world, training, ranks_per_node)
-        if None in engine_nodes and inference:
-            problems.append(f"{c.num_engines} engine(s) x {need_engine:g} {unit} need {c.num_engines * need_engine:g} "
-                            f"{unit}; the inference pool ({len(inference)} node(s) x {per_node} {unit}) holds "
-                            f"{len(inference) * engines_per_node} engine(s)")
-        if None in rank_nodes and training:
-            need = 1 if use_gpus else c.learner_cpus
-            problems.append(f"{world} learner rank(s) x {need:g} {unit} need {world * need:g} {unit}; {room} have "
-                            f"room for {len(training) * (ranks_per_node or 0)}")
-        if use_gpus and training and world < train_gpus:
-            problems.append(f"the learner world ({world} rank(s)) leaves {train_gpus - world} of the training pool's "
-                            f"{train_gpus} GPUs idle; set cluster.learner_ranks={train_gpus} or fewer "
-                            "cluster.training_nodes")
-        if ranks_per_node and run.parallel.tensor_parallel > 1 and ranks_per_node % run.parallel.tensor_parallel:
-            notes.append(f"TP={run.parallel.tensor_parallel} groups span nodes ({ranks_per_node} ranks per node): "
-                         "their all-reduces cross the network")
-    else:
-        world = run.learner_world_size()
-        engine_gpus, rank_gpus = float(c.engine_gpus), float(c.learner_gpus)
-        host = nodes[0]
-        training, inference, unused = (host,), (host,), ()
-        engine_nodes, rank_nodes = [host] * c.num_engines, [host] * world
-        need = c.num_engines * engine_gpus + world * rank_gpus
-        if need and gpus is not None and need > gpus:
-            problems.append(f"{c.num_engines} engine(s) x {engine_gpus:g} GPU + {world} learner rank(s) x "
-                            f"{rank_gpus:g} GPU need {need:g} GPUs; {host} has {gpus}")
-        elif need and gpus is None and not c.ray_address:
-            notes.append(f"the pools reserve {need:g} GPUs; this host's GPU count is unknown (not checked)")
+    pools = (_slurm_pools if c.launcher == "slurm" else _local_pools)(run, facts.nodes, gpus, cpus, problems, notes)
+    world, engine_gpus, rank_gpus = pools.world, pools.engine_gpus, pools.rank_gpus
     layout = _layout(run, world, problems) if world else None  # no training pool: a problem says so already
     spec = run.model
     if spec.num_attention_heads % engine_tp:
@@ -346,16 +281,110 @@ def build_plan(run: Any, environ: Mapping[str, str] | None = None, *, seq_len: i
     ranks = []
     for r in range(world):
         tp, pp, dp, ep, edp = coordinates(r, layout) if layout else (0, 0, 0, 0, 0)
-        ranks.append(RankPlacement(r, rank_nodes[r], tp, pp, dp, ep, edp))
-    engines = tuple(EnginePlacement(f"engine{i}", engine_nodes[i], engine_tp, engine_gpus, c.engine_cpus)
+        ranks.append(RankPlacement(r, pools.rank_nodes[r], tp, pp, dp, ep, edp))
+    engines = tuple(EnginePlacement(f"engine{i}", pools.engine_nodes[i], engine_tp, engine_gpus, c.engine_cpus)
                     for i in range(c.num_engines))
     sync_dtype = run.megatron.params_dtype
     return Plan(launcher=c.launcher, facts=facts, gpus_per_node=gpus, cpus_per_node=cpus,
                 gpu_memory_gib=c.gpu_memory_gib, model=spec.name, total_params=counts.total,
-                routed_params=counts.routed, training_nodes=tuple(training), inference_nodes=tuple(inference),
-                unused_nodes=tuple(unused), engines=engines, ranks=tuple(ranks), world=world, layout=layout,
+                routed_params=counts.routed, training_nodes=pools.training, inference_nodes=pools.inference,
+                unused_nodes=pools.unused, engines=engines, ranks=tuple(ranks), world=world, layout=layout,
                 rank_gpus=rank_gpus, sync_dtype=sync_dtype, sync_bytes=counts.total * DTYPE_BYTES[sync_dtype],
                 rank_memory=rank_mem, engine_memory=eng_mem, problems=tuple(problems), notes=tuple(notes))
+
+
+@dataclass(frozen=True)
+class _Pools:
+    """Where each pool's actors go and what each holds."""
+
+    training: tuple[str, ...]
+    inference: tuple[str, ...]
+    unused: tuple[str, ...]
+    engine_nodes: list[str | None]
+    rank_nodes: list[str | None]
+    world: int
+    engine_gpus: float
+    rank_gpus: float
+
+
+def _slurm_pools(run: Any, nodes: tuple[str, ...], gpus: int | None, cpus: int | None, problems: list[str],
+                 notes: list[str]) -> _Pools:
+    """The job's nodes split between the pools (training first), each actor on a node with room for it."""
+    c = run.cluster
+    engine_tp = c.engine_tensor_parallel
+    use_gpus = bool(gpus)
+    engine_gpus = float(engine_tp) if use_gpus else 0.0
+    rank_gpus = 1.0 if use_gpus else 0.0
+    if use_gpus and c.engine_gpus not in (0, engine_gpus):
+        problems.append(f"cluster.engine_gpus={c.engine_gpus:g} but an engine of cluster.engine_tensor_parallel="
+                        f"{engine_tp} holds {engine_tp} GPU(s) (leave engine_gpus at 0 under cluster=slurm)")
+    if use_gpus and c.learner_gpus not in (0, 1):
+        problems.append(f"cluster.learner_gpus={c.learner_gpus:g} but under cluster=slurm each learner rank "
+                        "holds one GPU (leave learner_gpus at 0)")
+    if not use_gpus and (c.engine_gpus or c.learner_gpus):
+        problems.append(f"cluster.engine_gpus={c.engine_gpus:g} / cluster.learner_gpus={c.learner_gpus:g} but the "
+                        f"nodes have no GPUs (gpus_per_node={gpus}); set cluster.gpus_per_node if SLURM does not "
+                        "say")
+    engines_per_node = _per_node(engine_gpus, gpus, c.engine_cpus, cpus, c.num_engines)
+    if use_gpus and engine_tp > gpus:
+        problems.append(f"an engine's tensor parallelism (cluster.engine_tensor_parallel={engine_tp}) does not "
+                        f"fit a node of {gpus} GPUs; an engine runs within one node")
+    unit = "GPUs" if use_gpus else "CPUs"
+    per_node = gpus if use_gpus else cpus
+    need_engine = engine_gpus if use_gpus else c.engine_cpus
+    if len(nodes) == 1 and c.inference_nodes is None and c.training_nodes is None:
+        # A one-node job: both pools on it, the engines' GPUs (CPUs) first, the learner ranks on the rest.
+        training = inference = tuple(nodes)
+        unused: tuple[str, ...] = ()
+        gpus_left = (gpus or 0) - c.num_engines * engine_gpus
+        cpus_left = cpus - c.num_engines * c.engine_cpus if cpus else None
+        ranks_per_node = _per_node(rank_gpus, max(0, int(gpus_left)), c.learner_cpus,
+                                   max(0, int(cpus_left)) if cpus_left is not None else None, None)
+        room = f"{nodes[0]}'s {per_node} {unit} less the engines' {c.num_engines * need_engine:g}"
+        train_gpus = max(0, int(gpus_left)) if use_gpus else 0
+    else:
+        training, inference, unused = _split_nodes(c, nodes, engines_per_node, problems)
+        ranks_per_node = _per_node(rank_gpus, gpus, c.learner_cpus, cpus, None)
+        room = f"the training pool's {len(training)} node(s) x {per_node} {unit}"
+        train_gpus = len(training) * (gpus or 0)
+    world = c.learner_ranks or (train_gpus if use_gpus and train_gpus else run.parallel.world_size())
+    engine_nodes = _fill(c.num_engines, inference, engines_per_node)
+    rank_nodes = _fill(world, training, ranks_per_node)
+    if None in engine_nodes and inference:
+        problems.append(f"{c.num_engines} engine(s) x {need_engine:g} {unit} need {c.num_engines * need_engine:g} "
+                        f"{unit}; the inference pool ({len(inference)} node(s) x {per_node} {unit}) holds "
+                        f"{len(inference) * engines_per_node} engine(s)")
+    if None in rank_nodes and training:
+        need = 1 if use_gpus else c.learner_cpus
+        problems.append(f"{world} learner rank(s) x {need:g} {unit} need {world * need:g} {unit}; {room} have "
+                        f"room for {len(training) * (ranks_per_node or 0)}")
+    if use_gpus and training and world < train_gpus:
+        problems.append(f"the learner world ({world} rank(s)) leaves {train_gpus - world} of the training pool's "
+                        f"{train_gpus} GPUs idle; set cluster.learner_ranks={train_gpus} or fewer "
+                        "cluster.training_nodes")
+    if ranks_per_node and run.parallel.tensor_parallel > 1 and ranks_per_node % run.parallel.tensor_parallel:
+        notes.append(f"TP={run.parallel.tensor_parallel} groups span nodes ({ranks_per_node} ranks per node): "
+                     "their all-reduces cross the network")
+    return _Pools(tuple(training), tuple(inference), tuple(unused), engine_nodes, rank_nodes, world, engine_gpus,
+                  rank_gpus)
+
+
+def _local_pools(run: Any, nodes: tuple[str, ...], gpus: int | None, cpus: int | None, problems: list[str],
+                 notes: list[str]) -> _Pools:
+    """Both pools on this host (or the joined cluster, where Ray places them), GPUs as `cluster.*_gpus` reserve."""
+    c = run.cluster
+    world = run.learner_world_size()
+    engine_gpus, rank_gpus = float(c.engine_gpus), float(c.learner_gpus)
+    host = nodes[0]
+    training, inference, unused = (host,), (host,), ()
+    engine_nodes, rank_nodes = [host] * c.num_engines, [host] * world
+    need = c.num_engines * engine_gpus + world * rank_gpus
+    if need and gpus is not None and need > gpus:
+        problems.append(f"{c.num_engines} engine(s) x {engine_gpus:g} GPU + {world} learner rank(s) x "
+                        f"{rank_gpus:g} GPU need {need:g} GPUs; {host} has {gpus}")
+    elif need and gpus is None and not c.ray_address:
+        notes.append(f"the pools reserve {need:g} GPUs; this host's GPU count is unknown (not checked)")
+    return _Pools(training, inference, unused, engine_nodes, rank_nodes, world, engine_gpus, rank_gpus)
 
 
 def _facts(c: Any, environ: Mapping[str, str], run_command: RunCommand | None, problems: list[str]) -> NodeFacts:
