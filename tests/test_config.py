@@ -68,6 +68,15 @@ def test_a_loss_chosen_on_the_command_line_brings_its_presets_and_explicit_value
     assert from_hydra(compose([])).algo.normalize_std is True  # grpo's preset
 
 
+def test_cluster_slurm_chooses_the_launcher_and_everything_else_keeps_its_dataclass_default():
+    from moe_grpo.orchestrator.config import ClusterConfig
+
+    local = from_hydra(compose([])).cluster
+    assert local == ClusterConfig()  # conf/cluster/local.yaml chooses nothing
+    slurm = from_hydra(compose(["cluster=slurm", "cluster.nodes=[gpu01,gpu02]", "cluster.training_nodes=1"])).cluster
+    assert slurm == ClusterConfig(launcher="slurm", nodes=("gpu01", "gpu02"), training_nodes=1)
+
+
 def test_help_answers_without_importing_torch():
     out = subprocess.run([sys.executable, "-X", "importtime", "-m", "moe_grpo.train", "--help"], cwd=ROOT,
                          capture_output=True, text=True, timeout=60)
@@ -111,6 +120,11 @@ def test_help_answers_without_importing_torch():
     ("checkpoint.keep=0", "checkpoint.keep=0: expected an integer >= 1"),
     ("routing.rollback_lr_factor=2", "routing.rollback_lr_factor=2.0: expected a number > 0 and <= 1"),
     ("task.eval_seed=-1", "task.eval_seed=-1: expected an integer >= 0"),
+    ("cluster.gpu_memory_gib=0", "cluster.gpu_memory_gib=0.0: expected a number > 0"),
+    ("cluster.engine_tensor_parallel=0", "cluster.engine_tensor_parallel=0: expected an integer >= 1"),
+    ("cluster.dry_run=maybe", "cluster.dry_run='maybe': expected true or false"),
+    ("cluster.launcher=pbs", "cluster.launcher='pbs', expected 'local' or 'slurm'"),
+    ("cluster.training_nodes=2", "cluster.nodes / inference_nodes / training_nodes split the nodes of cluster=slurm"),
     ("data.eval_size=0", "data.eval_size=0: expected an integer >= 1 or null"),
 ])
 def test_every_value_is_checked_for_its_type_and_range_with_the_key_named(override, message):

@@ -72,13 +72,15 @@ class ClusterConfig:
     engine_cpus: float = 1.0
     """CPUs reserved per engine actor."""
     engine_gpus: float = 0.0
-    """GPUs reserved per engine actor."""
+    """GPUs reserved per engine actor (cluster=slurm on GPU nodes: leave 0, the plan reserves
+    `engine_tensor_parallel`)."""
     learner_ranks: int | None = None
-    """Learner processes (one Ray actor per Megatron rank); None = TP x PP x EP of `parallel` (DP = EP)."""
+    """Learner processes (one Ray actor per Megatron rank); None = TP x PP x EP of `parallel` (DP = EP), or under
+    cluster=slurm on GPU nodes one per GPU of the training pool."""
     learner_cpus: float = 1.0
     """CPUs reserved per learner rank."""
     learner_gpus: float = 0.0
-    """GPUs reserved per learner rank."""
+    """GPUs reserved per learner rank (cluster=slurm on GPU nodes: leave 0, the plan reserves 1)."""
     pin_cpus: bool = False
     """Pin each actor's process (and the engine's children) to its own cores: engines first, then learner ranks
     (single host only; benchmarks use it so each pool gets exactly its share)."""
@@ -87,8 +89,53 @@ class ClusterConfig:
     learner_timeout_s: float = 1800.0
     """A learner call (training step, publish, checkpoint) not back within this many seconds stops the run, naming
     the rank (a dead rank is named at once; a hung collective only by this timeout)."""
+    launcher: str = "local"
+    """'local': this host (or the cluster at `ray_address`), pools placed by Ray as today; 'slurm' (`cluster=slurm`):
+    the job's nodes split into an inference pool and a training pool, each engine and learner rank pinned to the
+    node the printed plan names (orchestrator/placement_plan.py)."""
+    nodes: tuple[str, ...] = ()
+    """Host names of the job's nodes, first = the driver's; empty = SLURM_JOB_NODELIST (slurm) or this host."""
+    inference_nodes: int | None = None
+    """Nodes given to the engines (slurm); None = as many as `num_engines` engines of `engine_tensor_parallel`
+    GPUs need (or the nodes `training_nodes` leaves)."""
+    training_nodes: int | None = None
+    """Nodes given to the learner ranks (slurm); None = the nodes the inference pool leaves."""
+    gpus_per_node: int | None = None
+    """GPUs per node; None = SLURM_GPUS_ON_NODE / SLURM_GPUS_PER_NODE / SLURM_JOB_GPUS (slurm), CUDA_VISIBLE_DEVICES
+    or the NVIDIA driver's count (local; unknown = not checked). On slurm nodes with GPUs each learner rank holds
+    one GPU and each engine `engine_tensor_parallel`."""
+    cpus_per_node: int | None = None
+    """CPUs per node; None = SLURM_JOB_CPUS_PER_NODE / SLURM_CPUS_ON_NODE (slurm), this process's cores (local)."""
+    gpu_memory_gib: float = 80.0
+    """Memory of one GPU (GiB): what the plan checks each learner rank's and each engine GPU's estimate against."""
+    engine_tensor_parallel: int = 1
+    """GPUs (vLLM tensor-parallel ranks) per engine, within one node. The plan places and sizes engines by it; the
+    engines are started without tensor parallelism in this build, so a run with a value > 1 stops at start (a dry
+    run shows its plan)."""
+    dry_run: bool = False
+    """Print the placement plan and exit (0 when it fits, 2 with the reasons when it is refused) before Ray starts."""
 
     def __post_init__(self) -> None:
+        if self.launcher not in ("local", "slurm"):
+            raise ValueError(f"cluster.launcher={self.launcher!r}, expected 'local' or 'slurm' (pick one with "
+                             "cluster=local or cluster=slurm)")
+        if isinstance(self.nodes, str):  # one host written without brackets
+            object.__setattr__(self, "nodes", (self.nodes,))
+        object.__setattr__(self, "nodes", tuple(self.nodes))
+        for i, node in enumerate(self.nodes):
+            if not isinstance(node, str) or not node or any(ch.isspace() for ch in node):
+                raise ValueError(f"cluster.nodes[{i}]={node!r}: expected a host name")
+        if self.launcher == "local" and (self.nodes or self.inference_nodes or self.training_nodes):
+            raise ValueError("cluster.nodes / inference_nodes / training_nodes split the nodes of cluster=slurm; "
+                             "cluster=local runs both pools on this host (add cluster=slurm)")
+        optional_at_least("cluster.inference_nodes", self.inference_nodes, 1)
+        optional_at_least("cluster.training_nodes", self.training_nodes, 1)
+        optional_at_least("cluster.gpus_per_node", self.gpus_per_node, 0)
+        optional_at_least("cluster.cpus_per_node", self.cpus_per_node, 1)
+        positive("cluster.gpu_memory_gib", self.gpu_memory_gib)
+        at_least("cluster.engine_tensor_parallel", self.engine_tensor_parallel, 1)
+        if not isinstance(self.dry_run, bool):
+            raise ValueError(f"cluster.dry_run={self.dry_run!r}: expected true or false")
         if self.ray_address == "auto":
             raise ValueError("cluster.ray_address='auto' joins whichever Ray cluster this host last started, possibly "
                              "another job's or another user's; pass its address (cluster.ray_address=<head ip>:6379, "

@@ -592,6 +592,7 @@ def train(run: Any, run_dir: str | Path, *, learner_cls: type | None = None) -> 
     source = prompt_source(run, tokenizer, np.random.default_rng(run.seed), run_dir)  # bad rows reported here
     # The engines' context, decided once from the prompts (a run that cannot fit them stops here, not mid-run).
     run = dataclasses.replace(run, rollout=dataclasses.replace(run.rollout, max_model_len=engine_context(run, source)))
+    run, plan = checked_plan(run)  # which node runs what, checked and printed before anything starts
     state = RunState(bad_rows=source.bad_rows)
     saved, resume_from = None, None
     if run.resume:
@@ -617,7 +618,8 @@ def train(run: Any, run_dir: str | Path, *, learner_cls: type | None = None) -> 
         signals.install()  # after Ray, whose own SIGTERM handler would exit without cleaning up
         t0 = time.perf_counter()
         initial = InitialWeights(run, run_dir, tokenizer, source, state, resume_from)
-        pools = start_pools(run, run_dir, sync_root, initial, learner_cls)
+        pools = start_pools(run, run_dir, sync_root, initial, learner_cls,
+                            bundle_nodes=plan.bundle_nodes() if plan.pinned else None)
         log.info("pools up in %.0fs: %d engine(s), %d learner rank(s) (%.2fM parameters on rank 0)",
                  time.perf_counter() - t0, len(pools.engines), len(pools.learners), pools.infos[0]["parameters"] / 1e6)
         driver = signals.driver = Driver(run, run_dir, pools, tokenizer, source, rewards, state)
@@ -669,6 +671,22 @@ def train(run: Any, run_dir: str | Path, *, learner_cls: type | None = None) -> 
             "faults": {"requests_lost": state.requests_lost, "steps_skipped": state.steps_skipped,
                        "sync_failures": engines.sync_failures, "engine_restarts": engines.restarts,
                        "requests_resubmitted": engines.requests_resubmitted, "rollbacks": state.rollbacks}}
+
+
+def checked_plan(run: Any) -> tuple[Any, Any]:
+    """Log the placement plan (orchestrator/placement_plan.py); return it and `run` with what it decided (a slurm
+    plan's nodes, learner ranks and GPUs per actor). Raises PlanRefused with every reason for a plan that cannot
+    run."""
+    from moe_grpo.orchestrator.placement_plan import PlanRefused, build_plan, not_runnable_yet
+
+    plan = build_plan(run, seq_len=run.rollout.max_model_len)
+    log.info("%s", plan.render())
+    if not plan.ok:
+        raise PlanRefused(plan.refusal())
+    limits = not_runnable_yet(plan)
+    if limits:
+        raise PlanRefused("this build cannot run the plan yet: " + "; ".join(limits))
+    return dataclasses.replace(run, cluster=plan.cluster_for_run(run.cluster)), plan
 
 
 def remove_orphaned_sync_roots(root: str) -> list[str]:

@@ -122,10 +122,12 @@ def single_host() -> bool:
     return len([n for n in ray.nodes() if n.get("Alive")]) == 1
 
 
-def start_pools(run: Any, run_dir: str, sync_root: str, model_dir_fn: Any, learner_cls: type | None = None) -> Pools:
+def start_pools(run: Any, run_dir: str, sync_root: str, model_dir_fn: Any, learner_cls: type | None = None,
+                bundle_nodes: list[str | None] | None = None) -> Pools:
     """Learner ranks first (they build the initial weights), then engines on `model_dir_fn(learners)`.
 
-    `learner_cls` replaces `LearnerWorker` (a subclass; tests slow it down on purpose)."""
+    `learner_cls` replaces `LearnerWorker` (a subclass; tests slow it down on purpose). `bundle_nodes`: the host
+    each bundle (engines, then learner ranks) must be reserved on, from the placement plan; None lets Ray pack."""
     import ray
     from ray.util.placement_group import placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -136,6 +138,10 @@ def start_pools(run: Any, run_dir: str, sync_root: str, model_dir_fn: Any, learn
     world = run.learner_world_size()
     bundles = ([{"CPU": c.engine_cpus, **({"GPU": c.engine_gpus} if c.engine_gpus else {})}] * c.num_engines
                + [{"CPU": c.learner_cpus, **({"GPU": c.learner_gpus} if c.learner_gpus else {})}] * world)
+    if bundle_nodes is not None:
+        from moe_grpo.orchestrator.placement_plan import pin_bundles
+
+        bundles = pin_bundles(bundles, bundle_nodes, ray.nodes())
     pg = placement_group(bundles, strategy="PACK")
     if not pg.wait(timeout_seconds=c.start_timeout_s):
         raise RuntimeError(f"Ray could not reserve {bundles} within {c.start_timeout_s:.0f} s "

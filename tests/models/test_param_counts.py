@@ -50,3 +50,22 @@ def test_total_and_active_parameters_match_published(name):
     # is within 2%; the 2.5% bound for this one pair is the published rounding, written down here.
     tolerance = 0.025 if name == "deepseek_v2_lite" else 0.02
     assert abs(active - pub_active) / pub_active < tolerance, f"{name}: active {active:.3f}B vs published {pub_active}B"
+
+
+@pytest.mark.parametrize("name", ["deepseek_v3", "qwen3_moe_30b_a3b", "deepseek_v2_lite", "deepseek_moe",
+                                  "qwen3_moe_1b_64e", "deepseek_v3_tiny"])
+def test_the_analytic_count_the_plan_uses_is_every_hf_tensor_element(name):
+    """models/param_count.py counts without torch (the placement plan runs before anything is imported); it must
+    agree with the tensors a weight sync carries, element for element."""
+    import math
+
+    from moe_grpo.models.hf_names import hf_shapes
+    from moe_grpo.models.param_count import param_counts
+
+    spec = load_model_spec(name)
+    counts = param_counts(spec)
+    shapes = hf_shapes(spec)
+    assert counts.total == sum(math.prod(s) for s in shapes.values())
+    assert counts.routed == sum(math.prod(s) for n, s in shapes.items() if ".mlp.experts." in n)
+    if name in PUBLISHED:
+        assert abs(counts.total / 1e9 - PUBLISHED[name][0]) / PUBLISHED[name][0] < 0.02
