@@ -557,3 +557,31 @@ def pin_bundles(bundles: list[dict[str, float]], bundle_nodes: Sequence[str | No
                                "worker there (examples/slurm/train.sbatch does)")
         pinned.append({**bundle, f"node:{address}": 0.001})
     return pinned
+
+
+def dry_run(run: Any) -> int:
+    """`cluster.dry_run=true`: print the placement plan (the prompts are read for the context length, nothing is
+    started) and return the exit status: 0 when it fits, 2 with the reasons when it is refused."""
+    import sys
+
+    import numpy as np
+
+    from moe_grpo.data.prompts import engine_context, prompt_source
+    from moe_grpo.data.tokenizer import load_tokenizer
+
+    seq_len = run.rollout.max_model_len
+    if not seq_len:
+        try:
+            source = prompt_source(run, load_tokenizer(run.model, run.init.hf), np.random.default_rng(run.seed))
+            seq_len = engine_context(run, source)
+        except ValueError as e:  # a prompt that does not fit the model: what the run would stop on too
+            print(f"[moe_grpo] config error: {e}", file=sys.stderr)
+            return 2
+    plan = build_plan(run, seq_len=seq_len)
+    print(plan.render())
+    for limit in not_runnable_yet(plan):
+        print(f"note: a run of this plan stops at start in this build: {limit}")
+    if not plan.ok:
+        print(f"[moe_grpo] {plan.refusal()}", file=sys.stderr)
+        return 2
+    return 0

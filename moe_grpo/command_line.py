@@ -1,0 +1,54 @@
+"""What `python -m moe_grpo.train` checks on its command line before Hydra composes anything (Hydra writes
+`.hydra/` into the run directory before `main` runs, so these checks must come first to leave nothing behind)."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+
+def refuse_taken_run_dir(argv: list[str]) -> None:
+    """Exit (code 2) when `hydra.run.dir=` on the command line names a directory holding another run's record and
+    `resume=true` is not given. Runs before Hydra, which writes `.hydra/` into the run directory before `main`: a
+    refused run writes nothing. (Parsed with Hydra's own override grammar; `main` checks again on the resolved
+    directory.)"""
+    from moe_grpo.orchestrator.run_dirs import RunDirTaken, check_run_dir
+
+    overrides = parse_overrides(argv)
+    if str(overrides.get("cluster.dry_run", "false")).lower() == "true":
+        return  # a dry run writes no record
+    run_dir = overrides.get("hydra.run.dir")
+    resume = str(overrides.get("resume", "false")).lower() == "true"
+    if isinstance(run_dir, str):
+        try:
+            check_run_dir(os.path.abspath(run_dir), resume)
+        except RunDirTaken as e:
+            print(f"[moe_grpo] {e}", file=sys.stderr)
+            sys.exit(2)
+
+
+def parse_overrides(argv: list[str]) -> dict[str, object]:
+    """The command line's overrides by key, parsed with Hydra's own grammar ({} when one is malformed: Hydra reports
+    it itself, with its position)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    args = [a for a in argv if not a.startswith("-")]
+    try:
+        return {o.key_or_group: o.value() for o in OverridesParser.create().parse_overrides(args)}
+    except Exception:  # noqa: BLE001
+        return {}
+
+
+def dry_run_dir(argv: list[str]) -> list[str]:
+    """`cluster.dry_run=true` without a run directory of its own: Hydra's files go to a temporary directory removed
+    at exit, so a dry run leaves nothing under outputs/."""
+    overrides = parse_overrides(argv)
+    if str(overrides.get("cluster.dry_run", "false")).lower() != "true" or "hydra.run.dir" in overrides:
+        return []
+    import atexit
+    import shutil
+    import tempfile
+
+    tmp = tempfile.mkdtemp(prefix="moe_grpo-dry-run-")
+    atexit.register(shutil.rmtree, tmp, True)
+    return [f"hydra.run.dir={tmp}", "hydra.output_subdir=null"]
