@@ -33,11 +33,12 @@ def run_one(args: argparse.Namespace, *, replay: str, loss: str, seed: int, run_
     from moe_grpo.orchestrator.driver import train
     from moe_grpo.orchestrator.run_record import read_rows
 
-    tree = {"model": dataclasses.asdict(load_model_spec(args.model)), "mode": "sync", "steps": args.steps,
+    tree = {"model": dataclasses.asdict(load_model_spec(args.model)), "mode": args.mode, "steps": args.steps,
             "warm_start_steps": args.warm_start, "eval_every": args.eval_every,
-            "algo": {"prompts_per_step": args.prompts, "group_size": args.group, "loss": loss},
+            "algo": {"prompts_per_step": args.prompts, "group_size": args.group, "loss": loss,
+                     "mini_batches": args.mini_batches, "max_staleness": args.max_staleness},
             "rollout": {"max_tokens": args.max_tokens, "dtype": args.engine_dtype},
-            "learner": {"seed": seed}, "routing": {"replay": replay},
+            "learner": {"seed": seed, **({"lr": args.lr} if args.lr else {})}, "routing": {"replay": replay},
             "task": {"name": args.task}}
     for item in args.set:  # dotted overrides, e.g. algo.clip_ratio_high=0.004
         key, _, value = item.partition("=")
@@ -50,9 +51,61 @@ def run_one(args: argparse.Namespace, *, replay: str, loss: str, seed: int, run_
     return {"replay": replay, "loss": loss, "seed": seed, "seconds": round(time.perf_counter() - t0, 1),
             "evals": summary["evals"], "eval_final": summary["eval_end"], "eval_start": summary["eval_start"],
             "kl": [r["mismatch/kl"] for r in rows], "router_disagreement": [r["mismatch/router_disagreement"] for r in rows],
+            "kl_replay_on": [r["mismatch/kl_replay_on"] for r in rows],
+            "kl_replay_off": [r["mismatch/kl_replay_off"] for r in rows],
+            "train_kl": [r["train/rollout_kl"] for r in rows],
             "reward": [r["reward/mean"] for r in rows], "replay_applied": [r["replay/applied"] for r in rows],
             "jumps": rows[-1].get("watch/jumps", 0.0) if rows else 0.0,
             "steps_skipped": summary["faults"]["steps_skipped"], "run_dir": run_dir}
+
+
+def collapsed(evals: list) -> bool:
+    """The collapse rule, fixed before any run: some held-out evaluation after the best one scores less than half
+    of the best (the best must be above 0.1, so noise around zero is not a collapse)."""
+    values = [v for _, v in evals]
+    if not values:
+        return False
+    best = max(range(len(values)), key=values.__getitem__)
+    return values[best] > 0.1 and any(v < 0.5 * values[best] for v in values[best + 1:])
+
+
+def finite(xs: list) -> list[float]:
+    return [float(x) for x in xs if x is not None and x == x]
+
+
+def evidence(runs: list[dict], args: argparse.Namespace) -> dict:
+    """`r3_evidence.json`: the engine-vs-learner gap on the same weights (the probe of every published version of
+    every run: a bf16 engine against the fp32 learner holding the weights it published) and, per arm, the
+    held-out reward and collapses per seed."""
+    pairs = [(off, on) for r in runs for off, on in zip(r["kl_replay_off"], r["kl_replay_on"])
+             if off is not None and on is not None and off == off and on == on and on > 0]
+    disagreement = finite([v for r in runs for v in r["router_disagreement"]])
+    arms: dict[str, dict] = {}
+    for r in runs:
+        arm = arms.setdefault(r["replay"], {"seeds": [], "eval_start": [], "eval_final": [], "eval_best": [],
+                                            "collapsed": [], "train_kl_mean": []})
+        arm["seeds"].append(r["seed"])
+        arm["eval_start"].append(round(r["eval_start"], 4))
+        arm["eval_final"].append(round(r["eval_final"], 4))
+        arm["eval_best"].append(round(max(v for _, v in r["evals"]), 4))
+        arm["collapsed"].append(collapsed(r["evals"]))
+        arm["train_kl_mean"].append(statistics.fmean(finite(r["train_kl"])) if finite(r["train_kl"]) else None)
+    for arm in arms.values():
+        arm["collapse_count"] = sum(arm["collapsed"])
+        arm["eval_final_mean"] = round(statistics.fmean(arm["eval_final"]), 4)
+        arm["eval_final_spread"] = round(max(arm["eval_final"]) - min(arm["eval_final"]), 4)
+    return {
+        "model": args.model, "engine_dtype": args.engine_dtype, "learner_dtype": "float32", "mode": args.mode,
+        "steps": args.steps, "lr": args.lr, "mini_batches": args.mini_batches, "max_staleness": args.max_staleness,
+        "collapse_rule": collapsed.__doc__.strip(),
+        "router_disagreement_same_weights": statistics.median(disagreement) if disagreement else None,
+        "router_disagreement_same_weights_p90": (statistics.quantiles(disagreement, n=10)[-1]
+                                                 if len(disagreement) > 1 else None),
+        "kl_replay_off_same_weights": statistics.median([p[0] for p in pairs]) if pairs else None,
+        "kl_replay_on_same_weights": statistics.median([p[1] for p in pairs]) if pairs else None,
+        "kl_off_over_r3_same_weights": statistics.median([off / on for off, on in pairs]) if pairs else None,
+        "probes": len(pairs), "arms": arms,
+    }
 
 
 def summarise(runs: list[dict], key: str) -> dict:
@@ -120,6 +173,13 @@ def main() -> None:
     ap.add_argument("--group", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--engine-dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--mode", default="sync", choices=["sync", "async"],
+                    help="async adds staleness (up to --max-staleness versions) to the engine's bf16 gap")
+    ap.add_argument("--max-staleness", type=int, default=1)
+    ap.add_argument("--mini-batches", type=int, default=1, help="optimizer steps per batch (every arm)")
+    ap.add_argument("--lr", type=float, default=0.0, help="learner.lr for every arm (0: the default)")
+    ap.add_argument("--evidence", default="", help="also write the routing-replay evidence summary here "
+                    "(tools/results/r3_evidence.json)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="a config override for every arm, e.g. --set algo.clip_ratio_high=0.004 (repeatable)")
     ap.add_argument("--out", default="outputs/compare_routing")
@@ -145,12 +205,15 @@ def main() -> None:
                 print(f"[compare] {key}={r[key]} seed={seed}: held-out {r['eval_start']:.3f} -> {r['eval_final']:.3f}, "
                       f"mean kl {statistics.fmean(r['kl']):.3g}, mean router disagreement "
                       f"{statistics.fmean(r['router_disagreement']):.3g}, {r['seconds']:.0f} s", flush=True)
-    title = (f"{args.task}, engine {args.engine_dtype} vs fp32 learner, {args.warm_start} warm-start + {args.steps} "
-             f"sync steps of {args.prompts}x{args.group}")
+    title = (f"{args.model}, {args.task}, engine {args.engine_dtype} vs fp32 learner, {args.warm_start} warm-start + "
+             f"{args.steps} {args.mode} steps of {args.prompts}x{args.group}, {args.mini_batches} update(s) per batch")
+    if args.evidence and not losses:
+        with open(args.evidence, "w") as f:
+            json.dump(evidence(runs, args), f, indent=1)
     png = os.path.join(args.out, "compare.png")
     plot(runs, key, png, title)
     print(json.dumps({"bench": "compare_" + ("losses" if losses else "routing"), "arms": key, "task": args.task,
-                      "engine_dtype": args.engine_dtype, "learner_dtype": "float32", "mode": "sync",
+                      "engine_dtype": args.engine_dtype, "learner_dtype": "float32", "mode": args.mode, "model": args.model,
                       "steps": args.steps, "warm_start_steps": args.warm_start, "prompts_per_step": args.prompts,
                       "group_size": args.group, "eval_every": args.eval_every,
                       "routing": modes[0] if losses else None, "overrides": args.set, "png": png, "results": summarise(runs, key)}))
