@@ -580,7 +580,9 @@ def train(run: Any, run_dir: str | Path, *, learner_cls: type | None = None) -> 
     from moe_grpo.orchestrator.run_dirs import release_private_dir
     from moe_grpo.orchestrator.run_record import RunRecord
     from moe_grpo.orchestrator.trackers import check_installed
-    from moe_grpo.sync.transport import SharedMemoryTransport, default_root
+    from moe_grpo.orchestrator.sync_hosts import stop_sync_hosts
+    from moe_grpo.sync.layout import host_root
+    from moe_grpo.sync.transport import SharedMemoryTransport
 
     check_installed(run.logger)  # a missing tracker package fails now, not after the pools took minutes to start
     t_start = time.perf_counter()
@@ -603,9 +605,10 @@ def train(run: Any, run_dir: str | Path, *, learner_cls: type | None = None) -> 
             log.info("resume: continuing from %s (step %d of %d)", resume_from, state.step, run.steps)
     rewards = _rewards(run)
     run = hf_init.prepare(run, run_dir)  # init.hf: the learner's converted checkpoint (cached next to the run)
-    remove_orphaned_sync_roots(default_root())
-    sync_root = os.path.join(default_root(), f"run-{os.getpid()}-{int(time.time())}")
-    SharedMemoryTransport(sync_root)  # created (private) before any actor opens it
+    remove_orphaned_sync_roots(host_root(run.sync.root))
+    sync_name = f"run-{os.getpid()}-{int(time.time())}"  # the run's weight buffers under each host's root
+    sync_root = os.path.join(host_root(run.sync.root), sync_name)
+    SharedMemoryTransport(sync_root)  # this host's, created (private) before any actor opens it
     pools, driver, private_dir = None, None, None
     signals = SignalRelay()
     stopped = None
@@ -614,7 +617,7 @@ def train(run: Any, run_dir: str | Path, *, learner_cls: type | None = None) -> 
         signals.install()  # after Ray, whose own SIGTERM handler would exit without cleaning up
         t0 = time.perf_counter()
         initial = InitialWeights(run, run_dir, tokenizer, source, state, resume_from)
-        pools = start_pools(run, run_dir, sync_root, initial, learner_cls)
+        pools = start_pools(run, run_dir, sync_name, initial, learner_cls)
         log.info("pools up in %.0fs: %d engine(s), %d learner rank(s) (%.2fM parameters on rank 0)",
                  time.perf_counter() - t0, len(pools.engines), len(pools.learners), pools.infos[0]["parameters"] / 1e6)
         driver = signals.driver = Driver(run, run_dir, pools, tokenizer, source, rewards, state)
@@ -653,6 +656,8 @@ def train(run: Any, run_dir: str | Path, *, learner_cls: type | None = None) -> 
             png = driver.record.close()
             if png:
                 log.info("plots: %s", png)
+        if pools is not None:
+            stop_sync_hosts(pools.sync_agents or [])  # each host's buffers under the relay
         stop_pools(pools, list(driver.engines.handles().values()) if driver is not None else None)
         release_private_dir(private_dir, run_dir)
         shutil.rmtree(sync_root, ignore_errors=True)
@@ -676,12 +681,24 @@ def remove_orphaned_sync_roots(root: str) -> list[str]:
 
     from moe_grpo.sync.transport import _pid_alive
 
+    import socket
+
+    from moe_grpo.orchestrator.sync_hosts import OWNER_FILE
+
+    def driver_elsewhere(path: str) -> bool:  # another host's driver (a relay run): its pid means nothing here
+        try:
+            with open(os.path.join(path, OWNER_FILE)) as f:
+                return f.read().strip() != socket.gethostname()
+        except OSError:
+            return False
+
     removed = []
     if not os.path.isdir(root):
         return removed
     for name in os.listdir(root):
         parts = name.split("-")
-        if len(parts) == 3 and parts[0] == "run" and parts[1].isdigit() and not _pid_alive(int(parts[1])):
+        if (len(parts) == 3 and parts[0] == "run" and parts[1].isdigit() and not _pid_alive(int(parts[1]))
+                and not driver_elsewhere(os.path.join(root, name))):
             shutil.rmtree(os.path.join(root, name), ignore_errors=True)
             removed.append(name)
     if removed:

@@ -1,0 +1,138 @@
+"""The run's weight transport on the Ray cluster: which host each actor landed on, and one agent per sync host.
+
+`plan_sync` turns the placement group's bundle -> node table into a `SyncLayout` (a host is a Ray node). Under
+the relay (`sync.transport=relay`, or `auto` on more than one node), `start_sync_hosts` starts a `SyncHostAgent`
+on every sync host before the learner ranks: the one on learner rank 0's host serves the store the relay groups
+meet in; each agent creates its host's buffer directory for the run, runs one `ShardReceiver` thread per learner
+rank that relays shards to it (sync/shard_relay.py), and removes the directory when the run ends. On one host
+(shm, cuda_ipc) nothing is started: the driver keeps the buffers itself, as it always did.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import shutil
+import socket
+import threading
+from typing import Any
+
+from moe_grpo.sync.layout import SyncLayout, resolve_transport
+
+log = logging.getLogger("moe_grpo")
+
+OWNER_FILE = "driver_host"
+"""In a run's buffer directory on a host: the driver's hostname (an orphan sweep on another host leaves it alone,
+since the driver's pid means nothing there)."""
+
+
+def plan_sync(run: Any, placement_group: Any, run_name: str) -> SyncLayout:
+    """The run's `SyncLayout`: engines are bundles 0..num_engines-1, learner rank r is bundle num_engines + r."""
+    import ray
+
+    nodes = ray.util.placement_group_table(placement_group)["bundles_to_node_id"]
+    c, world = run.cluster, run.learner_world_size()
+    engine_hosts = tuple(nodes[i] for i in range(c.num_engines))
+    rank_hosts = tuple(nodes[c.num_engines + r] for r in range(world))
+    transport = resolve_transport(run.sync.transport, len(set(engine_hosts + rank_hosts)))
+    return SyncLayout(transport, run_name, rank_hosts, engine_hosts, run.sync.root, run.sync.slots,
+                      timeout_s=run.sync.relay_timeout_s)
+
+
+class SyncHostAgent:
+    """One per sync host of a relay run (a Ray actor pinned to that node)."""
+
+    def __init__(self, layout: SyncLayout, host: str, driver_host: str, serve_store: bool) -> None:
+        from moe_grpo.sync.transport import SharedMemoryTransport, _write_text
+
+        self.layout, self.host = layout, host
+        self.transport = SharedMemoryTransport(layout.path(), layout.slots)  # the host's directory, private
+        _write_text(self.transport.root / OWNER_FILE, driver_host)
+        self.server = None
+        if serve_store:
+            import ray
+
+            from moe_grpo.learner.rendezvous import RunStoreServer
+
+            self.server = RunStoreServer(ray.util.get_node_ip_address(), 0, layout.secret)
+        self.stop = threading.Event()
+        self.receivers: dict[int, Any] = {}
+        self.errors: dict[int, str] = {}
+        self.threads: list[threading.Thread] = []
+
+    def address(self) -> tuple[str, int]:
+        """Where the relay groups' store listens (this node's address, a free port)."""
+        assert self.server is not None
+        return self.server.host, self.server.port
+
+    def start(self, layout: SyncLayout) -> list[int]:
+        """Receive, in a thread each, every learner rank that relays shards here; returns those ranks."""
+        from moe_grpo.sync.shard_relay import ShardReceiver
+
+        self.layout = layout
+        for rank in layout.streams_into(self.host):
+            receiver = ShardReceiver(self.transport, layout.group(rank), layout.member(rank, self.host), rank,
+                                     layout.world, claims=layout.claimer(self.host) == rank)
+            self.receivers[rank] = receiver
+            thread = threading.Thread(target=self._receive, args=(rank, receiver), daemon=True,
+                                      name=f"moe_grpo-shards-r{rank}")
+            thread.start()
+            self.threads.append(thread)
+        return sorted(self.receivers)
+
+    def _receive(self, rank: int, receiver: Any) -> None:
+        try:
+            if not receiver.connect(self.stop):
+                return
+            while not self.stop.is_set() and receiver.receive() is not None:
+                pass
+        except Exception as e:  # noqa: BLE001 - kept for the driver (`received`), the engines here time out naming the rank
+            self.errors[rank] = f"{type(e).__name__}: {e}"
+            if not self.stop.is_set():
+                log.error("host %s: relay of learner rank %d failed: %s", self.host[:8], rank, e)
+
+    def received(self) -> dict[str, Any]:
+        """{"versions": {rank: versions received whole, in order}, "errors": {rank: message}, "root": directory}."""
+        return {"versions": {r: list(rec.received) for r, rec in self.receivers.items()}, "errors": dict(self.errors),
+                "root": str(self.transport.root)}
+
+    def close(self) -> None:
+        """Stop receiving and remove this host's buffers of the run."""
+        self.stop.set()
+        shutil.rmtree(self.transport.root, ignore_errors=True)
+
+
+def start_sync_hosts(layout: SyncLayout) -> tuple[SyncLayout, list[Any]]:
+    """Under the relay: an agent on every sync host (the store first), returns the layout with the store's address
+    and the agents. Otherwise nothing to start."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    if layout.transport != "relay" or len(layout.hosts) == 1 and not any(map(layout.stream_targets, range(layout.world))):
+        return layout, []
+    import dataclasses
+
+    layout = dataclasses.replace(layout, secret=secrets.token_hex(32))
+    agent_cls = ray.remote(SyncHostAgent)
+
+    def on(host: str, serve: bool) -> Any:
+        return agent_cls.options(num_cpus=0, max_concurrency=4, scheduling_strategy=NodeAffinitySchedulingStrategy(
+            host, soft=False)).remote(layout, host, socket.gethostname(), serve)
+
+    agents = [on(layout.hosts[0], True)]
+    layout = dataclasses.replace(layout, store=tuple(ray.get(agents[0].address.remote(), timeout=120)))
+    agents += [on(host, False) for host in layout.hosts[1:]]
+    ranks = ray.get([a.start.remote(layout) for a in agents], timeout=120)
+    log.info("weight relay: %d sync host(s); learner ranks relayed to each: %s", len(agents),
+             ", ".join(f"{h[:8]}<-{r}" for h, r in zip(layout.hosts, ranks)))
+    return layout, agents
+
+
+def stop_sync_hosts(agents: list[Any]) -> None:
+    """Every agent removes its host's buffers of the run (bounded: a dead agent's host keeps them until the next
+    run there sweeps them)."""
+    import ray
+
+    if agents:
+        ray.wait([a.close.remote() for a in agents], num_returns=len(agents), timeout=30)
