@@ -580,7 +580,7 @@ def train(run: Any, run_dir: str | Path, *, learner_cls: type | None = None) -> 
     from moe_grpo.orchestrator.run_dirs import release_private_dir
     from moe_grpo.orchestrator.run_record import RunRecord
     from moe_grpo.orchestrator.trackers import check_installed
-    from moe_grpo.orchestrator.sync_hosts import stop_sync_hosts
+    from moe_grpo.orchestrator.sync_hosts import relay_report, stop_sync_hosts
     from moe_grpo.sync.layout import host_root
     from moe_grpo.sync.transport import SharedMemoryTransport
 
@@ -610,6 +610,7 @@ def train(run: Any, run_dir: str | Path, *, learner_cls: type | None = None) -> 
     sync_root = os.path.join(host_root(run.sync.root), sync_name)
     SharedMemoryTransport(sync_root)  # this host's, created (private) before any actor opens it
     pools, driver, private_dir = None, None, None
+    sync_report: dict[str, Any] = {}
     signals = SignalRelay()
     stopped = None
     try:
@@ -657,6 +658,7 @@ def train(run: Any, run_dir: str | Path, *, learner_cls: type | None = None) -> 
             if png:
                 log.info("plots: %s", png)
         if pools is not None:
+            sync_report = relay_report(pools.sync, pools.sync_agents or [])
             stop_sync_hosts(pools.sync_agents or [])  # each host's buffers under the relay
         stop_pools(pools, list(driver.engines.handles().values()) if driver is not None else None)
         release_private_dir(private_dir, run_dir)
@@ -666,7 +668,7 @@ def train(run: Any, run_dir: str | Path, *, learner_cls: type | None = None) -> 
             "eval_end": state.evals[-1][1] if state.evals else float("nan"), "evals": state.evals,
             "warm_start_loss": state.warm_start_loss, "seconds": time.perf_counter() - t_start, "run_dir": run_dir,
             "policy_dir": os.path.join(run_dir, "policy"), "reward_failed": state.reward_failed,
-            "bad_rows": state.bad_rows, "stopped": stopped,
+            "bad_rows": state.bad_rows, "stopped": stopped, "sync": sync_report,
             "checkpoint": str(driver.last_checkpoint) if driver.last_checkpoint else None,
             "faults": {"requests_lost": state.requests_lost, "steps_skipped": state.steps_skipped,
                        "sync_failures": engines.sync_failures, "engine_restarts": engines.restarts,

@@ -129,6 +129,25 @@ def start_sync_hosts(layout: SyncLayout) -> tuple[SyncLayout, list[Any]]:
     return layout, agents
 
 
+def relay_report(layout: SyncLayout | None, agents: list[Any]) -> dict[str, Any]:
+    """What the run's summary says about the transport: which one, on how many hosts, and under the relay what
+    each sync host received (per learner rank, the versions that arrived whole, in order; and any failure)."""
+    import ray
+
+    if layout is None:
+        return {}
+    out: dict[str, Any] = {"transport": layout.transport, "hosts": len(layout.hosts),
+                           "rank_hosts": [layout.hosts.index(h) if h in layout.hosts else -1 for h in layout.rank_hosts]}
+    if agents:
+        try:
+            got = ray.get([a.received.remote() for a in agents], timeout=30)
+        except Exception as e:  # noqa: BLE001 - a dead agent: say so rather than lose the summary
+            got = [{"errors": {"agent": f"{type(e).__name__}: {e}"}}] * len(agents)
+        out["received"] = {i: g.get("versions", {}) for i, g in enumerate(got)}
+        out["errors"] = {i: g["errors"] for i, g in enumerate(got) if g.get("errors")}
+    return out
+
+
 def stop_sync_hosts(agents: list[Any]) -> None:
     """Every agent removes its host's buffers of the run (bounded: a dead agent's host keeps them until the next
     run there sweeps them)."""
