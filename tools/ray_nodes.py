@@ -40,10 +40,10 @@ def _free_port() -> int:
 
 
 def _stop(procs: list[subprocess.Popen]) -> None:
-    for p in procs:
+    for p in reversed(procs):  # SIGTERM, then SIGKILL after 5 s (a node drains for 30 s otherwise)
         try:
             os.killpg(p.pid, signal.SIGTERM)
-            p.wait(30)
+            p.wait(5)
         except ProcessLookupError:
             pass
         except subprocess.TimeoutExpired:
@@ -58,6 +58,10 @@ def local_ray_nodes(nodes: list[dict], log_dir: str, timeout_s: float = 120.0) -
     temp = tempfile.mkdtemp(prefix="rn", dir="/tmp")  # short: Ray's socket paths must fit 107 characters
     port = _free_port()
     address = f"127.0.0.1:{port}"
+    # Ray 2.60 turns token authentication on for a new cluster (the user's ~/.ray/auth_token); every client of
+    # these nodes (`ray status`, the nodes joining, the caller's ray.init) must then send the token.
+    saved_mode = os.environ.get("RAY_AUTH_MODE")
+    os.environ["RAY_AUTH_MODE"] = "token"
     base = {**os.environ, "RAY_DISABLE_USAGE_STATS": "1"}
     procs: list[subprocess.Popen] = []
 
@@ -65,7 +69,7 @@ def local_ray_nodes(nodes: list[dict], log_dir: str, timeout_s: float = 120.0) -
         node = nodes[i]
         with open(os.path.join(log_dir, f"ray_node{i}.log"), "w") as log:
             procs.append(subprocess.Popen(
-                [ray, "start", "--block", "--node-ip-address=127.0.0.1", "--disable-usage-stats",
+                [ray, "start", "--block", "--disable-usage-stats",
                  f"--num-cpus={node['num_cpus']}", *args], env={**base, **node.get("env", {})},
                 start_new_session=True, stdout=log, stderr=subprocess.STDOUT))
 
@@ -93,3 +97,7 @@ def local_ray_nodes(nodes: list[dict], log_dir: str, timeout_s: float = 120.0) -
     finally:
         _stop(procs)
         shutil.rmtree(temp, ignore_errors=True)
+        if saved_mode is None:
+            os.environ.pop("RAY_AUTH_MODE", None)
+        else:
+            os.environ["RAY_AUTH_MODE"] = saved_mode

@@ -71,6 +71,8 @@ def test_a_learner_split_across_two_nodes_trains_and_every_host_gets_each_versio
     received = [versions for host in sync["received"].values() for versions in host.values()]
     assert received and all(v == [0, 1, 2, 3] for v in received), sync
     rows = [json.loads(line) for line in gaps.read_text().splitlines()]
+    print("two nodes:", json.dumps({"sync": sync, "max_gap": max(r["gap"] for r in rows),
+                                    "seconds": round(summary["seconds"], 1)}))
     assert sorted({(r["rank"], r["version"]) for r in rows}) == [(r, v) for r in (0, 1) for v in (0, 1, 2)]
     assert max(r["gap"] for r in rows) < 1e-4, rows
     assert len({r["node"] for r in rows}) == 2 and {r["local_rank"] for r in rows} == {"0"}, "one rank per node"
