@@ -109,8 +109,8 @@ def start_sync_hosts(layout: SyncLayout) -> tuple[SyncLayout, list[Any]]:
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    if layout.transport != "relay" or len(layout.hosts) == 1 and not any(map(layout.stream_targets, range(layout.world))):
-        return layout, []
+    if layout.transport != "relay" or not any(layout.stream_targets(r) for r in range(layout.world)):
+        return layout, []  # every rank writes where the engines read: nothing to relay
     import dataclasses
 
     layout = dataclasses.replace(layout, secret=secrets.token_hex(32))
