@@ -58,10 +58,14 @@ def local_ray_nodes(nodes: list[dict], log_dir: str, timeout_s: float = 120.0) -
     temp = tempfile.mkdtemp(prefix="rn", dir="/tmp")  # short: Ray's socket paths must fit 107 characters
     port = _free_port()
     address = f"127.0.0.1:{port}"
-    # Ray 2.60 turns token authentication on for a new cluster (the user's ~/.ray/auth_token); every client of
-    # these nodes (`ray status`, the nodes joining, the caller's ray.init) must then send the token.
-    saved_mode = os.environ.get("RAY_AUTH_MODE")
-    os.environ["RAY_AUTH_MODE"] = "token"
+    # Ray 2.60 turns token authentication on for a new cluster (the user's ~/.ray/auth_token): `ray status`, the
+    # nodes joining and this process's ray.init(address=...) must send it. An explicit address never turns it on
+    # by itself, and Ray caches its config at import, so this process turns it on the way a new local
+    # ray.init() does (RAY_AUTH_MODE=token, config refreshed; Ray 2.60's own helper).
+    if os.environ.get("RAY_AUTH_MODE") != "token":
+        from ray._private.authentication.authentication_token_setup import _enable_token_auth
+
+        _enable_token_auth()
     base = {**os.environ, "RAY_DISABLE_USAGE_STATS": "1"}
     procs: list[subprocess.Popen] = []
 
@@ -97,7 +101,3 @@ def local_ray_nodes(nodes: list[dict], log_dir: str, timeout_s: float = 120.0) -
     finally:
         _stop(procs)
         shutil.rmtree(temp, ignore_errors=True)
-        if saved_mode is None:
-            os.environ.pop("RAY_AUTH_MODE", None)
-        else:
-            os.environ["RAY_AUTH_MODE"] = saved_mode
