@@ -259,10 +259,8 @@ def main() -> None:
     warnings.filterwarnings("ignore")
     import torch
 
-    from moe_grpo.config import load_model_spec
     from moe_grpo.learner.megatron_learner import LearnerConfig, MegatronLearner
     from moe_grpo.models.options import MegatronOptions
-    from moe_grpo.models.spec import MoEModelSpec
     from moe_grpo.sync.transport import SharedMemoryTransport
     from moe_grpo.sync.weight_sync import WeightSync
 

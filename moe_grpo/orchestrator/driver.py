@@ -681,11 +681,10 @@ def remove_orphaned_sync_roots(root: str) -> list[str]:
     own private root are touched."""
     import shutil
 
-    from moe_grpo.sync.transport import _pid_alive
-
     import socket
 
     from moe_grpo.orchestrator.sync_hosts import OWNER_FILE
+    from moe_grpo.sync.transport import _pid_alive
 
     def driver_elsewhere(path: str) -> bool:  # another host's driver (a relay run): its pid means nothing here
         try:

@@ -6,8 +6,10 @@ dead engine cannot stall training. `sync(version)` blocks until this rank's
 shards are written - memcpy-bound - and with `background=True` it returns at
 once and the writes overlap the next forward/backward: the learner's
 `optimizer_step` waits for them first, because the step changes the weights
-being copied. Background syncs use no collective, so they cannot interleave
-with the training step's collectives.
+being copied. Background syncs use no collective of the learner's group, so
+they cannot interleave with the training step's collectives; under the relay
+(`transports.py`) a rank also broadcasts its shards over a private group of
+its own to the other hosts that assemble versions (`shard_relay.py`).
 """
 
 from __future__ import annotations
