@@ -681,25 +681,31 @@ def remove_orphaned_sync_roots(root: str) -> list[str]:
     own private root are touched."""
     import shutil
 
+    import json
     import socket
 
     from moe_grpo.orchestrator.sync_hosts import OWNER_FILE
     from moe_grpo.sync.transport import _pid_alive
 
-    def driver_elsewhere(path: str) -> bool:  # another host's driver (a relay run): its pid means nothing here
+    def orphaned(path: str, driver_pid: int) -> bool:
+        """The driver is gone; for a relay run's directory whose driver is on another host (its pid means nothing
+        here), the relay agent that made it on this host is gone (an agent makes it with its owner file inside)."""
         try:
             with open(os.path.join(path, OWNER_FILE)) as f:
-                return f.read().strip() != socket.gethostname()
-        except OSError:
-            return False
+                owner = json.load(f)
+        except (OSError, ValueError):
+            owner = None
+        if owner is not None and owner.get("driver_host") != socket.gethostname():
+            return not _pid_alive(int(owner["agent_pid"]))
+        return not _pid_alive(driver_pid)
 
     removed = []
     if not os.path.isdir(root):
         return removed
     for name in os.listdir(root):
         parts = name.split("-")
-        if (len(parts) == 3 and parts[0] == "run" and parts[1].isdigit() and not _pid_alive(int(parts[1]))
-                and not driver_elsewhere(os.path.join(root, name))):
+        if (len(parts) == 3 and parts[0] == "run" and parts[1].isdigit()
+                and orphaned(os.path.join(root, name), int(parts[1]))):
             shutil.rmtree(os.path.join(root, name), ignore_errors=True)
             removed.append(name)
     if removed:

@@ -3,8 +3,9 @@
 `plan_sync` turns the placement group's bundle -> node table into a `SyncLayout` (a host is a Ray node). Under
 the relay (`sync.transport=relay`, or `auto` on more than one node), `start_sync_hosts` starts a `SyncHostAgent`
 on every sync host before the learner ranks: the one on learner rank 0's host serves the store the relay groups
-meet in; each agent creates its host's buffer directory for the run, runs one `ShardReceiver` thread per learner
-rank that relays shards to it (sync/shard_relay.py), and removes the directory when the run ends. On one host
+meet in; each agent removes what SIGKILLed runs left on its host, creates its host's buffer directory for the run,
+runs one `ShardReceiver` thread per learner rank that relays shards to it (sync/shard_relay.py), and removes the
+directory when the run ends. On one host
 (shm, cuda_ipc) nothing is started: the driver keeps the buffers itself, as it always did.
 """
 
@@ -16,15 +17,17 @@ import secrets
 import shutil
 import socket
 import threading
+from pathlib import Path
 from typing import Any
 
 from moe_grpo.sync.layout import SyncLayout, resolve_transport
 
 log = logging.getLogger("moe_grpo")
 
-OWNER_FILE = "driver_host"
-"""In a run's buffer directory on a host: the driver's hostname (an orphan sweep on another host leaves it alone,
-since the driver's pid means nothing there)."""
+OWNER_FILE = "owner.json"
+"""In a run's buffer directory made by an agent: {"driver_host", "agent_pid"}. On a host other than the driver's,
+the directory's `run-<driver pid>-...` name means nothing; the agent (on this host, alive for the whole run) is what
+an orphan sweep there checks (driver.remove_orphaned_sync_roots)."""
 
 
 def plan_sync(run: Any, placement_group: Any, run_name: str) -> SyncLayout:
@@ -44,11 +47,26 @@ class SyncHostAgent:
     """One per sync host of a relay run (a Ray actor pinned to that node)."""
 
     def __init__(self, layout: SyncLayout, host: str, driver_host: str, serve_store: bool) -> None:
-        from moe_grpo.sync.transport import SharedMemoryTransport, _write_text
+        from moe_grpo.sync.transport import SharedMemoryTransport, _mkdir_private, _write_json, secure_root
+
+        from moe_grpo.orchestrator.driver import remove_orphaned_sync_roots
+        from moe_grpo.sync.layout import host_root
 
         self.layout, self.host = layout, host
-        self.transport = SharedMemoryTransport(layout.path(), layout.slots)  # the host's directory, private
-        _write_text(self.transport.root / OWNER_FILE, driver_host)
+        remove_orphaned_sync_roots(host_root(layout.root))  # what SIGKILLed runs left on this host
+        # The directory appears with its owner file inside (made aside, renamed into place), so another run's sweep
+        # never sees it without one; on the driver's own host the driver may have made it already.
+        path = Path(layout.path())
+        secure_root(path.parent)
+        aside = path.with_name(f".{path.name}.{os.getpid()}")
+        _mkdir_private(aside)
+        _write_json(aside / OWNER_FILE, {"driver_host": driver_host, "agent_pid": os.getpid()})
+        try:
+            os.rename(aside, path)
+        except OSError:  # it exists (the driver's, not empty): say who owns it there too
+            os.replace(aside / OWNER_FILE, path / OWNER_FILE)
+            shutil.rmtree(aside, ignore_errors=True)
+        self.transport = SharedMemoryTransport(str(path), layout.slots)  # checked private like any root
         self.server = None
         if serve_store:
             import ray
