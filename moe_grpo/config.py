@@ -28,6 +28,7 @@ from moe_grpo.models.spec import MoEModelSpec, spec_from_mapping
 from moe_grpo.orchestrator.config import CheckpointConfig, ClusterConfig, LoggerConfig, RolloutConfig
 from moe_grpo.reward.config import RewardConfig
 from moe_grpo.routing.config import RoutingConfig
+from moe_grpo.sync.config import SyncConfig
 from moe_grpo.validate import at_least
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
@@ -51,6 +52,8 @@ class RunConfig:
     """How the engines sample (orchestrator/config.py)."""
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     """Ray, engines, learner ranks and their resources (orchestrator/config.py)."""
+    sync: SyncConfig = field(default_factory=SyncConfig)
+    """How published weight versions reach the engines: the transport, the buffers' root (sync/config.py)."""
     task: TaskConfig = field(default_factory=TaskConfig)
     """The built-in task and its held-out set (data/tasks.py)."""
     data: DataConfig = field(default_factory=DataConfig)
@@ -117,7 +120,7 @@ class RunConfig:
 
 
 _SECTIONS = {"parallel": ParallelLayout, "learner": LearnerConfig, "megatron": MegatronOptions, "algo": AlgoConfig,
-             "rollout": RolloutConfig, "cluster": ClusterConfig, "task": TaskConfig, "data": DataConfig,
+             "rollout": RolloutConfig, "cluster": ClusterConfig, "sync": SyncConfig, "task": TaskConfig, "data": DataConfig,
              "reward": RewardConfig, "init": InitConfig, "routing": RoutingConfig,
              "checkpoint": CheckpointConfig, "logger": LoggerConfig}
 

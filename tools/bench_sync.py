@@ -26,6 +26,18 @@ same number of bytes (`memcpy_*` keys hold it), timed with the GPU synchronised.
 With --relay it also times the gloo relay (`sync/relay.py`) of the last
 versions to a receiver process over loopback TCP (`relay_bytes_per_s`).
 
+With `--transport relay` it times the run's relay across two Ray nodes
+(`sync/shard_relay.py`, as `sync.transport=relay` runs it): a learner actor on
+the first node publishes each version into its node's shared memory and
+relays its shards to the agent on the second node (orchestrator/sync_hosts.py),
+which writes them into that node's own shared memory; a version counts once
+the second node reports it whole. Without `--ray-address` it starts the two
+nodes itself on this machine (tools/ray_nodes.py: two `ray start` processes,
+each with its own MOE_GRPO_SYNC_ROOT), so the bytes cross loopback TCP. The
+memcpy baseline is a `copy_` of the same bytes in the learner actor, same run.
+
+    .venv/bin/python tools/bench_sync.py --transport relay [--mb 600] [--ray-address HEAD:PORT]
+
 Last line: one JSON object with `sync_vs_memcpy_ratio` and `projected_deepseek_v3_seconds`
 (DeepSeek-V3's bf16 bytes at the measured sync rate on this machine).
 """
@@ -109,14 +121,135 @@ def measure_relay(transport: object, publish: object, first_version: int, rounds
     return statistics.median(seconds[2:])
 
 
+def bench_spec(args: argparse.Namespace) -> object:
+    """conf/model/<--model>.yaml, or a DeepSeek-style model of about --mb megabytes (fp32)."""
+    from moe_grpo.config import load_model_spec
+    from moe_grpo.models.spec import MoEModelSpec
+
+    if args.model:
+        return load_model_spec(args.model)
+    per_moe_layer = 32 * 3 * 1024 * 512 * 4
+    layers = max(2, int(args.mb * 1e6 / per_moe_layer) + 1) + 1
+    return MoEModelSpec(name="bench_sync", architecture="DeepseekForCausalLM", vocab_size=32000, hidden_size=1024,
+                        num_layers=layers, first_k_dense=1, num_attention_heads=16, ffn_hidden_size=2048,
+                        num_experts=32, moe_ffn_hidden_size=512, top_k=4, num_shared_experts=1)
+
+
+class RelayLearner:
+    """A one-rank learner (a Ray actor on the first node) publishing through the run's relay publisher."""
+
+    def __init__(self, spec: object, layout: object, dtype: str, bucket_bytes: int) -> None:
+        import warnings
+
+        warnings.filterwarnings("ignore")
+        from moe_grpo.learner.megatron_learner import LearnerConfig, MegatronLearner
+        from moe_grpo.models.options import MegatronOptions
+        from moe_grpo.sync.transports import make_publisher
+        from moe_grpo.sync.weight_sync import WeightSync
+
+        self.learner = MegatronLearner(spec, config=LearnerConfig(), options=MegatronOptions(params_dtype=dtype))
+        self.sync = WeightSync(self.learner, make_publisher(layout, 0), max_bucket_bytes=bucket_bytes)
+
+    def info(self) -> dict:
+        import torch
+
+        return {"bytes": self.sync.plan.total_bytes, "buckets": len(self.sync.plan.buckets),
+                "threads": torch.get_num_threads(), "local": self.sync._local}
+
+    def sync_version(self, version: int) -> float:
+        return self.sync.sync(version).wait().seconds
+
+    def memcpy_seconds(self, nbytes: int, rounds: int = 3) -> float:
+        import torch
+
+        src = torch.empty(nbytes // 4, dtype=torch.float32).uniform_()
+        dst = torch.empty_like(src)
+        dst.copy_(src)
+        times = []
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            dst.copy_(src)
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
+
+def bench_relay_nodes(args: argparse.Namespace) -> dict:
+    """Time versions relayed from a learner on one Ray node to another node's shared memory (see the docstring)."""
+    import contextlib
+    import sys
+
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from moe_grpo.orchestrator.sync_hosts import start_sync_hosts, stop_sync_hosts
+    from moe_grpo.sync.layout import SyncLayout
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    sys.path.insert(0, here)
+    from ray_nodes import local_ray_nodes
+
+    logs = tempfile.mkdtemp(prefix="bench_relay_")
+    if args.ray_address:
+        cluster = contextlib.nullcontext(args.ray_address)
+    else:
+        shm = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+        path = os.pathsep.join([os.path.dirname(here), here, os.environ.get("PYTHONPATH", "")])
+        cluster = local_ray_nodes([{"num_cpus": 1, "env": {"PYTHONPATH": path,
+                                                          "MOE_GRPO_SYNC_ROOT": f"{shm}/bench_relay_{os.getpid()}_a"}},
+                                   {"num_cpus": 1, "env": {"PYTHONPATH": path,
+                                                          "MOE_GRPO_SYNC_ROOT": f"{shm}/bench_relay_{os.getpid()}_b"}}],
+                                  logs)
+    with cluster as address:
+        ray.init(address=address, logging_level="ERROR")
+        agents: list = []
+        try:
+            nodes = [n["NodeID"] for n in ray.nodes() if n["Alive"]]
+            if len(nodes) < 2:
+                raise SystemExit(f"--transport relay needs two Ray nodes, {address} has {len(nodes)}")
+            learner_node, engine_node = nodes[0], nodes[1]
+            layout = SyncLayout("relay", f"run-{os.getpid()}-{int(time.time())}", rank_hosts=(learner_node,),
+                                engine_hosts=(engine_node,), timeout_s=600.0)
+            layout, agents = start_sync_hosts(layout)
+            receiver = agents[layout.hosts.index(engine_node)]
+            dtype = args.dtype or "float32"
+            actor = ray.remote(RelayLearner).options(num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(
+                learner_node, soft=False)).remote(bench_spec(args), layout, dtype, int(args.bucket_mb * 2**20))
+            info = ray.get(actor.info.remote(), timeout=600)
+            sync_s, end_to_end = [], []
+            for version in range(1, args.rounds + 3):
+                t0 = time.perf_counter()
+                sync_s.append(ray.get(actor.sync_version.remote(version), timeout=600))
+                while version not in ray.get(receiver.received.remote())["versions"].get(0, []):
+                    time.sleep(0.005)
+                end_to_end.append(time.perf_counter() - t0)
+            memcpy = ray.get(actor.memcpy_seconds.remote(info["bytes"]))
+        finally:
+            stop_sync_hosts(agents)
+            ray.shutdown()
+    nbytes, t_relay, t_sync = info["bytes"], statistics.median(end_to_end[2:]), statistics.median(sync_s[2:])
+    return {"bench": "sync", "transport": "relay", "synced_bytes": nbytes, "buckets": info["buckets"], "dtype": dtype,
+            "ray_address": args.ray_address or "two local `ray start` nodes (loopback TCP)",
+            "first_relay_seconds": [round(s, 3) for s in end_to_end[:2]],
+            "relay_seconds": round(t_relay, 4), "learner_sync_seconds": round(t_sync, 4),
+            "memcpy_seconds": round(memcpy, 4), "relay_bytes_per_s": round(nbytes / t_relay),
+            "memcpy_bytes_per_s": round(nbytes / memcpy), "relay_vs_memcpy_ratio": round(memcpy / t_relay, 4),
+            "threads": info["threads"],
+            "note": "relay = from the learner's sync call (its own node's shared memory + packing + gloo broadcast of "
+                    "its shards) until the other node's agent reports the version whole in its shared memory; "
+                    "memcpy = copy_ of the same bytes in the learner actor"}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--mb", type=float, default=600.0, help="model size to sync, in MB (fp32)")
     ap.add_argument("--rounds", type=int, default=5, help="timed syncs after the two warm-up syncs")
     ap.add_argument("--bucket-mb", type=float, default=256.0, help="bucket bound, MB")
     ap.add_argument("--relay", action="store_true", help="also time the gloo relay to another process (loopback TCP)")
-    ap.add_argument("--transport", choices=("shm", "cuda_ipc"), default="shm",
-                    help="shared memory on the host (default) or CUDA IPC buffers on the learner's GPU")
+    ap.add_argument("--transport", choices=("shm", "cuda_ipc", "relay"), default="shm",
+                    help="shared memory on the host (default), CUDA IPC buffers on the learner's GPU, or the relay "
+                         "between two Ray nodes")
+    ap.add_argument("--ray-address", default=None,
+                    help="--transport relay: a Ray cluster of at least two nodes (default: start two here)")
     ap.add_argument("--model", default=None, help="conf/model/<name>.yaml instead of the --mb-sized model")
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
                     help="weights' dtype (default: bfloat16 with cuda_ipc, float32 otherwise)")
@@ -126,25 +259,20 @@ def main() -> None:
     warnings.filterwarnings("ignore")
     import torch
 
-    from moe_grpo.config import load_model_spec
     from moe_grpo.learner.megatron_learner import LearnerConfig, MegatronLearner
     from moe_grpo.models.options import MegatronOptions
-    from moe_grpo.models.spec import MoEModelSpec
     from moe_grpo.sync.transport import SharedMemoryTransport
     from moe_grpo.sync.weight_sync import WeightSync
+
+    if args.transport == "relay":
+        print(json.dumps(bench_relay_nodes(args)))
+        return
 
     ipc = args.transport == "cuda_ipc"
     if ipc and not torch.cuda.is_available():
         raise SystemExit("--transport cuda_ipc needs a CUDA GPU (torch.cuda.is_available() is False)")
     dtype = args.dtype or ("bfloat16" if ipc else "float32")
-    if args.model:
-        spec = load_model_spec(args.model)
-    else:
-        per_moe_layer = 32 * 3 * 1024 * 512 * 4
-        layers = max(2, int(args.mb * 1e6 / per_moe_layer) + 1) + 1
-        spec = MoEModelSpec(name="bench_sync", architecture="DeepseekForCausalLM", vocab_size=32000, hidden_size=1024,
-                            num_layers=layers, first_k_dense=1, num_attention_heads=16, ffn_hidden_size=2048,
-                            num_experts=32, moe_ffn_hidden_size=512, top_k=4, num_shared_experts=1)
+    spec = bench_spec(args)
     learner = MegatronLearner(spec, config=LearnerConfig(), options=MegatronOptions(params_dtype=dtype))
     root = tempfile.mkdtemp(prefix="bench_sync_", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
     if ipc:

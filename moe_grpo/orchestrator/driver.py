@@ -583,7 +583,9 @@ def train(run: Any, run_dir: str | Path, *, learner_cls: type | None = None) -> 
     from moe_grpo.orchestrator.run_dirs import release_private_dir
     from moe_grpo.orchestrator.run_record import RunRecord
     from moe_grpo.orchestrator.trackers import check_installed
-    from moe_grpo.sync.transport import SharedMemoryTransport, default_root
+    from moe_grpo.orchestrator.sync_hosts import relay_report, stop_sync_hosts
+    from moe_grpo.sync.layout import host_root
+    from moe_grpo.sync.transport import SharedMemoryTransport
 
     check_installed(run.logger)  # a missing tracker package fails now, not after the pools took minutes to start
     t_start = time.perf_counter()
@@ -607,10 +609,12 @@ def train(run: Any, run_dir: str | Path, *, learner_cls: type | None = None) -> 
             log.info("resume: continuing from %s (step %d of %d)", resume_from, state.step, run.steps)
     rewards = _rewards(run)
     run = hf_init.prepare(run, run_dir)  # init.hf: the learner's converted checkpoint (cached next to the run)
-    remove_orphaned_sync_roots(default_root())
-    sync_root = os.path.join(default_root(), f"run-{os.getpid()}-{int(time.time())}")
-    SharedMemoryTransport(sync_root)  # created (private) before any actor opens it
+    remove_orphaned_sync_roots(host_root(run.sync.root))
+    sync_name = f"run-{os.getpid()}-{int(time.time())}"  # the run's weight buffers under each host's root
+    sync_root = os.path.join(host_root(run.sync.root), sync_name)
+    SharedMemoryTransport(sync_root)  # this host's, created (private) before any actor opens it
     pools, driver, private_dir = None, None, None
+    sync_report: dict[str, Any] = {}
     signals = SignalRelay()
     stopped = None
     try:
@@ -618,7 +622,7 @@ def train(run: Any, run_dir: str | Path, *, learner_cls: type | None = None) -> 
         signals.install()  # after Ray, whose own SIGTERM handler would exit without cleaning up
         t0 = time.perf_counter()
         initial = InitialWeights(run, run_dir, tokenizer, source, state, resume_from)
-        pools = start_pools(run, run_dir, sync_root, initial, learner_cls,
+        pools = start_pools(run, run_dir, sync_name, initial, learner_cls,
                             bundle_nodes=plan.bundle_nodes() if plan.pinned else None)
         log.info("pools up in %.0fs: %d engine(s), %d learner rank(s) (%.2fM parameters on rank 0)",
                  time.perf_counter() - t0, len(pools.engines), len(pools.learners), pools.infos[0]["parameters"] / 1e6)
@@ -658,6 +662,9 @@ def train(run: Any, run_dir: str | Path, *, learner_cls: type | None = None) -> 
             png = driver.record.close()
             if png:
                 log.info("plots: %s", png)
+        if pools is not None:
+            sync_report = relay_report(pools.sync, pools.sync_agents or [])
+            stop_sync_hosts(pools.sync_agents or [])  # each host's buffers under the relay
         stop_pools(pools, list(driver.engines.handles().values()) if driver is not None else None)
         release_private_dir(private_dir, run_dir)
         shutil.rmtree(sync_root, ignore_errors=True)
@@ -666,7 +673,7 @@ def train(run: Any, run_dir: str | Path, *, learner_cls: type | None = None) -> 
             "eval_end": state.evals[-1][1] if state.evals else float("nan"), "evals": state.evals,
             "warm_start_loss": state.warm_start_loss, "seconds": time.perf_counter() - t_start, "run_dir": run_dir,
             "policy_dir": os.path.join(run_dir, "policy"), "reward_failed": state.reward_failed,
-            "bad_rows": state.bad_rows, "stopped": stopped,
+            "bad_rows": state.bad_rows, "stopped": stopped, "sync": sync_report,
             "checkpoint": str(driver.last_checkpoint) if driver.last_checkpoint else None,
             "faults": {"requests_lost": state.requests_lost, "steps_skipped": state.steps_skipped,
                        "sync_failures": engines.sync_failures, "engine_restarts": engines.restarts,
@@ -695,14 +702,31 @@ def remove_orphaned_sync_roots(root: str) -> list[str]:
     own private root are touched."""
     import shutil
 
+    import json
+    import socket
+
+    from moe_grpo.orchestrator.sync_hosts import OWNER_FILE
     from moe_grpo.sync.transport import _pid_alive
+
+    def orphaned(path: str, driver_pid: int) -> bool:
+        """The driver is gone; for a relay run's directory whose driver is on another host (its pid means nothing
+        here), the relay agent that made it on this host is gone (an agent makes it with its owner file inside)."""
+        try:
+            with open(os.path.join(path, OWNER_FILE)) as f:
+                owner = json.load(f)
+        except (OSError, ValueError):
+            owner = None
+        if owner is not None and owner.get("driver_host") != socket.gethostname():
+            return not _pid_alive(int(owner["agent_pid"]))
+        return not _pid_alive(driver_pid)
 
     removed = []
     if not os.path.isdir(root):
         return removed
     for name in os.listdir(root):
         parts = name.split("-")
-        if len(parts) == 3 and parts[0] == "run" and parts[1].isdigit() and not _pid_alive(int(parts[1])):
+        if (len(parts) == 3 and parts[0] == "run" and parts[1].isdigit()
+                and orphaned(os.path.join(root, name), int(parts[1]))):
             shutil.rmtree(os.path.join(root, name), ignore_errors=True)
             removed.append(name)
     if removed:

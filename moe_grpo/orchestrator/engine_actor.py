@@ -11,8 +11,9 @@ from typing import Any, Sequence
 class EngineWorker:
     """Owns one `VllmEngine` (AsyncLLM) in its own process; many `generate` calls run at once."""
 
-    def __init__(self, name: str, model_dir: str, spec: Any, rollout: Any, run_dir: str, sync_root: str,
+    def __init__(self, name: str, model_dir: str, spec: Any, rollout: Any, run_dir: str, sync: Any,
                  cpus: list[int] | None = None, seed: int = 0) -> None:
+        """`sync`: the run's `SyncLayout` (or a shared-memory root directory): where this host's versions arrive."""
         from moe_grpo.orchestrator.logs import quiet_libraries, quiet_vllm
 
         if cpus:
@@ -22,14 +23,14 @@ class EngineWorker:
         quiet_libraries()
         from moe_grpo.rollout.context import context_length
         from moe_grpo.rollout.vllm_engine import VllmEngine
-        from moe_grpo.sync.transport import SharedMemoryTransport
+        from moe_grpo.sync.transports import make_receiver
 
         self.name, self.rollout = name, rollout
         self.engine = VllmEngine(model_dir, spec, max_model_len=context_length(rollout, spec.max_position_embeddings),
                                  max_num_seqs=rollout.max_num_seqs, kv_cache_gib=rollout.kv_cache_gib,
                                  dtype=rollout.dtype, on_update=rollout.on_update, seed=seed,
                                  request_timeout_s=rollout.request_timeout_s, name=name)
-        self.transport = SharedMemoryTransport(sync_root)
+        self.transport = make_receiver(sync)
         self._in_flight = 0
         self._busy_since = 0.0
         self._busy_total = 0.0

@@ -10,15 +10,19 @@ from typing import Any, Sequence
 class LearnerWorker:
     """Holds this rank's `MegatronLearner` and its `WeightSync`; every rank gets the same calls in the same order."""
 
-    def __init__(self, rank: int, world_size: int, master_addr: str, master_port: int, run: Any, sync_root: str,
+    def __init__(self, rank: int, world_size: int, master_addr: str, master_port: int, run: Any, sync: Any,
                  cpus: list[int] | None = None, secret: str = "") -> None:
-        """`secret`: the run's rendezvous secret (the driver's; only holders get into the learners' store)."""
+        """`sync`: the run's `SyncLayout` (or a shared-memory root directory); `secret`: the run's rendezvous
+        secret (the driver's; only holders get into the learners' store)."""
         from moe_grpo.learner.parallel import SECRET_ENV
         from moe_grpo.orchestrator.logs import quiet_libraries
 
         quiet_libraries()
         # This process's own environment: readable by its user only (/proc/<pid>/environ is 0400).
-        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+        from moe_grpo.sync.layout import SyncLayout
+
+        local_rank = sync.local_rank(rank) if isinstance(sync, SyncLayout) else rank  # its index on its own host
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(local_rank),
                           MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), **{SECRET_ENV: secret})
         import torch
 
@@ -27,7 +31,7 @@ class LearnerWorker:
         torch.set_num_threads(max(1, len(cpus) if cpus else int(run.cluster.learner_cpus)))
         from moe_grpo.learner.megatron_learner import MegatronLearner
         from moe_grpo.learner.parallel import ranks
-        from moe_grpo.sync.transport import SharedMemoryTransport
+        from moe_grpo.sync.transports import make_publisher
         from moe_grpo.sync.weight_sync import WeightSync
 
         self.run = run
@@ -35,7 +39,7 @@ class LearnerWorker:
                                        temperature=run.rollout.temperature)
         if run.init.megatron:  # init.hf, converted (checkpoint/hf_init.py); Megatron reshards it to this layout
             self.learner.load_checkpoint(run.init.megatron)
-        self.sync = WeightSync(self.learner, SharedMemoryTransport(sync_root))
+        self.sync = WeightSync(self.learner, make_publisher(sync, rank))
         self.loss = run.algo.token_loss(run.rollout.max_tokens)
         self.ranks = ranks()
         self.rank = rank

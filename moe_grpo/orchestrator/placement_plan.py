@@ -522,13 +522,8 @@ def not_runnable_yet(plan: Plan) -> list[str]:
     if any(e.tensor_parallel > 1 for e in plan.engines):
         out.append(f"engines with tensor parallelism {plan.engines[0].tensor_parallel}: the vLLM engines are started "
                    "without tensor_parallel_size in this build (cluster.engine_tensor_parallel=1)")
-    if plan.pinned:
-        learner_hosts = {r.node for r in plan.ranks}
-        remote = [h for h in plan.engine_hosts if h not in learner_hosts]
-        if remote:
-            out.append(f"engines on {' '.join(remote)}, where no learner rank runs: the driver publishes weights "
-                       "through shared memory on the learners' hosts only; the transport to other hosts is not "
-                       "wired into the run in this build")
+    # Engines on hosts without a learner rank get each version through `sync.transport` (relay under `auto`;
+    # sync_hosts.plan_sync refuses shm / cuda_ipc across hosts once Ray placed the bundles).
     return out
 
 

@@ -17,7 +17,8 @@ class EngineFactory:
 
     run: Any
     run_dir: str
-    sync_root: str
+    sync: Any
+    """The run's `SyncLayout`: where each engine's versions arrive."""
     model_dir: str
     """The model directory engines start from (version 0)."""
     placement_group: Any
@@ -33,7 +34,7 @@ class EngineFactory:
                                                     placement_group_bundle_index=bundle)
         return ray.remote(EngineWorker).options(
             num_cpus=c.engine_cpus, num_gpus=c.engine_gpus, scheduling_strategy=strategy, max_concurrency=10_000,
-        ).remote(f"engine{bundle}", self.model_dir, self.run.model, self.run.rollout, self.run_dir, self.sync_root,
+        ).remote(f"engine{bundle}", self.model_dir, self.run.model, self.run.rollout, self.run_dir, self.sync,
                  _cores(c, bundle, c.engine_cpus, 0), self.run.seed + bundle)
 
 
@@ -50,6 +51,10 @@ class Pools:
     """Starts a replacement engine actor in a given bundle."""
     engine_pids: list[int] | None = None
     """Each engine's vLLM engine-core process."""
+    sync: Any = None
+    """The run's `SyncLayout` (transport, each actor's host)."""
+    sync_agents: list[Any] | None = None
+    """One `SyncHostAgent` per sync host under the relay (orchestrator/sync_hosts.py); empty on one host."""
 
     @property
     def dp_size(self) -> int:
@@ -122,17 +127,17 @@ def single_host() -> bool:
     return len([n for n in ray.nodes() if n.get("Alive")]) == 1
 
 
-def start_pools(run: Any, run_dir: str, sync_root: str, model_dir_fn: Any, learner_cls: type | None = None,
+def start_pools(run: Any, run_dir: str, sync_name: str, model_dir_fn: Any, learner_cls: type | None = None,
                 bundle_nodes: list[str | None] | None = None) -> Pools:
     """Learner ranks first (they build the initial weights), then engines on `model_dir_fn(learners)`.
+
+    `sync_name`: the run's directory under each host's weight-buffer root. Once Ray placed the bundles, the
+    weight transport is planned from where they landed, and under the relay its host agents start first.
 
     `learner_cls` replaces `LearnerWorker` (a subclass; tests slow it down on purpose). `bundle_nodes`: the host
     each bundle (engines, then learner ranks) must be reserved on, from the placement plan; None lets Ray pack."""
     import ray
     from ray.util.placement_group import placement_group
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-    from moe_grpo.orchestrator.learner_actor import LearnerWorker
 
     c = run.cluster
     world = run.learner_world_size()
@@ -147,6 +152,28 @@ def start_pools(run: Any, run_dir: str, sync_root: str, model_dir_fn: Any, learn
         raise RuntimeError(f"Ray could not reserve {bundles} within {c.start_timeout_s:.0f} s "
                            f"(cluster has {ray.cluster_resources()}); lower cluster.* resources or add nodes")
 
+    from moe_grpo.orchestrator.sync_hosts import plan_sync, start_sync_hosts
+
+    layout, agents = start_sync_hosts(plan_sync(run, pg, sync_name))
+    try:
+        return _start_actors(run, run_dir, pg, layout, agents, model_dir_fn, learner_cls)
+    except BaseException:
+        from moe_grpo.orchestrator.sync_hosts import stop_sync_hosts
+
+        stop_sync_hosts(agents)
+        raise
+
+
+def _start_actors(run: Any, run_dir: str, pg: Any, layout: Any, agents: list[Any], model_dir_fn: Any,
+                  learner_cls: type | None) -> Pools:
+    import ray
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    from moe_grpo.orchestrator.learner_actor import LearnerWorker
+
+    c = run.cluster
+    world = run.learner_world_size()
+
     def at(i: int) -> Any:
         return PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=i)
 
@@ -155,7 +182,7 @@ def start_pools(run: Any, run_dir: str, sync_root: str, model_dir_fn: Any, learn
     secret = secrets.token_hex(32)  # the run's rendezvous secret, handed to the ranks as an actor argument
     learner_cls = ray.remote(learner_cls or LearnerWorker)
     learners = [learner_cls.options(num_cpus=c.learner_cpus, num_gpus=c.learner_gpus, scheduling_strategy=at(c.num_engines + r),
-                                    name=None).remote(r, world, addr, port, run, sync_root,
+                                    name=None).remote(r, world, addr, port, run, layout,
                                                       _cores(c, r, c.learner_cpus, int(c.engine_cpus) * c.num_engines),
                                                       secret)
                 for r in range(world)]
@@ -165,7 +192,7 @@ def start_pools(run: Any, run_dir: str, sync_root: str, model_dir_fn: Any, learn
         raise RuntimeError(f"learner ranks did not start within {c.start_timeout_s:.0f} s "
                            f"(rendezvous {addr}:{port}, world size {world})") from e
     model_dir = model_dir_fn(learners)
-    make_engine = EngineFactory(run, run_dir, sync_root, model_dir, pg)
+    make_engine = EngineFactory(run, run_dir, layout, model_dir, pg)
     engines = [(f"engine{i}", make_engine(i)) for i in range(c.num_engines)]
     t0 = time.perf_counter()
     pids = []
@@ -174,7 +201,7 @@ def start_pools(run: Any, run_dir: str, sync_root: str, model_dir_fn: Any, learn
             pids.append(ray.get(handle.pid.remote(), timeout=max(1.0, c.start_timeout_s - (time.perf_counter() - t0))))
         except ray.exceptions.GetTimeoutError as e:
             raise RuntimeError(f"{name} (vLLM) did not start within {c.start_timeout_s:.0f} s") from e
-    return Pools(engines, learners, infos, pg, make_engine, pids)
+    return Pools(engines, learners, infos, pg, make_engine, pids, layout, agents)
 
 
 def stop_pools(pools: Pools | None, engines: list[Any] | None = None) -> None:

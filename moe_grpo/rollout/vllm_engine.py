@@ -300,8 +300,8 @@ class VllmEngine:
         self.engine_id = name or f"vllm-{os.getpid()}-{next(_ENGINE_IDS)}"
         self.broken: str | None = None
         """Why the engine must not generate (a failed sync it could not roll back), or None."""
-        self.weight_source: tuple[str, Any] | str | None = "model_dir"
-        """Where the served weights can be re-read for a rollback or restart: (slot, plan) of a sync,
+        self.weight_source: tuple[str, Any, Any] | str | None = "model_dir"
+        """Where the served weights can be re-read for a rollback or restart: (slot, plan, bucket sources) of a sync,
         'model_dir', or None after `load_weights` from memory (nothing to re-read)."""
         self.stats = {"requests": 0, "resubmitted": 0, "capture_errors": 0, "restarts": 0}
         if not torch.cuda.is_available():
@@ -712,12 +712,14 @@ class VllmEngine:
             self._updating.set()
             self._tasks.discard(task)
 
-    def _bucket_rpcs(self, slot: str, plan: Any) -> list[tuple[str, tuple]]:
-        from moe_grpo.sync.transport import bucket_path
+    def _bucket_rpcs(self, slot: str, plan: Any, sources: list[dict] | None = None) -> list[tuple[str, tuple]]:
+        """One reload call per bucket, each handing the workers what the receiver described (`bucket_sources`;
+        None: the shared-memory files of `slot`)."""
+        if sources is None:
+            from moe_grpo.sync.transport import shm_bucket_sources
 
-        return [("moe_grpo_reload_from_shm", (bucket_path(slot, b.index), [(e.name, list(e.shape), e.offset)
-                                                                         for e in b.entries], b.nbytes, plan.dtype))
-                for b in plan.buckets]
+            sources = shm_bucket_sources(slot, plan)
+        return [("moe_grpo_reload_bucket", (source,)) for source in sources]
 
     def load_weights(self, hf_tensors: dict[str, Any], version: int) -> None:
         """Load full HF-named tensors held in this process, one decoder layer per reload; serve `version`.
@@ -744,8 +746,10 @@ class VllmEngine:
             for p in paths:
                 os.unlink(p)
 
-    def load_published(self, slot: str, plan: Any, version: int, *, timeout_s: float | None = 120.0) -> None:
-        """Apply a whole published version (the transport's bucket files, read without a copy) or none of it.
+    def load_published(self, slot: str, plan: Any, version: int, *, sources: list[dict] | None = None,
+                       timeout_s: float | None = 120.0) -> None:
+        """Apply a whole published version (the buckets the receiver describes in `sources`, read without a copy;
+        None: the shared-memory files of `slot`) or none of it.
 
         Requests in flight are paused (or aborted and resubmitted, `on_update`)
         while every bucket is reloaded; if one fails, the engine re-applies the
@@ -758,8 +762,8 @@ class VllmEngine:
         if not _process_alive(self.worker_pid):
             raise EngineError(f"engine {self.engine_id}: process {self.worker_pid} is dead (version {version} not sent)")
         try:
-            self._call(self._load(self._bucket_rpcs(slot, plan), version, (slot, plan)), f"load of version {version}",
-                       timeout_s)
+            self._call(self._load(self._bucket_rpcs(slot, plan, sources), version, (slot, plan, sources)),
+                       f"load of version {version}", timeout_s)
         except Exception as e:
             if self.closing:  # a restart or shutdown stopped it; a restart brings back the version served
                 raise EngineError(f"engine {self.engine_id}: loading version {version} was stopped: "

@@ -188,12 +188,11 @@ class RoutingCaptureExtension:
         self.reload_weights(weights_iterator=iter(list(tensors.items())))  # type: ignore[attr-defined]
         return len(tensors)
 
-    def moe_grpo_reload_from_shm(self, path: str, entries: list, nbytes: int, dtype: str) -> int:
-        """Load one published bucket (see `sync/transport.py`) straight from its shared-memory file."""
-        from moe_grpo.sync.plan import DTYPES, Bucket, BucketEntry
-        from moe_grpo.sync.transport import read_bucket
+    def moe_grpo_reload_bucket(self, source: dict) -> int:
+        """Load one published bucket from what the transport handed over (`sync/transports.py: open_bucket`: a
+        mapped shared-memory file, or a CUDA IPC buffer), without a copy."""
+        from moe_grpo.sync.transports import open_bucket
 
-        bucket = Bucket(0, tuple(BucketEntry(n, tuple(s), o) for n, s, o in entries), int(nbytes))
-        with read_bucket(path, bucket, DTYPES[dtype]) as tensors:
+        with open_bucket(source) as tensors:
             self.reload_weights(weights_iterator=iter(list(tensors.items())))  # type: ignore[attr-defined]
             return len(tensors)

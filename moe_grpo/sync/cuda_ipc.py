@@ -190,6 +190,15 @@ class CudaIpcTransport(SharedMemoryTransport):
         yield self._raw(slot, bucket)
 
     # ------------------------------------------------------------------ receiving side
+    def bucket_sources(self, slot: str, plan: BucketPlan) -> list[dict]:
+        """What an engine's worker opens for each bucket (`transports.open_bucket`): the buffer's IPC handle."""
+        info = self._ipc_info(slot)
+        if info is None or len(info["buckets"]) != len(plan.buckets):
+            raise SyncError(f"{slot}/{IPC_FILE} is missing or lists another number of buckets than the plan's "
+                            f"{len(plan.buckets)}")
+        return [{"kind": "cuda_ipc", "handle": info["buckets"][b.index], "nbytes": b.nbytes, "dtype": plan.dtype,
+                 "entries": [(e.name, list(e.shape), e.offset) for e in b.entries]} for b in plan.buckets]
+
     @contextlib.contextmanager
     def read_bucket(self, slot: str, bucket: Bucket, dtype: torch.dtype) -> Iterator[dict[str, torch.Tensor]]:
         """Device views of one bucket of a complete version (after `wait_complete` and `pin`): copy out of them."""

@@ -3,7 +3,9 @@
 `apply_version` brings one engine to a version: wait until every learner
 rank has written it, check it against the model the engine serves (name,
 shape, element count - before anything is applied), pin its buffers, and
-let the engine load all of it or roll back. Each engine actor runs it
+let the engine load all of it or roll back. The engine's workers get what
+the transport describes for each bucket (`bucket_sources`: a mapped file, a
+CUDA IPC handle), never a path they would have to interpret. Each engine actor runs it
 (`orchestrator/engine_actor.py`); the driver's engine pool offers every
 version to all engines at once, none holding up another, and offers the
 newest again to an engine that missed one (`orchestrator/engine_pool.py`).
@@ -17,10 +19,10 @@ import time
 from typing import Any
 
 from moe_grpo.sync.plan import check_plan
-from moe_grpo.sync.transport import SharedMemoryTransport, SyncError
+from moe_grpo.sync.transport import SyncError, WeightReceiver
 
 
-def apply_version(engine: Any, transport: SharedMemoryTransport, version: int, *, timeout_s: float = 120.0) -> float:
+def apply_version(engine: Any, transport: WeightReceiver, version: int, *, timeout_s: float = 120.0) -> float:
     """Make `engine` serve `version` (all of it, or it keeps serving what it served). Returns seconds taken."""
     t0 = time.perf_counter()
     who = f"engine {engine.engine_id}"
@@ -34,7 +36,7 @@ def apply_version(engine: Any, transport: SharedMemoryTransport, version: int, *
     serving = {engine.weight_source[0]: engine.policy_version} if isinstance(engine.weight_source, tuple) else {}
     transport.pin(engine.engine_id, {**serving, slot: version})
     try:
-        engine.load_published(slot, plan, version, timeout_s=timeout_s)
+        engine.load_published(slot, plan, version, sources=transport.bucket_sources(slot, plan), timeout_s=timeout_s)
     except Exception as e:
         if serving:
             transport.pin(engine.engine_id, serving)

@@ -43,6 +43,9 @@ class RelayGroup:
     """The run's secret (secrets.token_hex(32), handed to every member through Ray): the store admits no one else."""
     timeout_s: float = 120.0
     """How long any broadcast may take before the group fails (names the part in the error)."""
+    prefix: str = ""
+    """'' : the sender serves the group's store itself; otherwise the group meets under this prefix in a store
+    someone else serves at host:port (one per run, for every learner rank's shard group)."""
 
     def __post_init__(self) -> None:
         if self.world < 2:
@@ -52,7 +55,8 @@ class RelayGroup:
                              "(secrets.token_hex(16) or longer)")
 
     def __repr__(self) -> str:  # never print the secret
-        return f"RelayGroup(host={self.host!r}, port={self.port}, world={self.world}, timeout_s={self.timeout_s})"
+        return (f"RelayGroup(host={self.host!r}, port={self.port}, world={self.world}, timeout_s={self.timeout_s}, "
+                f"prefix={self.prefix!r})")
 
 
 class _Broadcaster:
@@ -64,9 +68,10 @@ class _Broadcaster:
         self.group, self.rank, self.role = group, rank, role
         timeout = timedelta(seconds=group.timeout_s)
         # The sender serves the store (kept as long as the group: gloo's pairs were set up through it).
-        self.server = RunStoreServer(group.host, group.port, group.secret) if rank == 0 else None
+        self.server = RunStoreServer(group.host, group.port, group.secret) if rank == 0 and not group.prefix else None
         self.store = RunStore(group.host, group.port, group.secret, timeout)
-        self.pg = dist.ProcessGroupGloo(self.store, rank, group.world, timeout)
+        store = dist.PrefixStore(group.prefix, self.store) if group.prefix else self.store
+        self.pg = dist.ProcessGroupGloo(store, rank, group.world, timeout)
 
     def __call__(self, tensor: torch.Tensor, what: str) -> None:
         import torch.distributed as dist

@@ -3,12 +3,12 @@
 A transport has a sending side (every learner rank: claim the version's
 buffers, write its shards into bucket views, mark itself done) and a
 receiving side (an engine: wait until every rank is done, pin the version,
-read bucket by bucket). `SharedMemoryTransport` is the one that exists
-today: buckets are files on /dev/shm that learner ranks and vLLM workers
-map into their address space, so the learner's write *is* the transfer and
-the engine reads without a copy. It serves every engine on the learner's
-host. NCCL (other hosts) and CUDA IPC (engines on the learner's GPUs) are
-not built yet.
+read bucket by bucket). `SharedMemoryTransport` keeps
+each host's buffers: buckets are files on /dev/shm that learner ranks and vLLM
+workers map into their address space, so the learner's write *is* the
+transfer and the engine reads without a copy. Other hosts get their copy
+through the relay (`relay.py`, chosen in `transports.py`); engines on the
+learner's GPUs can read from CUDA IPC buffers instead (`cuda_ipc.py`).
 
 Buffers are recycled: a transport keeps `slots` full versions (default 2),
 and a new version goes into a slot no engine has pinned. Freshly created
@@ -55,7 +55,7 @@ class UnsafeRootError(SyncError):
 
 
 class WeightTransport(Protocol):
-    """Learner ranks write a version bucket by bucket; engines read it once every rank is done."""
+    """The publishing side: a learner rank writes its shards of a version bucket by bucket, then marks itself done."""
 
     def claim(self, version: int, plan: BucketPlan, rank: int, world: int, timeout_s: float) -> str: ...
 
@@ -63,7 +63,16 @@ class WeightTransport(Protocol):
 
     def mark_done(self, slot: str, version: int, rank: int, elements: dict[int, int]) -> None: ...
 
+    def read_version(self, version: int, timeout_s: float) -> dict[str, torch.Tensor]: ...
+
+
+class WeightReceiver(Protocol):
+    """The receiving side (one per engine): wait for a complete version, pin it, and hand the engine's workers a
+    description of each bucket (`bucket_sources`) that `transports.open_bucket` turns back into tensors there."""
+
     def wait_complete(self, version: int, timeout_s: float) -> tuple[str, BucketPlan]: ...
+
+    def bucket_sources(self, slot: str, plan: BucketPlan) -> list[dict]: ...
 
     def pin(self, engine_id: str, slots: dict[str, int]) -> None: ...
 
@@ -73,6 +82,12 @@ class WeightTransport(Protocol):
 def bucket_path(slot: str, index: int) -> str:
     """The file of bucket `index` inside a slot."""
     return os.path.join(slot, f"b{index:05d}.bin")
+
+
+def shm_bucket_sources(slot: str, plan: BucketPlan) -> list[dict]:
+    """Each bucket of a shared-memory slot as an engine's worker opens it: its file, size, dtype and tensors."""
+    return [{"kind": "shm", "path": bucket_path(slot, b.index), "nbytes": b.nbytes, "dtype": plan.dtype,
+             "entries": [(e.name, list(e.shape), e.offset) for e in b.entries]} for b in plan.buckets]
 
 
 def default_root() -> str:
@@ -238,16 +253,19 @@ class SharedMemoryTransport:
         return sorted(p for p in self.root.glob("slot*") if p.is_dir())
 
     # ------------------------------------------------------------------ sending side
-    def claim(self, version: int, plan: BucketPlan, rank: int, world: int, timeout_s: float = 60.0) -> str:
-        """The slot this version goes into. Rank 0 picks it (never one an engine pins); other ranks wait for that."""
-        if rank != 0:
+    def claim(self, version: int, plan: BucketPlan, rank: int, world: int, timeout_s: float = 60.0, *,
+              claims: bool | None = None) -> str:
+        """The slot this version goes into. One writer picks it (never one an engine pins): `claims`, by default
+        rank 0; the others wait for that."""
+        if not (rank == 0 if claims is None else claims):
             deadline = time.monotonic() + timeout_s
             while time.monotonic() < deadline:
                 slot = self.find(version)
                 if slot is not None:
                     return slot
                 time.sleep(0.002)
-            raise SyncError(f"sync of version {version}: learner rank 0 claimed no buffer within {timeout_s:.0f} s")
+            who = "learner rank 0" if claims is None else "the writer that claims this host's slot"
+            raise SyncError(f"sync of version {version}: {who} claimed no buffer in {self.root} within {timeout_s:.0f} s")
         with self._lock():
             pinned = {s for pins in self._pins().values() for s in pins}
             slots = self._slots()
@@ -363,6 +381,10 @@ class SharedMemoryTransport:
                 raise SyncError(f"sync of version {version}: bucket {b.index} got {written.get(b.index, 0)} elements "
                                 f"from the learner ranks, expected {expected} (a shard is missing or written twice)")
         return slot, plan
+
+    def bucket_sources(self, slot: str, plan: BucketPlan) -> list[dict]:
+        """What an engine's worker opens for each bucket of a slot (`transports.open_bucket`): the file and layout."""
+        return shm_bucket_sources(slot, plan)
 
     def read_version(self, version: int, timeout_s: float = 60.0) -> dict[str, torch.Tensor]:
         """Copies of every tensor of a published version (to inspect or save what engines receive)."""

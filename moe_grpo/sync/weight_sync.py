@@ -6,8 +6,10 @@ dead engine cannot stall training. `sync(version)` blocks until this rank's
 shards are written - memcpy-bound - and with `background=True` it returns at
 once and the writes overlap the next forward/backward: the learner's
 `optimizer_step` waits for them first, because the step changes the weights
-being copied. Background syncs use no collective, so they cannot interleave
-with the training step's collectives.
+being copied. Background syncs use no collective of the learner's group, so
+they cannot interleave with the training step's collectives; under the relay
+(`transports.py`) a rank also broadcasts its shards over a private group of
+its own to the other hosts that assemble versions (`shard_relay.py`).
 """
 
 from __future__ import annotations
@@ -81,6 +83,11 @@ class WeightSync:
         for w in local_shard_writes(learner):
             self.writes[where[w.name]].append(w)
         self.rank, self.world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+        if hasattr(self.transport, "bind"):  # a relaying transport sends each shard's place once
+            self.transport.bind(self.plan, self.writes)
+        self._local = getattr(self.transport, "writes_locally", True)
+        self._forward = getattr(self.transport, "forward_bucket", None)
+        """Whether this rank writes into its host's buffers, and where its shards go besides (transports.py)."""
         self._pending: SyncHandle | None = None
         self._bound: dict[tuple[str, int], tuple[int, BoundCopy]] = {}
         self._sizes = {i: (sum(w.source.numel() for w in ws), sum(w.source.numel() * w.source.element_size() for w in ws))
@@ -135,8 +142,11 @@ class WeightSync:
                     elements[bucket.index], size = self._sizes[bucket.index]
                     if not writes:
                         continue
-                    with self.transport.bucket_views(slot, bucket, self.plan.torch_dtype) as full:
-                        self._bound_copy(slot, bucket.index, full, writes)()
+                    if self._local:
+                        with self.transport.bucket_views(slot, bucket, self.plan.torch_dtype) as full:
+                            self._bound_copy(slot, bucket.index, full, writes)()
+                    if self._forward is not None:
+                        self._forward(handle.version, bucket)
                     nbytes += size
             if stream is not None:
                 stream.synchronize()  # every byte is in the buffers before any engine may read them

@@ -297,3 +297,35 @@ def intrude_on_the_learner_store() -> dict:
     dist.all_reduce(t)
     out["sum"] = float(t)
     return out
+
+
+def publish_versions(tp: int, ep: int, versions: list, where, roots: list | None = None) -> dict:
+    """A seeded learner at (tp, ep) publishes `versions` (its weights scaled by 1.5 before each after the first)
+    through `where` (a root, or a SyncLayout with `roots[rank]` standing for this rank's host root).
+    Returns {version: bytes this rank wrote or relayed}."""
+    import os
+
+    import torch
+
+    from moe_grpo.learner.megatron_learner import LearnerConfig, MegatronLearner
+    from moe_grpo.learner.parallel import ParallelLayout
+    from moe_grpo.sync.config import ROOT_ENV
+    from moe_grpo.sync.transports import make_publisher
+    from moe_grpo.sync.weight_sync import WeightSync
+
+    rank = int(os.environ["RANK"])
+    if roots is not None:
+        os.environ[ROOT_ENV] = roots[rank]  # this rank's "host"
+    learner = MegatronLearner(tiny_spec(), ParallelLayout(tp, ep, 1), LearnerConfig(seed=3))
+    sync = WeightSync(learner, make_publisher(where, rank), max_bucket_bytes=1 << 16)
+    out = {}
+    for i, version in enumerate(versions):
+        if i:
+            with torch.no_grad():
+                for p in learner.module.parameters():
+                    p.mul_(1.5)
+        out[version] = sync.sync(version).wait().bytes_written
+    if hasattr(sync.transport, "close_relay"):
+        sync.transport.close_relay()
+    torch.distributed.barrier()  # every rank's relay is through before any process leaves
+    return out

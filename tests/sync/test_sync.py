@@ -197,7 +197,7 @@ def test_engine_killed_mid_sync_is_reported_skipped_and_restarts_on_its_previous
         real_rpc, calls = second._collective_rpc, {"n": 0}
 
         async def kill_on_second_bucket(method, args=()):
-            if method == "moe_grpo_reload_from_shm":
+            if method == "moe_grpo_reload_bucket":
                 calls["n"] += 1
                 if calls["n"] == 2:
                     os.kill(second.worker_pid, signal.SIGKILL)

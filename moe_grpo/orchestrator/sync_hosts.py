@@ -1,0 +1,175 @@
+"""The run's weight transport on the Ray cluster: which host each actor landed on, and one agent per sync host.
+
+`plan_sync` turns the placement group's bundle -> node table into a `SyncLayout` (a host is a Ray node). Under
+the relay (`sync.transport=relay`, or `auto` on more than one node), `start_sync_hosts` starts a `SyncHostAgent`
+on every sync host before the learner ranks: the one on learner rank 0's host serves the store the relay groups
+meet in; each agent removes what SIGKILLed runs left on its host, creates its host's buffer directory for the run,
+runs one `ShardReceiver` thread per learner rank that relays shards to it (sync/shard_relay.py), and removes the
+directory when the run ends. On one host
+(shm, cuda_ipc) nothing is started: the driver keeps the buffers itself, as it always did.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import shutil
+import socket
+import threading
+from pathlib import Path
+from typing import Any
+
+from moe_grpo.sync.layout import SyncLayout, resolve_transport
+
+log = logging.getLogger("moe_grpo")
+
+OWNER_FILE = "owner.json"
+"""In a run's buffer directory made by an agent: {"driver_host", "agent_pid"}. On a host other than the driver's,
+the directory's `run-<driver pid>-...` name means nothing; the agent (on this host, alive for the whole run) is what
+an orphan sweep there checks (driver.remove_orphaned_sync_roots)."""
+
+
+def plan_sync(run: Any, placement_group: Any, run_name: str) -> SyncLayout:
+    """The run's `SyncLayout`: engines are bundles 0..num_engines-1, learner rank r is bundle num_engines + r."""
+    import ray
+
+    nodes = ray.util.placement_group_table(placement_group)["bundles_to_node_id"]
+    c, world = run.cluster, run.learner_world_size()
+    engine_hosts = tuple(nodes[i] for i in range(c.num_engines))
+    rank_hosts = tuple(nodes[c.num_engines + r] for r in range(world))
+    transport = resolve_transport(run.sync.transport, len(set(engine_hosts + rank_hosts)))
+    return SyncLayout(transport, run_name, rank_hosts, engine_hosts, run.sync.root, run.sync.slots,
+                      timeout_s=run.sync.relay_timeout_s)
+
+
+class SyncHostAgent:
+    """One per sync host of a relay run (a Ray actor pinned to that node)."""
+
+    def __init__(self, layout: SyncLayout, host: str, driver_host: str, serve_store: bool) -> None:
+        from moe_grpo.sync.transport import SharedMemoryTransport, _mkdir_private, _write_json, secure_root
+
+        from moe_grpo.orchestrator.driver import remove_orphaned_sync_roots
+        from moe_grpo.sync.layout import host_root
+
+        self.layout, self.host = layout, host
+        remove_orphaned_sync_roots(host_root(layout.root))  # what SIGKILLed runs left on this host
+        # The directory appears with its owner file inside (made aside, renamed into place), so another run's sweep
+        # never sees it without one; on the driver's own host the driver may have made it already.
+        path = Path(layout.path())
+        secure_root(path.parent)
+        aside = path.with_name(f".{path.name}.{os.getpid()}")
+        _mkdir_private(aside)
+        _write_json(aside / OWNER_FILE, {"driver_host": driver_host, "agent_pid": os.getpid()})
+        try:
+            os.rename(aside, path)
+        except OSError:  # it exists (the driver's, not empty): say who owns it there too
+            os.replace(aside / OWNER_FILE, path / OWNER_FILE)
+            shutil.rmtree(aside, ignore_errors=True)
+        self.transport = SharedMemoryTransport(str(path), layout.slots)  # checked private like any root
+        self.server = None
+        if serve_store:
+            import ray
+
+            from moe_grpo.learner.rendezvous import RunStoreServer
+
+            self.server = RunStoreServer(ray.util.get_node_ip_address(), 0, layout.secret)
+        self.stop = threading.Event()
+        self.receivers: dict[int, Any] = {}
+        self.errors: dict[int, str] = {}
+        self.threads: list[threading.Thread] = []
+
+    def address(self) -> tuple[str, int]:
+        """Where the relay groups' store listens (this node's address, a free port)."""
+        assert self.server is not None
+        return self.server.host, self.server.port
+
+    def start(self, layout: SyncLayout) -> list[int]:
+        """Receive, in a thread each, every learner rank that relays shards here; returns those ranks."""
+        from moe_grpo.sync.shard_relay import ShardReceiver
+
+        self.layout = layout
+        for rank in layout.streams_into(self.host):
+            receiver = ShardReceiver(self.transport, layout.group(rank), layout.member(rank, self.host), rank,
+                                     layout.world, claims=layout.claimer(self.host) == rank)
+            self.receivers[rank] = receiver
+            thread = threading.Thread(target=self._receive, args=(rank, receiver), daemon=True,
+                                      name=f"moe_grpo-shards-r{rank}")
+            thread.start()
+            self.threads.append(thread)
+        return sorted(self.receivers)
+
+    def _receive(self, rank: int, receiver: Any) -> None:
+        try:
+            if not receiver.connect(self.stop):
+                return
+            while not self.stop.is_set() and receiver.receive() is not None:
+                pass
+        except Exception as e:  # noqa: BLE001 - kept for the driver (`received`), the engines here time out naming the rank
+            self.errors[rank] = f"{type(e).__name__}: {e}"
+            if not self.stop.is_set():
+                log.error("host %s: relay of learner rank %d failed: %s", self.host[:8], rank, e)
+
+    def received(self) -> dict[str, Any]:
+        """{"versions": {rank: versions received whole, in order}, "errors": {rank: message}, "root": directory}."""
+        return {"versions": {r: list(rec.received) for r, rec in self.receivers.items()}, "errors": dict(self.errors),
+                "root": str(self.transport.root)}
+
+    def close(self) -> None:
+        """Stop receiving and remove this host's buffers of the run."""
+        self.stop.set()
+        shutil.rmtree(self.transport.root, ignore_errors=True)
+
+
+def start_sync_hosts(layout: SyncLayout) -> tuple[SyncLayout, list[Any]]:
+    """Under the relay: an agent on every sync host (the store first), returns the layout with the store's address
+    and the agents. Otherwise nothing to start."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    if layout.transport != "relay" or not any(layout.stream_targets(r) for r in range(layout.world)):
+        return layout, []  # every rank writes where the engines read: nothing to relay
+    import dataclasses
+
+    layout = dataclasses.replace(layout, secret=secrets.token_hex(32))
+    agent_cls = ray.remote(SyncHostAgent)
+
+    def on(host: str, serve: bool) -> Any:
+        return agent_cls.options(num_cpus=0, max_concurrency=4, scheduling_strategy=NodeAffinitySchedulingStrategy(
+            host, soft=False)).remote(layout, host, socket.gethostname(), serve)
+
+    agents = [on(layout.hosts[0], True)]
+    layout = dataclasses.replace(layout, store=tuple(ray.get(agents[0].address.remote(), timeout=120)))
+    agents += [on(host, False) for host in layout.hosts[1:]]
+    ranks = ray.get([a.start.remote(layout) for a in agents], timeout=120)
+    log.info("weight relay: %d sync host(s); learner ranks relayed to each: %s", len(agents),
+             ", ".join(f"{h[:8]}<-{r}" for h, r in zip(layout.hosts, ranks)))
+    return layout, agents
+
+
+def relay_report(layout: SyncLayout | None, agents: list[Any]) -> dict[str, Any]:
+    """What the run's summary says about the transport: which one, on how many hosts, and under the relay what
+    each sync host received (per learner rank, the versions that arrived whole, in order; and any failure)."""
+    import ray
+
+    if layout is None:
+        return {}
+    out: dict[str, Any] = {"transport": layout.transport, "hosts": len(layout.hosts),
+                           "rank_hosts": [layout.hosts.index(h) if h in layout.hosts else -1 for h in layout.rank_hosts]}
+    if agents:
+        try:
+            got = ray.get([a.received.remote() for a in agents], timeout=30)
+        except Exception as e:  # noqa: BLE001 - a dead agent: say so rather than lose the summary
+            got = [{"errors": {"agent": f"{type(e).__name__}: {e}"}}] * len(agents)
+        out["received"] = {i: g.get("versions", {}) for i, g in enumerate(got)}
+        out["errors"] = {i: g["errors"] for i, g in enumerate(got) if g.get("errors")}
+    return out
+
+
+def stop_sync_hosts(agents: list[Any]) -> None:
+    """Every agent removes its host's buffers of the run (bounded: a dead agent's host keeps them until the next
+    run there sweeps them)."""
+    import ray
+
+    if agents:
+        ray.wait([a.close.remote() for a in agents], num_returns=len(agents), timeout=30)

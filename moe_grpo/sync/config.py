@@ -1,0 +1,40 @@
+"""Weight-sync settings of a run (config group `sync`): which transport carries versions to the engines."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from moe_grpo.validate import at_least, positive, refuse
+
+TRANSPORTS = ("auto", "shm", "relay", "cuda_ipc")
+"""`sync.transport` (see `sync/transports.py` for what each one does)."""
+
+ROOT_ENV = "MOE_GRPO_SYNC_ROOT"
+"""A host's weight-buffer directory, read on each host (set it in the environment of that host's `ray start`);
+`sync.root` wins over it."""
+
+
+@dataclass(frozen=True)
+class SyncConfig:
+    """How published versions reach the engines."""
+
+    transport: str = "auto"
+    """'shm': shared-memory buckets on the one host every learner rank and engine shares (the learner's write is
+    the transfer); 'relay': each learner rank writes on its own host and broadcasts its shards over a private gloo
+    group to every other host that holds engines (or learner rank 0), where they land in that host's shared memory;
+    'cuda_ipc': buckets in learner rank 0's GPU memory, opened by the engines by CUDA IPC handle (one host, learner
+    and engines on GPUs); 'auto': 'shm' when the run's actors are on one Ray node, 'relay' otherwise."""
+    root: str | None = None
+    """Directory (a tmpfs) for each host's weight buffers; None = $MOE_GRPO_SYNC_ROOT on that host, else
+    /dev/shm/moe_grpo_sync_<uid>. Each run uses a private run-<pid>-<time> directory under it."""
+    slots: int = 2
+    """Whole versions each host's transport keeps (an extra one is opened while every slot is pinned)."""
+    relay_timeout_s: float = 300.0
+    """A relay broadcast (one bucket of one rank's shards) not through within this many seconds fails that
+    publish, naming the rank and the host."""
+
+    def __post_init__(self) -> None:
+        if self.transport not in TRANSPORTS:
+            raise refuse("sync.transport", self.transport, f"one of {', '.join(TRANSPORTS)}")
+        at_least("sync.slots", self.slots, 1)
+        positive("sync.relay_timeout_s", self.relay_timeout_s)

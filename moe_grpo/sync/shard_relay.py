@@ -1,0 +1,180 @@
+"""Each learner rank's own shards, broadcast to the other hosts that assemble versions (transport 'relay').
+
+A learner may span hosts and engines may sit on hosts without a learner rank.
+Every "sync host" (layout.py: learner rank 0's host and every engine host)
+keeps a complete copy of each version in its own shared memory. A rank on a
+sync host writes its shards there directly, as on one host; for every other
+sync host it packs its shards bucket by bucket into one reusable staging
+buffer (at most one bucket's worth) and broadcasts them over its own private
+gloo group (`ShardSender`). On each receiving host a `ShardReceiver` (a thread
+of that host's agent, orchestrator/sync_hosts.py) receives them and copies
+each shard to its place in the bucket files (the layout of every shard - HF
+name, shape, strides, offset - was sent once when the group met), then marks
+that rank done there. A version is complete on a host only when every rank is
+marked done on it, exactly as on one host, so engines there apply all of it
+or none. Nothing ever holds the whole model outside the hosts' buffers, and
+each rank's shards cross the network once per receiving host.
+
+Why per-rank broadcasts rather than gathering to a leader and relaying whole
+versions: no version waits for the slowest rank before it starts moving, no
+host forwards bytes it did not produce, and the bytes on the wire are exactly
+each rank's share times the hosts that need it.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+from moe_grpo.sync.plan import BucketPlan
+from moe_grpo.sync.relay import RelayGroup, _Broadcaster
+from moe_grpo.sync.transport import SharedMemoryTransport, SyncError
+
+READY_WAIT_S = 1.0
+"""How often a receiver waiting for its rank's first publish checks whether it should stop."""
+
+
+def placements(plan: BucketPlan, writes: dict[int, list[Any]]) -> dict[int, list[list]]:
+    """Per bucket, per shard: [HF name, shape, strides, element offset] of its place inside the full HF tensor."""
+    shapes = plan.shapes()
+    out: dict[int, list[list]] = {}
+    for index, ws in writes.items():
+        rows = []
+        for w in ws:
+            placed = w.place(torch.empty(shapes[w.name], device="meta"))
+            rows.append([w.name, list(placed.shape), list(placed.stride()), int(placed.storage_offset())])
+        if rows:
+            out[index] = rows
+    return out
+
+
+def _ready_key(group: RelayGroup) -> str:
+    return f"{group.prefix}/ready"
+
+
+class ShardSender:
+    """In a learner rank: member 0 of its relay group; the group meets at the first version it sends."""
+
+    def __init__(self, group: RelayGroup, rank: int, plan: BucketPlan, writes: dict[int, list[Any]]) -> None:
+        self.group, self.rank, self.plan = group, rank, plan
+        self.writes = {i: ws for i, ws in writes.items() if ws}
+        self.layout = placements(plan, self.writes)
+        item = plan.torch_dtype.itemsize
+        self.sizes = {i: sum(w.source.numel() for w in ws) * item for i, ws in self.writes.items()}
+        self.staging = torch.empty(max(self.sizes.values(), default=0), dtype=torch.uint8)
+        self.broadcast: _Broadcaster | None = None
+        self.bytes_sent = 0
+        self.seconds = 0.0
+
+    def _connect(self) -> None:
+        from moe_grpo.learner.rendezvous import RunStore
+
+        RunStore(self.group.host, self.group.port, self.group.secret,
+                 timedelta(seconds=self.group.timeout_s)).set(_ready_key(self.group), b"1")
+        self.broadcast = _Broadcaster(self.group, 0, f"shard sender of learner rank {self.rank}")
+        setup = json.dumps({"plan": self.plan.to_json(), "placements": self.layout}).encode()
+        self.broadcast(torch.tensor([len(setup)], dtype=torch.int64), "the shard layout's size")
+        self.broadcast(torch.frombuffer(bytearray(setup), dtype=torch.uint8), "the shard layout")
+
+    def begin(self, version: int) -> None:
+        """Announce `version` (its buckets follow, in plan order, those this rank writes into)."""
+        if self.broadcast is None:
+            self._connect()
+        assert self.broadcast is not None
+        self.broadcast(torch.tensor([version], dtype=torch.int64), f"the header of version {version}")
+
+    def send_bucket(self, version: int, index: int) -> None:
+        """Pack this rank's shards of bucket `index` into the staging buffer and broadcast them."""
+        assert self.broadcast is not None, "begin(version) first"
+        if index not in self.writes:
+            return
+        t0 = time.perf_counter()
+        dtype, pos = self.plan.torch_dtype, 0
+        with torch.no_grad():
+            for w in self.writes[index]:
+                n = w.source.numel() * dtype.itemsize
+                self.staging[pos : pos + n].view(dtype).view(w.source.shape).copy_(w.source)
+                pos += n
+        self.broadcast(self.staging[:pos], f"bucket {index} of version {version}")
+        self.bytes_sent += pos
+        self.seconds += time.perf_counter() - t0
+
+    def close(self) -> None:
+        """Tell every receiver to stop (only once the group met)."""
+        if self.broadcast is not None:
+            self.broadcast(torch.tensor([-1], dtype=torch.int64), "the stop message")
+
+
+class ShardReceiver:
+    """On a receiving host: member `member` of learner rank `rank`'s group; writes into that host's transport."""
+
+    def __init__(self, transport: SharedMemoryTransport, group: RelayGroup, member: int, rank: int, world: int,
+                 claims: bool) -> None:
+        if not 0 < member < group.world:
+            raise ValueError(f"receiver member {member}, expected 1..{group.world - 1}")
+        self.transport, self.group, self.member, self.rank, self.world, self.claims = \
+            transport, group, member, rank, world, claims
+        self.broadcast: _Broadcaster | None = None
+        self.plan: BucketPlan | None = None
+        self.layout: dict[int, list[list]] = {}
+        self.sizes: dict[int, list[int]] = {}
+        self.staging = torch.empty(0, dtype=torch.uint8)
+        self.received: list[int] = []
+        """Versions received whole, in order."""
+
+    def connect(self, stop: threading.Event) -> bool:
+        """Wait until the rank sends its first version (or `stop`), meet the group, read the shard layout."""
+        from moe_grpo.learner.rendezvous import RunStore
+
+        store = RunStore(self.group.host, self.group.port, self.group.secret, timedelta(seconds=self.group.timeout_s))
+        while not store.check([_ready_key(self.group)]):
+            if stop.wait(READY_WAIT_S):
+                return False
+        self.broadcast = _Broadcaster(self.group, self.member, f"shard receiver of learner rank {self.rank}")
+        size = torch.zeros(1, dtype=torch.int64)
+        self.broadcast(size, "the shard layout's size")
+        raw = torch.zeros(int(size[0]), dtype=torch.uint8)
+        self.broadcast(raw, "the shard layout")
+        setup = json.loads(bytes(raw.numpy()).decode())
+        self.plan = BucketPlan.from_json(setup["plan"])
+        self.layout = {int(k): v for k, v in setup["placements"].items()}
+        item = self.plan.torch_dtype.itemsize
+        self.sizes = {i: [int(torch.Size(shape).numel()) for _, shape, _, _ in rows] for i, rows in self.layout.items()}
+        self.staging = torch.empty(max((sum(n) * item for n in self.sizes.values()), default=0), dtype=torch.uint8)
+        return True
+
+    def receive(self) -> int | None:
+        """Block until the rank's next version is in this host's buffers (returns it) or the rank closed (None)."""
+        assert self.broadcast is not None and self.plan is not None, "connect() first"
+        header = torch.zeros(1, dtype=torch.int64)
+        self.broadcast(header, "the version header")
+        version = int(header[0])
+        if version < 0:
+            return None
+        plan, dtype, item = self.plan, self.plan.torch_dtype, self.plan.torch_dtype.itemsize
+        slot = self.transport.claim(version, plan, self.rank, self.world, self.group.timeout_s, claims=self.claims)
+        elements: dict[int, int] = {}
+        for b in plan.buckets:
+            rows = self.layout.get(b.index)
+            if not rows:
+                continue
+            numel = self.sizes[b.index]
+            staging = self.staging[: sum(numel) * item]
+            self.broadcast(staging, f"bucket {b.index} of version {version}")
+            with torch.no_grad(), self.transport.bucket_views(slot, b, dtype) as full:
+                pos = 0
+                for (name, shape, stride, offset), n in zip(rows, numel):
+                    dst = full[name]
+                    dst.as_strided(shape, stride, dst.storage_offset() + offset).copy_(
+                        staging[pos : pos + n * item].view(dtype).view(shape))
+                    pos += n * item
+            elements[b.index] = sum(numel)
+        self.transport.mark_done(slot, version, self.rank, elements)
+        self.received.append(version)
+        return version
+

@@ -1,0 +1,81 @@
+"""Transport 'relay': a learner split across hosts, each sync host assembling every version from every rank's
+shards (hosts simulated by distinct shared-memory roots, as two `ray start` nodes on one machine are)."""
+
+import secrets
+import threading
+
+import pytest
+import torch
+
+import layout_scenarios as S
+from moe_grpo.learner.rendezvous import RunStoreServer
+from moe_grpo.learner.spawn import run_distributed
+from moe_grpo.sync.layout import SyncLayout, resolve_transport
+from moe_grpo.sync.shard_relay import ShardReceiver
+from moe_grpo.sync.transport import SharedMemoryTransport
+
+
+def test_layout_names_each_ranks_host_its_receivers_and_who_claims():
+    layout = SyncLayout("relay", "run-1-2", rank_hosts=("B", "A", "B", "C"), engine_hosts=("A", "A", "D"),
+                        secret=secrets.token_hex(32))
+    assert layout.hosts == ("B", "A", "D"), "rank 0's host first, then each engine host once"
+    assert [layout.local_rank(r) for r in range(4)] == [0, 0, 1, 0]
+    assert [layout.writes_locally(r) for r in range(4)] == [True, True, True, False]
+    assert layout.stream_targets(0) == ("A", "D") and layout.stream_targets(3) == ("B", "A", "D")
+    assert layout.streams_into("A") == [0, 2, 3] and layout.streams_into("D") == [0, 1, 2, 3]
+    assert layout.claimer("B") == 0 and layout.claimer("A") == 1 and layout.claimer("D") == 0
+    assert layout.group(3).world == 4 and layout.member(3, "D") == 3 and layout.group(3).prefix == "shards3"
+    assert resolve_transport("auto", 1) == "shm" and resolve_transport("auto", 2) == "relay"
+    with pytest.raises(ValueError, match="sync.transport=shm: .* placed on 2 hosts"):
+        resolve_transport("shm", 2)
+    with pytest.raises(ValueError, match="needs every learner rank and engine on one host"):
+        SyncLayout("shm", "run-1-2", rank_hosts=("A", "B"), engine_hosts=("A",))
+
+
+def _receive(transport, layout, rank, host, got, stop):
+    receiver = ShardReceiver(transport, layout.group(rank), layout.member(rank, host), rank, layout.world,
+                             claims=layout.claimer(host) == rank)
+    try:
+        if receiver.connect(stop):
+            while receiver.receive() is not None:
+                pass
+    finally:
+        got[(host, rank)] = receiver.received
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("tp,ep", [(1, 2), (2, 1)], ids=["EP=2", "TP=2"])
+def test_a_learner_split_across_hosts_publishes_whole_versions_on_every_sync_host(tmp_path, tp, ep):
+    """Rank 0 on host B (no engine), rank 1 on host A (the engine's): each rank writes on its own host and relays
+    its shards to the other; both hosts end up with every version bit-exact as a one-host sync writes it."""
+    reference = str(tmp_path / "one_host")
+    run_distributed(S.publish_versions, 2, tp, ep, [1, 2], reference)
+    want = SharedMemoryTransport(reference)
+
+    secret = secrets.token_hex(32)
+    server = RunStoreServer("127.0.0.1", 0, secret)
+    roots = {"B": str(tmp_path / "hostB"), "A": str(tmp_path / "hostA")}
+    layout = SyncLayout("relay", "run-7-7", rank_hosts=("B", "A"), engine_hosts=("A",), store=("127.0.0.1", server.port),
+                        secret=secret, timeout_s=60)
+    hosts = {h: SharedMemoryTransport(f"{roots[h]}/{layout.run_name}") for h in roots}
+    got: dict = {}
+    stop = threading.Event()
+    threads = [threading.Thread(target=_receive, args=(hosts[h], layout, r, h, got, stop))
+               for h in roots for r in layout.streams_into(h)]
+    for t in threads:
+        t.start()
+    try:
+        written = run_distributed(S.publish_versions, 2, tp, ep, [1, 2], layout, [roots["B"], roots["A"]],
+                                  timeout_s=300)
+    finally:
+        stop.set()
+    for t in threads:
+        t.join(30)
+    assert got == {("A", 0): [1, 2], ("B", 1): [1, 2]}, "each host received each rank's part of each version once"
+    assert all(w[1] > 0 and w[1] == w[2] for w in written)
+    for h, transport in hosts.items():
+        assert transport.latest_complete() == 2
+        for version in (1, 2):
+            a, b = want.read_version(version), transport.read_version(version)
+            assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), (h, version)
+    server.close()
