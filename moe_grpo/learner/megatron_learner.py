@@ -23,6 +23,7 @@ from moe_grpo.algo.corrections import Correction
 from moe_grpo.algo.losses import PolicyLoss, TokenLoss
 from moe_grpo.learner.batch import LearnerSequence, Microbatch, make_microbatches
 from moe_grpo.learner.config import LearnerConfig
+from moe_grpo.learner.lora_config import LoraConfig
 from moe_grpo.learner.parallel import ParallelLayout, init_distributed, ranks, seed_everything
 from moe_grpo.models.megatron import MegatronOptions, build_gpt_model, transformer_config
 from moe_grpo.models.spec import MoEModelSpec
@@ -97,9 +98,12 @@ class MegatronLearner:
         config: LearnerConfig = LearnerConfig(),
         options: MegatronOptions = MegatronOptions(),
         temperature: float = 1.0,
+        lora: LoraConfig = LoraConfig(),
     ) -> None:
         """`temperature`: the engines' sampling temperature; every log-prob the learner computes (and so the loss)
-        is of the distribution they sample from, softmax(logits / temperature), as verl's and TRL's actors do."""
+        is of the distribution they sample from, softmax(logits / temperature), as verl's and TRL's actors do.
+        `lora`: with `lora.rank > 0` the base weights are frozen and only low-rank adapters train
+        (learner/lora.py); the router stays frozen and its expert-bias update is switched off."""
         # Megatron's INFO records list every parameter of every bucket; keep its log to warnings.
         logging.getLogger("megatron").setLevel(logging.WARNING)
         init_distributed(layout)
@@ -131,6 +135,15 @@ class MegatronLearner:
         self.temperature = float(temperature)
         if temperature != 1.0 and self.is_last_stage:
             module.output_layer.register_forward_hook(partial(_divide_logits, temperature=self.temperature))
+        self.lora = lora
+        self.adapters: dict[str, Any] = {}
+        """{global module name: LoraAdapter} of this rank (empty without LoRA)."""
+        if lora.enabled:
+            from moe_grpo.learner.lora import apply_lora
+
+            self.adapters = apply_lora(module, spec, lora, seed=config.seed)
+            # The frozen router's aux-loss-free bias would still move with the load (finalize_model_grads).
+            self.mconfig.moe_router_bias_update_rate = 0.0
         self.model, self.optimizer = build_ddp_and_optimizer(module, self.mconfig, config, options)
         self.replayer = RoutingReplayer(module, spec.moe_layer_pattern, recompute=options.recompute) if options.routing_replay else None
         self.step_count = 0
@@ -722,9 +735,58 @@ class MegatronLearner:
         `dist` folder of a `save_run_state` directory)."""
         if not os.path.isdir(directory):
             raise FileNotFoundError(f"no Megatron checkpoint at {directory!r}")
-        state = self._read_dist(self.module.sharded_state_dict(), directory)
+        sharded = self.module.sharded_state_dict()
+        without_adapters = self.adapters and not self._checkpoint_has_adapters(directory)
+        if without_adapters:  # a base model's checkpoint: the adapters keep their initial values
+            sharded = {k: v for k, v in sharded.items() if ".lora." not in k}
+        state = self._read_dist(sharded, directory)
         self._wait_for_readers()
-        self.module.load_state_dict(state)
+        if without_adapters:
+            missing, unexpected = self.module.load_state_dict(state, strict=False)
+            wrong = [k for k in missing if ".lora." not in k] + list(unexpected)
+            if wrong:
+                raise RuntimeError(f"{directory}: base weights not loaded: {wrong[:4]}")
+        else:
+            self.module.load_state_dict(state)
+
+    @staticmethod
+    def _checkpoint_has_adapters(directory: str) -> bool:
+        from torch.distributed.checkpoint import FileSystemReader
+
+        check_dist_checkpoint_files(directory)
+        keys = FileSystemReader(directory).read_metadata().state_dict_metadata
+        return any(".lora." in k for k in keys)
+
+    # ------------------------------------------------------------------ LoRA adapters in PEFT's format
+    def adapter_state(self) -> dict[str, torch.Tensor]:
+        """Collective: the whole model's adapters as full tensors in PEFT's naming (every rank gets them)."""
+        from moe_grpo.learner.lora import gather_adapter_state
+
+        if not self.lora.enabled:
+            raise ValueError("this learner has no adapters (lora.rank=0)")
+        return gather_adapter_state(self.adapters, self.spec, self.lora)
+
+    def export_adapter(self, directory: str, *, base_model: str | None = None) -> None:
+        """Collective: write the adapters as a PEFT adapter directory (`adapter_config.json` +
+        `adapter_model.safetensors`, HF module names); rank 0 writes."""
+        from moe_grpo.checkpoint.peft import write_peft_adapter
+
+        state = self.adapter_state()
+        if torch.distributed.get_rank() == 0:
+            write_peft_adapter(directory, state, self.spec, self.lora, base_model=base_model)
+        torch.distributed.barrier()
+
+    def load_adapter(self, directory: str) -> None:
+        """Set the adapters from a PEFT adapter directory (its rank and alpha must equal `lora`'s; every rank
+        reads it and takes its shard)."""
+        from moe_grpo.checkpoint.peft import read_peft_adapter
+        from moe_grpo.learner.lora import load_adapter_state
+
+        if not self.lora.enabled:
+            raise ValueError(f"init.adapter={directory!r} needs lora.rank > 0 (this learner has no adapters)")
+        state = read_peft_adapter(directory, self.lora)
+        self._wait_for_readers()
+        load_adapter_state(self.adapters, state, self.spec, self.lora)
 
     # ------------------------------------------------------------------ run state (resume, rollback)
     def _layout_record(self) -> dict[str, int]:
