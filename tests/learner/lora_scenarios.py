@@ -1,0 +1,52 @@
+"""LoRA learner functions that run inside spawned processes (must be importable by name)."""
+
+from __future__ import annotations
+
+import torch
+
+from layout_scenarios import make_sequences, shard, tiny_spec
+from moe_grpo.learner.parallel import gather_by_index
+
+RANK, ALPHA = 4, 8.0
+
+
+def lora_config(**changes):
+    from moe_grpo.learner.lora_config import LoraConfig
+
+    return LoraConfig(**{"rank": RANK, "alpha": ALPHA, **changes})
+
+
+def random_adapter_state(spec, config, seed: int = 7, b_std: float = 0.05) -> dict:
+    """Every adapter tensor of `spec` in PEFT naming, A and B both non-zero (B = 0 would hide A's gradient)."""
+    from moe_grpo.learner.lora import peft_shapes
+
+    gen = torch.Generator().manual_seed(seed)
+    return {k: torch.randn(shape, generator=gen) * (b_std if k.endswith("lora_B.weight") else 0.3)
+            for k, shape in peft_shapes(spec, config).items()}
+
+
+def lora_layout_step(tp: int, ep: int, pp: int, ckpt_dir: str, adapter_dir: str, spec_changes: dict,
+                     dispatcher: str | None = None):
+    """At (tp, ep, pp): the base checkpoint plus a PEFT adapter, log-probs before, one LoRA step, log-probs and the
+    whole adapter after (gathered from every rank), and the base weights' checksum."""
+    from moe_grpo.learner.megatron_learner import LearnerConfig, MegatronLearner
+    from moe_grpo.learner.parallel import ParallelLayout
+    from moe_grpo.models.megatron import MegatronOptions
+
+    spec = tiny_spec(**spec_changes)
+    options = MegatronOptions(token_dispatcher=dispatcher) if dispatcher else MegatronOptions()
+    learner = MegatronLearner(spec, ParallelLayout(tp, ep, pp), LearnerConfig(micro_batch_size=2, lr=1e-2),
+                              options, lora=lora_config())
+    learner.load_checkpoint(ckpt_dir)
+    learner.load_adapter(adapter_dir)
+    base_before = [p.detach().clone() for n, p in learner.module.named_parameters() if ".lora." not in n]
+    seqs = make_sequences(spec, n=4)
+    idx, mine = shard(seqs, learner.rank["dp"], learner.rank["dp_size"])
+    before = gather_by_index(idx, learner.logprobs(mine, replay=True))
+    metrics = learner.train_step(mine, replay=True)
+    after = gather_by_index(idx, learner.logprobs(mine, replay=True))
+    base_after = [p for n, p in learner.module.named_parameters() if ".lora." not in n]
+    base_unchanged = all(torch.equal(a, b) for a, b in zip(base_before, base_after))
+    adapter = learner.adapter_state()
+    return {"metrics": metrics, "before": before, "after": after, "adapter": adapter,
+            "base_unchanged": base_unchanged}
