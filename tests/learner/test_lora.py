@@ -165,3 +165,51 @@ def test_peft_and_transformers_load_the_export():
     """The PEFT library itself applying our export to the transformers model (needs `peft`)."""
     pytest.importorskip("peft", reason="peft is not installed in this environment; the PEFT layout is checked by "
                                        "name and by merging (test_merged_weights_give_the_lora_models_log_probs)")
+
+
+# --------------------------------------------------------------------------- layouts (spawned processes, gloo)
+
+LAYOUTS = {"EP=2": (1, 2, 1), "TP=2+SP": (2, 1, 1), "PP=2": (1, 1, 2)}
+
+
+@pytest.fixture(scope="module")
+def layout_reference(tmp_path_factory):
+    """A base checkpoint, a PEFT adapter with non-zero A and B, and the LoRA step on one process."""
+    from layout_scenarios import layout_logprobs
+    from moe_grpo.checkpoint.peft import write_peft_adapter
+    from moe_grpo.learner.spawn import run_distributed
+
+    root = tmp_path_factory.mktemp("lora_layouts")
+    ckpt, adapter = str(root / "ckpt"), str(root / "adapter")
+    run_distributed(layout_logprobs, 1, 1, 1, 1, None, ckpt, {}, {})
+    spec, cfg = tiny_spec(), L.lora_config()
+    write_peft_adapter(adapter, L.random_adapter_state(spec, cfg), spec, cfg)
+    ref = run_distributed(L.lora_layout_step, 1, 1, 1, 1, ckpt, adapter, {})[0]
+    return ckpt, adapter, ref
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_a_lora_step_is_layout_invariant(layout_reference, name):
+    from moe_grpo.learner.spawn import run_distributed
+
+    ckpt, adapter, ref = layout_reference
+    tp, ep, pp = LAYOUTS[name]
+    out = run_distributed(L.lora_layout_step, tp * ep * pp, tp, ep, pp, ckpt, adapter, {})[0]
+    assert ref["base_unchanged"] and out["base_unchanged"]
+    assert max_abs_diff(out["before"], ref["before"]) < 1e-5
+    m1, m2 = ref["metrics"], out["metrics"]
+    assert m2["replay/applied"] == 1.0
+    assert abs(m1["loss"] - m2["loss"]) < 1e-6
+    assert abs(m1["grad_norm"] - m2["grad_norm"]) / m1["grad_norm"] < 1e-4
+    assert max_abs_diff(out["after"], ref["after"]) < 1e-4
+    assert max_abs_diff(ref["after"], ref["before"]) > 1e-3  # the step moved the policy
+    assert set(out["adapter"]) == set(ref["adapter"])
+    worst = max(float((out["adapter"][k] - ref["adapter"][k]).abs().max()) for k in ref["adapter"])
+    # Adam's first step moves each entry by about lr (1e-2) whatever its gradient's size, so entries whose gradient
+    # is near zero carry the summation-order noise of the reductions into the update: 1e-4 is 1% of a step.
+    print(f"{name}: loss diff {abs(m1['loss'] - m2['loss']):.2e}, grad-norm rel diff "
+          f"{abs(m1['grad_norm'] - m2['grad_norm']) / m1['grad_norm']:.2e}, log-prob diff after "
+          f"{max_abs_diff(out['after'], ref['after']):.2e}, adapter diff {worst:.2e}")
+    assert worst < 1e-4, f"updated adapters differ from the single-process step by {worst}"
