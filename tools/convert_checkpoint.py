@@ -3,6 +3,7 @@
     python tools/convert_checkpoint.py --from hf --to megatron --src /ckpt/hf --dst /ckpt/mg [--verify --tp 2 --ep 2]
     python tools/convert_checkpoint.py --from megatron --to hf --src /ckpt/mg --dst /ckpt/hf_out
     python tools/convert_checkpoint.py --from megatron --to megatron --src /ckpt/mg --dst /ckpt/mg_bf16 --dtype bfloat16
+    python tools/convert_checkpoint.py --from hf --to hf --src /ckpt/hf --dst /ckpt/hf_merged --merge-adapter /run/adapter
 
 Megatron checkpoints (torch_dist) are layout-free: Megatron reshards them to
 any TP/EP/PP when a learner loads them, so one conversion serves every
@@ -11,6 +12,10 @@ compares per-token log-probs of the HF model (transformers) and the Megatron
 model on a few random sequences. Conversion streams: one decoder layer (HF
 side) or one tensor chunk (Megatron side) in memory at a time. A failure
 leaves nothing at --dst.
+
+--merge-adapter DIR folds a PEFT LoRA adapter (adapter_config.json + adapter_model.safetensors, HF module names,
+as the learner's `export_adapter` writes) into the HF base at --src: every adapted weight becomes
+W + (lora_alpha / r) * B @ A, one safetensors file in memory at a time; everything else is copied.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ def main(argv: list[str] | None = None) -> int:
                          "TP>1 x EP>1 without CUDA (gloo refuses alltoall's uneven all_gather there)")
     ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="megatron->megatron: cast weights")
     ap.add_argument("--verify", action="store_true", help="compare log-probs of the HF and Megatron sides")
+    ap.add_argument("--merge-adapter", metavar="DIR", help="hf -> hf: fold this PEFT LoRA adapter into --src")
     ap.add_argument("--quiet", action="store_true", help="no progress lines")
     args = ap.parse_args(argv)
 
@@ -48,6 +54,15 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     progress = not args.quiet
     pair = (args.src_format, args.dst_format)
+    if args.merge_adapter and pair != ("hf", "hf"):
+        ap.error("--merge-adapter merges into an HF checkpoint: use it with --from hf --to hf")
+    if pair == ("hf", "hf") and args.merge_adapter:
+        from moe_grpo.checkpoint.peft import merge_adapter_checkpoint
+
+        merged = merge_adapter_checkpoint(args.src, args.merge_adapter, args.dst)
+        print(json.dumps({"from": "hf", "to": "hf", "merged_adapter": args.merge_adapter, **merged,
+                          "seconds": round(time.perf_counter() - t0, 2)}))
+        return 0
     if pair == ("hf", "megatron"):
         spec = convert.hf_to_megatron(args.src, args.dst, progress=progress)
         hf_dir, mg_dir = args.src, args.dst

@@ -213,3 +213,63 @@ def test_a_lora_step_is_layout_invariant(layout_reference, name):
           f"{abs(m1['grad_norm'] - m2['grad_norm']) / m1['grad_norm']:.2e}, log-prob diff after "
           f"{max_abs_diff(out['after'], ref['after']):.2e}, adapter diff {worst:.2e}")
     assert worst < 1e-4, f"updated adapters differ from the single-process step by {worst}"
+
+
+# --------------------------------------------------------------------------- formats users have: HF base + PEFT adapter
+
+
+@pytest.mark.slow
+def test_an_exported_adapter_merged_by_the_tool_gives_transformers_the_learners_log_probs(tmp_path):
+    """HF base (written by transformers, GQA: 4 query heads in 2 groups) -> Megatron -> LoRA learner with non-zero
+    adapters -> PEFT export -> tools/convert_checkpoint.py --merge-adapter -> transformers scores the merged model."""
+    import sys
+
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from moe_grpo.checkpoint.convert import hf_to_megatron, read_spec
+    from moe_grpo.checkpoint.peft import adapter_scale, read_adapter_config, read_adapter_weights
+    from moe_grpo.checkpoint.verify import hf_logprobs
+    from moe_grpo.learner.batch import LearnerSequence
+    from moe_grpo.learner.lora import load_adapter_state
+
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[2] / "tools"))
+    import convert_checkpoint
+
+    torch.manual_seed(0)
+    base_dir, mg, adapter_dir, merged_dir = (str(tmp_path / n) for n in ("hf", "mg", "adapter", "merged"))
+    Qwen3MoeForCausalLM(Qwen3MoeConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=4, num_experts_per_tok=2,
+        norm_topk_prob=True, max_position_embeddings=256, tie_word_embeddings=False)).save_pretrained(base_dir)
+    hf_to_megatron(base_dir, mg, progress=False)
+    spec = read_spec(mg)
+    assert spec.query_groups == 2 and spec.num_attention_heads == 4
+    cfg = L.lora_config()
+    learner = MegatronLearner(spec, config=LearnerConfig(micro_batch_size=2), lora=cfg)
+    learner.load_checkpoint(mg)  # a base checkpoint: the adapters keep their initial values (B = 0)
+    rng = np.random.default_rng(0)
+    tokens = [rng.integers(0, spec.vocab_size, size=20) for _ in range(3)]
+    seqs = [LearnerSequence(t, prompt_len=1) for t in tokens]
+    base_lp = learner.logprobs(seqs, replay=False)
+    load_adapter_state(learner.adapters, L.random_adapter_state(spec, cfg), spec, cfg)
+    lora_lp = learner.logprobs(seqs, replay=False)
+    learner.export_adapter(adapter_dir, base_model=base_dir)
+
+    assert convert_checkpoint.main(["--from", "hf", "--to", "hf", "--src", base_dir, "--dst", merged_dir,
+                                    "--merge-adapter", adapter_dir]) == 0
+    from test_convert import load_dir
+
+    base_w, merged_w = load_dir(base_dir), load_dir(merged_dir)
+    adapter = read_adapter_weights(adapter_dir)
+    scale = adapter_scale(read_adapter_config(adapter_dir))
+    for module in ("model.layers.0.self_attn.k_proj", "model.layers.1.mlp.experts.2.up_proj"):
+        a, b = (adapter[f"base_model.model.{module}.lora_{f}.weight"] for f in "AB")
+        torch.testing.assert_close(merged_w[f"{module}.weight"], base_w[f"{module}.weight"] + scale * b @ a)
+    assert torch.equal(merged_w["model.layers.1.mlp.gate.weight"], base_w["model.layers.1.mlp.gate.weight"])
+
+    hf_lp = hf_logprobs(merged_dir, tokens)
+    moved = max_abs_diff(lora_lp, base_lp)
+    gap = max_abs_diff(hf_lp, lora_lp)
+    print(f"adapters moved log-probs by {moved:.3e}; transformers on the merged model vs the LoRA learner: {gap:.3e}")
+    assert moved > 1e-2
+    assert gap < 1e-4
