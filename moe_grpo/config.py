@@ -22,6 +22,7 @@ from moe_grpo.checkpoint.hf_init import InitConfig
 from moe_grpo.data.config import DataConfig
 from moe_grpo.data.tasks import DATASET_TASKS, TaskConfig
 from moe_grpo.learner.config import LearnerConfig
+from moe_grpo.learner.lora_config import LoraConfig
 from moe_grpo.learner.parallel import ParallelLayout
 from moe_grpo.models.options import MegatronOptions
 from moe_grpo.models.spec import MoEModelSpec, spec_from_mapping
@@ -46,6 +47,8 @@ class RunConfig:
     """Optimisation, batching and the seed (learner/megatron_learner.py)."""
     megatron: MegatronOptions = field(default_factory=MegatronOptions)
     """How the Megatron model is built (models/megatron.py)."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """Low-rank adapters instead of full fine-tuning (learner/lora.py); `lora.rank: 0` (default) is off."""
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     """The RL algorithm: group size, batch, clipping, corrections, staleness (algo/config.py)."""
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
@@ -85,6 +88,13 @@ class RunConfig:
             raise ValueError(f"routing.replay={self.routing.replay} needs megatron.routing_replay=True (no RouterReplay "
                              "hooks would be built); use routing.replay=off to train without replay")
         at_least("steps", self.steps, 1)
+        if self.init.adapter is not None and not self.lora.enabled:
+            raise ValueError(f"init.adapter={self.init.adapter!r} needs lora.rank > 0 (the adapter's r) and lora.alpha "
+                             "(its lora_alpha)")
+        if self.lora.enabled:
+            raise ValueError(f"lora.rank={self.lora.rank}: the learner trains LoRA adapters (MegatronLearner(lora=...), "
+                             "export_adapter, init.adapter), but the weight sync does not carry them to the engines yet "
+                             "(issue 20, part 2), so a run would sample from the base model forever; not started")
         if self.mode not in ("sync", "async"):
             raise ValueError(f"mode={self.mode!r}, expected 'async' or 'sync'")
         if self.mode == "async" and self.algo.max_staleness < self.algo.sync_every:
@@ -119,7 +129,8 @@ class RunConfig:
         return self.megatron
 
 
-_SECTIONS = {"parallel": ParallelLayout, "learner": LearnerConfig, "megatron": MegatronOptions, "algo": AlgoConfig,
+_SECTIONS = {"parallel": ParallelLayout, "learner": LearnerConfig, "megatron": MegatronOptions, "lora": LoraConfig,
+             "algo": AlgoConfig,
              "rollout": RolloutConfig, "cluster": ClusterConfig, "sync": SyncConfig, "task": TaskConfig, "data": DataConfig,
              "reward": RewardConfig, "init": InitConfig, "routing": RoutingConfig,
              "checkpoint": CheckpointConfig, "logger": LoggerConfig}

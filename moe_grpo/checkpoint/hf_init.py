@@ -51,6 +51,9 @@ class InitConfig:
     None = convert on first use and cache it (see `cache_dir`)."""
     cache_dir: str | None = None
     """Where converted checkpoints are cached; None = `megatron_cache` next to the run directory."""
+    adapter: str | None = None
+    """A LoRA adapter in PEFT's format (adapter_config.json + adapter_model.safetensors, HF module names) to start
+    the adapters from; needs `lora.rank` and `lora.alpha` equal to its `r` and `lora_alpha`."""
 
     def __post_init__(self) -> None:
         if self.hf is not None:
@@ -64,6 +67,8 @@ class InitConfig:
                                  "engines' weights and the tokenizer come from the HF checkpoint; set init.hf too")
             if not Path(self.megatron).is_dir():
                 raise ValueError(f"init.megatron={self.megatron!r}: expected an existing Megatron checkpoint directory")
+        if self.adapter is not None and not (Path(self.adapter) / "adapter_config.json").is_file():
+            raise ValueError(f"init.adapter={self.adapter!r}: expected a PEFT adapter directory with adapter_config.json")
 
     def model_spec(self) -> Any:
         """The model description of `hf` (its config.json)."""

@@ -36,9 +36,11 @@ class LearnerWorker:
 
         self.run = run
         self.learner = MegatronLearner(run.model, run.parallel, run.learner, run.megatron,
-                                       temperature=run.rollout.temperature)
+                                       temperature=run.rollout.temperature, lora=run.lora)
         if run.init.megatron:  # init.hf, converted (checkpoint/hf_init.py); Megatron reshards it to this layout
             self.learner.load_checkpoint(run.init.megatron)
+        if run.init.adapter:  # a PEFT adapter; every rank takes its shard
+            self.learner.load_adapter(run.init.adapter)
         self.sync = WeightSync(self.learner, make_publisher(sync, rank))
         self.loss = run.algo.token_loss(run.rollout.max_tokens)
         self.ranks = ranks()

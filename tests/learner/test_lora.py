@@ -50,6 +50,19 @@ def test_config_refuses_bad_values():
     assert LoraConfig(rank=8, alpha=16).scale == 2.0 and not LoraConfig().enabled
 
 
+def test_the_command_line_takes_the_lora_section_and_refuses_a_run_the_sync_cannot_serve():
+    from test_config import compose
+
+    from moe_grpo.config import from_hydra
+
+    assert from_hydra(compose([])).lora == LoraConfig()
+    with pytest.raises(ValueError, match="lora.targets"):
+        from_hydra(compose(["lora.rank=8", "lora.targets=[experts,router]"]))
+    # The learner trains adapters, but the weight sync does not ship them yet: a run would never sample from them.
+    with pytest.raises(ValueError, match="weight sync does not carry them"):
+        from_hydra(compose(["lora.rank=8", "lora.targets=[experts]"]))
+
+
 def test_adapters_start_at_zero_and_the_model_is_the_base_model_exactly(base):
     spec, state, seqs, ref = base
     learner = lora_learner(spec, state)
