@@ -286,3 +286,26 @@ def test_an_exported_adapter_merged_by_the_tool_gives_transformers_the_learners_
     print(f"adapters moved log-probs by {moved:.3e}; transformers on the merged model vs the LoRA learner: {gap:.3e}")
     assert moved > 1e-2
     assert gap < 1e-4
+
+
+def test_checkpoints_and_run_state_carry_the_adapters_and_their_optimizer_state(base, tmp_path):
+    from moe_grpo.learner.optimizer import adam_step
+
+    spec, state, seqs, _ = base
+    learner = lora_learner(spec, state)
+    learner.train_step(seqs, replay=True)
+    learner.save_run_state(str(tmp_path / "run"))
+    learner.save_checkpoint(str(tmp_path / "weights"))
+    expected = learner.logprobs(seqs, replay=True)
+    next_step = learner.train_step(seqs, replay=True)
+
+    resumed = MegatronLearner(spec, config=LearnerConfig(micro_batch_size=2, lr=1e-2, seed=3), lora=L.lora_config())
+    resumed.load_run_state(str(tmp_path / "run"))
+    assert adam_step(resumed.optimizer) == 1
+    assert max_abs_diff(resumed.logprobs(seqs, replay=True), expected) == 0.0
+    again = resumed.train_step(seqs, replay=True)
+    assert abs(again["loss"] - next_step["loss"]) < 1e-7 and abs(again["grad_norm"] - next_step["grad_norm"]) < 1e-6
+
+    weights_only = MegatronLearner(spec, config=LearnerConfig(micro_batch_size=2, seed=3), lora=L.lora_config())
+    weights_only.load_checkpoint(str(tmp_path / "weights"))  # holds the adapters: they are loaded too
+    assert max_abs_diff(weights_only.logprobs(seqs, replay=True), expected) == 0.0
