@@ -174,12 +174,6 @@ def test_peft_export_and_load_round_trip(base, tmp_path):
         experts_only.load_adapter(str(out))
 
 
-def test_peft_and_transformers_load_the_export():
-    """The PEFT library itself applying our export to the transformers model (needs `peft`)."""
-    pytest.importorskip("peft", reason="peft is not installed in this environment; the PEFT layout is checked by "
-                                       "name and by merging (test_merged_weights_give_the_lora_models_log_probs)")
-
-
 # --------------------------------------------------------------------------- layouts (spawned processes, gloo)
 
 LAYOUTS = {"EP=2": (1, 2, 1), "TP=2+SP": (2, 1, 1), "PP=2": (1, 1, 2)}
@@ -286,6 +280,71 @@ def test_an_exported_adapter_merged_by_the_tool_gives_transformers_the_learners_
     print(f"adapters moved log-probs by {moved:.3e}; transformers on the merged model vs the LoRA learner: {gap:.3e}")
     assert moved > 1e-2
     assert gap < 1e-4
+
+
+
+def _qwen3_base_with_adapter(tmp_path, targets):
+    """A transformers-written Qwen3-MoE base, converted; a LoRA learner on `targets` with non-zero adapters,
+    exported in PEFT's format. Returns (base_dir, adapter_dir, tokens, the learner's log-probs)."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from moe_grpo.checkpoint.convert import hf_to_megatron, read_spec
+    from moe_grpo.learner.batch import LearnerSequence
+    from moe_grpo.learner.lora import load_adapter_state
+
+    torch.manual_seed(0)
+    base_dir, mg, adapter_dir = (str(tmp_path / n) for n in ("hf", "mg", "adapter"))
+    Qwen3MoeForCausalLM(Qwen3MoeConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=4, num_experts_per_tok=2,
+        norm_topk_prob=True, max_position_embeddings=256, tie_word_embeddings=False)).save_pretrained(base_dir)
+    hf_to_megatron(base_dir, mg, progress=False)
+    spec, cfg = read_spec(mg), L.lora_config(targets=targets)
+    learner = MegatronLearner(spec, config=LearnerConfig(micro_batch_size=2), lora=cfg)
+    learner.load_checkpoint(mg)
+    load_adapter_state(learner.adapters, L.random_adapter_state(spec, cfg), spec, cfg)
+    rng = np.random.default_rng(0)
+    tokens = [rng.integers(0, spec.vocab_size, size=20) for _ in range(3)]
+    lora_lp = learner.logprobs([LearnerSequence(t, prompt_len=1) for t in tokens], replay=False)
+    learner.export_adapter(adapter_dir, base_model=base_dir)
+    return base_dir, adapter_dir, tokens, lora_lp
+
+
+def _peft_logprobs(base_dir, adapter_dir, tokens):
+    peft = pytest.importorskip("peft", reason="peft is not installed (pip install -e '.[lora]')")
+    from transformers import AutoModelForCausalLM
+
+    model = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32),
+                                           adapter_dir)
+    model.eval()
+    out = []
+    with torch.no_grad():
+        for t in tokens:
+            ids = torch.as_tensor(t, dtype=torch.long).unsqueeze(0)
+            logits = model(input_ids=ids).logits.float()
+            out.append(torch.log_softmax(logits[0, :-1], -1).gather(-1, ids[0, 1:, None])[:, 0].numpy())
+    return out
+
+
+@pytest.mark.slow
+def test_peft_applies_the_exported_attention_adapters_to_the_transformers_base(tmp_path):
+    """The PEFT library itself loading our export onto the transformers model: the same log-probs as the learner."""
+    base_dir, adapter_dir, tokens, lora_lp = _qwen3_base_with_adapter(tmp_path, ("attention",))
+    gap = max_abs_diff(_peft_logprobs(base_dir, adapter_dir, tokens), lora_lp)
+    print(f"transformers + peft (attention adapters) vs the LoRA learner: {gap:.3e}")
+    assert gap < 1e-4
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason=(
+    "transformers >= 5 holds a Qwen3-MoE layer's routed experts as fused 3-D parameters (experts.gate_up_proj, "
+    "experts.down_proj), so PEFT cannot target the per-expert modules (experts.N.gate_proj) our export names; "
+    "measured 2026-11-25 with transformers 5.19 and peft 0.21.2: 0.20 apart. Merging with "
+    "tools/convert_checkpoint.py --merge-adapter is exact (the test above); PEFT's target_parameters format is "
+    "not written yet"))
+def test_peft_applies_the_exported_expert_adapters_to_the_transformers_base(tmp_path):
+    base_dir, adapter_dir, tokens, lora_lp = _qwen3_base_with_adapter(tmp_path, ("experts",))
+    assert max_abs_diff(_peft_logprobs(base_dir, adapter_dir, tokens), lora_lp) < 1e-4
 
 
 def test_checkpoints_and_run_state_carry_the_adapters_and_their_optimizer_state(base, tmp_path):
