@@ -67,8 +67,7 @@ def write_peft_adapter(directory: str | Path, state: dict[str, torch.Tensor], sp
         "fan_in_fan_out": False, "use_rslora": False, "use_dora": False, "init_lora_weights": True,
         "modules_to_save": None, "layers_to_transform": None, "layers_pattern": None, "rank_pattern": {},
         "alpha_pattern": {}, "base_model_name_or_path": base_model, "inference_mode": True,
-        "moe_grpo_targets": list(config.targets),
-    }
+    }  # PEFT's keys only: PEFT warns about any other key as if the file came from a newer PEFT
     (tmp / ADAPTER_CONFIG).write_text(json.dumps(adapter_config, indent=2, sort_keys=True) + "\n")
     save_file({k: v.detach().cpu().contiguous() for k, v in state.items()}, str(tmp / ADAPTER_WEIGHTS),
               metadata={"format": "pt"})
