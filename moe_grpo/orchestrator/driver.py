@@ -226,6 +226,7 @@ class Driver:
             self._learner_result(ref, self.train_refs.index(ref), f"step {self.state.step + 1}")
         if len(done) == len(self.train_refs):
             return True
+        self._check_learners_alive(f"step {self.state.step + 1}")
         if time.monotonic() - self.train_started > self.run.cluster.learner_timeout_s:
             late = [r for r, ref in enumerate(self.train_refs) if ref not in done]
             raise LearnerFailedError(f"learner rank(s) {late} did not finish step {self.state.step + 1} within "
@@ -469,12 +470,35 @@ class Driver:
             done, pending = ray.wait(pending, num_returns=len(pending), timeout=1.0)
             for ref in done:
                 self._learner_result(ref, refs.index(ref), what)
+            if pending:
+                self._check_learners_alive(what)
             if pending and time.monotonic() > deadline:
                 late = [refs.index(r) for r in pending]
                 raise LearnerFailedError(f"learner rank(s) {late} did not finish {what} within "
                                          f"cluster.learner_timeout_s={self.run.cluster.learner_timeout_s:.0f} s; "
                                          f"{self._checkpoint_hint()}")
         return ray.get(refs)
+
+    def _check_learners_alive(self, what: str) -> None:
+        """Name a learner rank on this host whose process is gone, whatever Ray says. Ray learns of a dead actor
+        when its connection closes, and a child the actor forked keeps it open: megatron-core's checkpoint writer
+        forks one per write bucket, so a rank SIGKILLed while writing a checkpoint would otherwise leave its call
+        pending until cluster.learner_timeout_s. (Ranks on other hosts: by Ray's word or that timeout.)"""
+        import socket
+
+        here = socket.gethostname()
+        for rank, info in enumerate(self.pools.infos):
+            pid = info.get("pid")
+            if info.get("host") != here or not isinstance(pid, int):
+                continue
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    dead = f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")  # a zombie is dead too
+            except OSError:
+                dead = True  # no such process
+            if dead:
+                raise LearnerFailedError(f"learner rank {rank} (pid {pid}) died during {what}; "
+                                         f"{self._checkpoint_hint()}")
 
     def _learner_result(self, ref: Any, rank: int, what: str) -> Any:
         import ray

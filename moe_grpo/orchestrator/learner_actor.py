@@ -18,6 +18,7 @@ class LearnerWorker:
         from moe_grpo.orchestrator.logs import quiet_libraries
 
         quiet_libraries()
+        children_die_with_their_parent()
         # This process's own environment: readable by its user only (/proc/<pid>/environ is 0400).
         from moe_grpo.sync.layout import SyncLayout
 
@@ -51,7 +52,10 @@ class LearnerWorker:
         """The learning-rate schedule's scale (a rollback or a resumed run's `lr` sets it)."""
 
     def info(self) -> dict[str, Any]:
-        return {**self.ranks, "parameters": sum(p.numel() for p in self.learner.module.parameters()), "pid": os.getpid()}
+        import socket
+
+        return {**self.ranks, "parameters": sum(p.numel() for p in self.learner.module.parameters()), "pid": os.getpid(),
+                "host": socket.gethostname()}
 
     def warm_start(self, batches: Sequence[Sequence[Any]]) -> list[float]:
         """Supervised steps (advantage 1, no rollout log-probs: the ratio is 1, the gradient is the NLL's).
@@ -134,3 +138,21 @@ class LearnerWorker:
             self._handle.wait()
         tensors = self.sync.transport.read_version(version, timeout_s=self.run.cluster.start_timeout_s)
         return str(export_model_dir(self.run.model, tensors, directory, source_dir=self.run.init.hf))
+
+
+def children_die_with_their_parent() -> None:
+    """Every process forked from here on (and from those) gets SIGKILL when the process that forked it dies.
+
+    megatron-core's checkpoint writer forks a process per write bucket; if this rank is SIGKILLed mid-write they
+    are orphaned, wait on their queue forever, and keep this actor's inherited Ray connection open, so Ray never
+    learns the rank died. Linux's PR_SET_PDEATHSIG, set in each child right after the fork, ends them with it.
+    (Forks happen on the actor's main thread, which lives as long as the process.)"""
+    import ctypes
+    import signal
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    PR_SET_PDEATHSIG = 1
+    os.register_at_fork(after_in_child=lambda: libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL)))
