@@ -30,8 +30,12 @@ def _children_after_parent_killed(hook: bool) -> list[int]:
     proc = subprocess.Popen([sys.executable, "-c", FORKS_THEN_WAITS.format(root=ROOT, hook=hook)],
                             stdout=subprocess.PIPE, text=True)
     child = int(proc.stdout.readline())
-    time.sleep(0.5)  # the grandchild is forked
-    grandchildren = [int(p) for p in open(f"/proc/{child}/task/{child}/children").read().split()]
+    deadline = time.monotonic() + 30
+    grandchildren = []
+    while not grandchildren and time.monotonic() < deadline:  # until the grandchild is forked (slow when loaded)
+        time.sleep(0.05)
+        grandchildren = [int(p) for p in open(f"/proc/{child}/task/{child}/children").read().split()]
+    assert grandchildren, "the child did not fork within 30 s"
     os.kill(proc.pid, signal.SIGKILL)  # the rank dies mid-write
     proc.wait()
     deadline = time.monotonic() + 5
