@@ -486,19 +486,17 @@ class Driver:
         pending until cluster.learner_timeout_s. (Ranks on other hosts: by Ray's word or that timeout.)"""
         import socket
 
+        from moe_grpo.processes import process_alive
+
         here = socket.gethostname()
         for rank, info in enumerate(self.pools.infos):
             pid = info.get("pid")
-            if info.get("host") != here or not isinstance(pid, int):
-                continue
-            try:
-                with open(f"/proc/{pid}/stat") as f:
-                    dead = f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")  # a zombie is dead too
-            except OSError:
-                dead = True  # no such process
-            if dead:
-                raise LearnerFailedError(f"learner rank {rank} (pid {pid}) died during {what}; "
-                                         f"{self._checkpoint_hint()}")
+            if info.get("host") == here and isinstance(pid, int) and not process_alive(pid):
+                raise self._rank_died(rank, what)
+
+    def _rank_died(self, rank: int, what: str) -> LearnerFailedError:
+        pid = self.pools.infos[rank].get("pid", "?")
+        return LearnerFailedError(f"learner rank {rank} (pid {pid}) died during {what}; {self._checkpoint_hint()}")
 
     def _learner_result(self, ref: Any, rank: int, what: str) -> Any:
         import ray
@@ -506,9 +504,7 @@ class Driver:
         try:
             return ray.get(ref)
         except ray.exceptions.RayActorError as e:
-            pid = self.pools.infos[rank].get("pid", "?")
-            raise LearnerFailedError(f"learner rank {rank} (pid {pid}) died during {what}; "
-                                     f"{self._checkpoint_hint()}") from e
+            raise self._rank_died(rank, what) from e
         except ray.exceptions.RayTaskError as e:
             raise LearnerFailedError(f"learner rank {rank} failed during {what}: {str(e).strip().splitlines()[-1]}; "
                                      f"{self._checkpoint_hint()}") from e

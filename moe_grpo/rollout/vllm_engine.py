@@ -58,6 +58,7 @@ import numpy as np
 
 from moe_grpo.models.hf_names import hf_names
 from moe_grpo.models.spec import MoEModelSpec
+from moe_grpo.processes import process_alive
 from moe_grpo.rollout.types import Completion, SamplingSettings
 from moe_grpo.routing.trace import RoutingTrace
 
@@ -67,21 +68,6 @@ _ENGINE_IDS = itertools.count()
 
 class EngineError(RuntimeError):
     """The vLLM engine failed (start, generation, weight load, dead or hung); names the engine and the step."""
-
-
-def _process_alive(pid: int) -> bool:
-    """False once the process has exited, including as a not yet reaped zombie."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except FileNotFoundError:
-        return False
-    except OSError:  # no procfs: fall back to a signal-0 probe
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        return True
 
 
 SHM_DIR = "/dev/shm"
@@ -357,7 +343,7 @@ class VllmEngine:
                 raise EngineError(f"engine {self.engine_id}: {what} was stopped: "
                                   f"{self.closing or 'cancelled'}") from None
             pid = getattr(self, "worker_pid", None)
-            if pid is not None and not _process_alive(pid):
+            if pid is not None and not process_alive(pid):
                 future.cancel()
                 raise EngineError(f"engine {self.engine_id}: process {pid} died during {what}")
             if deadline is not None and time.monotonic() > deadline:
@@ -371,7 +357,7 @@ class VllmEngine:
 
     def _rpc(self, method: str, args: tuple = (), timeout_s: float | None = 120.0) -> Any:
         """A worker call that cannot hang on a dead engine (vLLM 0.32 leaves it pending forever)."""
-        if not _process_alive(self.worker_pid):
+        if not process_alive(self.worker_pid):
             raise EngineError(f"engine {self.engine_id}: process {self.worker_pid} is dead ({method} not sent)")
         return self._call(self._collective_rpc(method, args), method, timeout_s)
 
@@ -473,7 +459,7 @@ class VllmEngine:
                 "shutdown_phases": down["phases"]}
 
     def alive(self) -> bool:
-        return self.llm is not None and _process_alive(self.worker_pid)
+        return self.llm is not None and process_alive(self.worker_pid)
 
     @property
     def closing(self) -> str | None:
@@ -548,7 +534,7 @@ class VllmEngine:
         pid = self.worker_pid
         if self._closing:
             return EngineError(f"engine {self.engine_id}: {what} was lost: {self._closing}")
-        if type(e).__name__ == "EngineDeadError" or (pid is not None and not _process_alive(pid)):
+        if type(e).__name__ == "EngineDeadError" or (pid is not None and not process_alive(pid)):
             return EngineError(f"engine {self.engine_id}: vLLM process {pid} died during {what} "
                                f"({type(e).__name__})")
         return EngineError(f"engine {self.engine_id}: {what} failed: {e}")
@@ -605,7 +591,7 @@ class VllmEngine:
     async def _pop_routing(self, prefixes: list[str]) -> dict[str, Any]:
         if not (self.capture and not self.native and self.extension):
             return {}
-        if self._closing or self.llm is None or not _process_alive(self.worker_pid):
+        if self._closing or self.llm is None or not process_alive(self.worker_pid):
             return {"error": f"engine {self.engine_id} is not serving; routing not fetched"}  # its buffers went with it
         try:
             packed = (await asyncio.wait_for(self._collective_rpc("moe_grpo_pop_routing", (prefixes,)),
@@ -706,7 +692,7 @@ class VllmEngine:
                 await llm.update_weight_version(str(int(version)))
                 self.policy_version, self.weight_source = int(version), source
             finally:
-                if _process_alive(self.worker_pid):  # a dead engine never answers: vLLM leaves the call pending
+                if process_alive(self.worker_pid):  # a dead engine never answers: vLLM leaves the call pending
                     await llm.resume_generation()
         finally:
             self._updating.set()
@@ -759,7 +745,7 @@ class VllmEngine:
         """
         if self.broken:
             self.broken = None  # a full version is about to replace whatever is loaded
-        if not _process_alive(self.worker_pid):
+        if not process_alive(self.worker_pid):
             raise EngineError(f"engine {self.engine_id}: process {self.worker_pid} is dead (version {version} not sent)")
         try:
             self._call(self._load(self._bucket_rpcs(slot, plan, sources), version, (slot, plan, sources)),

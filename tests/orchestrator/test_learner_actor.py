@@ -6,6 +6,8 @@ import subprocess
 import sys
 import time
 
+from moe_grpo.processes import process_alive
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 FORKS_THEN_WAITS = """
@@ -42,7 +44,7 @@ def _children_after_parent_killed(hook: bool) -> list[int]:
     alive = [child] + grandchildren
     while alive and time.monotonic() < deadline:
         time.sleep(0.05)
-        alive = [p for p in alive if os.path.exists(f"/proc/{p}") and open(f"/proc/{p}/stat").read().split()[2] != "Z"]
+        alive = [p for p in alive if process_alive(p)]
     for p in alive:
         os.kill(p, signal.SIGKILL)
     return alive
