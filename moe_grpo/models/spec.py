@@ -110,6 +110,14 @@ class MoEModelSpec:
         if self.head_dim is None:
             need(self.hidden_size % self.num_attention_heads == 0,
                  f"hidden_size={self.hidden_size} is not divisible by num_attention_heads={self.num_attention_heads}; set head_dim")
+        # vLLM's DeepseekForCausalLM attention sizes its heads hidden_size / num_attention_heads whatever head_dim
+        # says, so another head_dim would make the engine and the learner different models.
+        if self.architecture == "DeepseekForCausalLM" and not self.uses_mla and self.head_dim is not None:
+            need(self.head_dim * self.num_attention_heads == self.hidden_size,
+                 f"head_dim={self.head_dim} with num_attention_heads={self.num_attention_heads} and hidden_size="
+                 f"{self.hidden_size}: DeepseekForCausalLM's heads are hidden_size / num_attention_heads wide in "
+                 f"vLLM; expected head_dim={self.hidden_size // self.num_attention_heads} or a hidden_size of "
+                 f"{self.head_dim * self.num_attention_heads}")
         if (self.num_expert_groups is None) != (self.group_top_k is None):
             raise ValueError(f"model {self.name!r}: num_expert_groups={self.num_expert_groups} and "
                              f"group_top_k={self.group_top_k}, expected both set or both None")

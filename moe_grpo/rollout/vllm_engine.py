@@ -208,6 +208,20 @@ def native_routing_to_trace(routed: Any, spec: MoEModelSpec, num_positions: int)
     return RoutingTrace.from_array(ids[:num_positions], spec.num_experts)
 
 
+def check_cpu_head_size(spec: MoEModelSpec) -> None:
+    """Refuse, before vLLM starts, an attention head size vLLM's CPU attention cannot run: otherwise the engine
+    starts and dies at its first forward, and the pool restarts it into the same error until it gives up."""
+    if spec.uses_mla:
+        return  # MLA's sizes are handled by _cpu_env (absorbed kernel or unabsorbed attention)
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    supported = CPUAttentionBackend.get_supported_head_sizes()
+    if spec.kv_channels not in supported:
+        raise EngineError(f"model {spec.name!r}: attention head size {spec.kv_channels} (hidden_size / "
+                          f"num_attention_heads, or head_dim) is not one vLLM's CPU attention runs, expected one of "
+                          f"{supported}")
+
+
 def _cpu_env(spec: MoEModelSpec, kv_cache_gib: int) -> None:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(int(kv_cache_gib)))
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0")
@@ -291,6 +305,7 @@ class VllmEngine:
         'model_dir', or None after `load_weights` from memory (nothing to re-read)."""
         self.stats = {"requests": 0, "resubmitted": 0, "capture_errors": 0, "restarts": 0}
         if not torch.cuda.is_available():
+            check_cpu_head_size(spec)
             _cpu_env(spec, kv_cache_gib)
         self._engine_args: dict[str, Any] = dict(
             model=self.model_dir, skip_tokenizer_init=True, trust_remote_code=True, dtype=dtype, enforce_eager=True,

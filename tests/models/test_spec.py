@@ -27,6 +27,7 @@ def test_unknown_model_name_lists_the_known_ones():
         (dict(num_expert_groups=2), "expected both set or both None"),
         (dict(expert_bias=True), "expert_bias=True needs score_function='sigmoid'"),
         (dict(num_query_groups=3), "num_query_groups=3"),
+        (dict(num_attention_heads=8), "DeepseekForCausalLM's heads are hidden_size / num_attention_heads wide"),
     ],
 )
 def test_bad_model_values_are_named(change, needle):

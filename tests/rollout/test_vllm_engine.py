@@ -275,3 +275,20 @@ def test_a_capture_error_in_the_worker_fails_that_request_and_the_engine_serves_
     ok = engine.generate(prompts_of_lengths([9]), settings)[0][0]
     assert ok.ok and ok.routing is not None
     assert engine.num_routing_buffers() == 0
+
+
+def test_a_head_size_the_cpu_attention_cannot_run_is_refused_before_vllm_starts(tmp_path):
+    import time
+
+    import torch
+
+    from moe_grpo.config import load_model_spec
+    from moe_grpo.rollout.vllm_engine import EngineError, VllmEngine
+
+    if torch.cuda.is_available():
+        pytest.skip("the check is for vLLM's CPU attention")
+    spec = load_model_spec("deepseek_moe").replace(hidden_size=64, head_dim=None)  # 4 heads of 16
+    t0 = time.perf_counter()
+    with pytest.raises(EngineError, match=r"attention head size 16 .* expected one of \[32, 64"):
+        VllmEngine(tmp_path, spec)
+    assert time.perf_counter() - t0 < 10  # refused up front, not after vLLM started and died
