@@ -27,7 +27,8 @@ Which form `write_peft_adapter` writes (`experts=`): "auto" (what `MegatronLearn
 mapping builds `mlp.experts.gate_up_proj` from `experts.*.gate_proj` / `up_proj`; true for Qwen3-MoE,
 DeepSeek-V2 and V3 in transformers 5.19), and "per_expert" otherwise (transformers 4, DeepSeek-MoE's remote code,
 no transformers installed), i.e. the form PEFT can apply to the model class the user will load. Either can be
-asked for explicitly. Readers (`read_peft_adapter` for `init.adapter=DIR`, `merge_adapter_checkpoint`) take both,
+asked for explicitly (`write_peft_adapter(dir, learner.adapter_state(), spec, lora, experts="per_expert")`;
+`export_adapter` uses "auto"). Readers (`read_peft_adapter` for `init.adapter=DIR`, `merge_adapter_checkpoint`) take both,
 and also PEFT's own fused adapters (`get_peft_model(..., target_parameters=[...experts.gate_up_proj, ...])`),
 whose gate_up adapter has rank r with A shared by gate and up (exact in the learner: A_gate = A_up = A).
 
@@ -37,6 +38,9 @@ same as for a module adapter), not in `target_modules`: PEFT 0.21.2, for model t
 deepseek_v3, ...), rewrites any `gate_proj` / `up_proj` / `down_proj` in `target_modules` to the routed experts'
 fused parameters (measured: a DeepSeek-V3 shared-expert target ends up on `mlp.experts.gate_up_proj`). The fused
 form writes `lora_dropout` 0: PEFT's ParamWrapper refuses any other value, and dropout does not act at inference.
+PEFT 0.21.2 warns on loading it that the `rank_pattern` / `alpha_pattern` key "did not match any targeted module
+and were ignored": that check looks at module targets only; the patterns are applied to the parameter (the loaded
+lora_A has 2r rows per expert, and the log-probs match the learner's, tests/learner/test_lora.py).
 
 `target_modules` is written as one regular expression (PEFT full-matches a string against each module name)
 that names exactly the adapted modules, so `lora.targets=[experts]` does not also put adapters on the dense MLP's
