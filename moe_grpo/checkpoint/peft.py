@@ -28,8 +28,8 @@ mapping builds `mlp.experts.gate_up_proj` from `experts.*.gate_proj` / `up_proj`
 DeepSeek-V2 and V3 in transformers 5.19), and "per_expert" otherwise (transformers 4, DeepSeek-MoE's remote code,
 no transformers installed), i.e. the form PEFT can apply to the model class the user will load. Either can be
 asked for explicitly (`write_peft_adapter(dir, learner.adapter_state(), spec, lora, experts="per_expert")`;
-`export_adapter` uses "auto"). Readers (`read_peft_adapter` for `init.adapter=DIR`, `merge_adapter_checkpoint`) take both,
-and also PEFT's own fused adapters (`get_peft_model(..., target_parameters=[...experts.gate_up_proj, ...])`),
+`export_adapter` uses "auto"). Readers (`read_peft_adapter` for `init.adapter=DIR`, `merge_adapter_checkpoint`)
+take both, and also PEFT's own fused adapters (`get_peft_model(..., target_parameters=[...experts.gate_up_proj, ...])`),
 whose gate_up adapter has rank r with A shared by gate and up (exact in the learner: A_gate = A_up = A).
 
 In the fused form every MLP adapter (dense MLP and shared experts too, `nn.Linear` in transformers) is written as a
@@ -76,7 +76,8 @@ GATE_UP_RANK_KEY = r"mlp\.experts\.gate_up_proj"
 """The `rank_pattern` / `alpha_pattern` key of the fused gate_up adapter (PEFT matches `(.*\.)?(KEY)$`)."""
 
 _EXPERT_MODULE = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)$")
-_FUSED_KEY = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.mlp\.experts\.((?:base_layer\.)*)lora_([AB])\.weight$")
+_FUSED_KEY = re.compile(
+    r"^base_model\.model\.model\.layers\.(\d+)\.mlp\.experts\.((?:base_layer\.)*)lora_([AB])\.weight$")
 
 
 def target_modules_regex(spec: MoEModelSpec, config: LoraConfig, modules: list[str] | None = None) -> str:

@@ -411,7 +411,8 @@ def test_an_adapter_peft_wrote_with_target_parameters_loads_into_the_learner(tmp
     learner.load_adapter(adapter_dir)
     lora_lp = _learner_logprobs(learner, tokens)
     moved, gap = max_abs_diff(lora_lp, base_lp), max_abs_diff(lora_lp, peft_lp)
-    print(f"{kind}: PEFT's adapter moved log-probs by {moved:.3e}; the learner with it vs transformers + peft: {gap:.3e}")
+    print(f"{kind}: PEFT's adapter moved log-probs by {moved:.3e}; "
+          f"the learner with it vs transformers + peft: {gap:.3e}")
     assert moved > 1e-2
     assert gap < 1e-4
 
