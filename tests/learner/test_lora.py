@@ -228,47 +228,32 @@ def test_a_lora_step_is_layout_invariant(layout_reference, name):
 @pytest.mark.slow
 def test_an_exported_adapter_merged_by_the_tool_gives_transformers_the_learners_log_probs(tmp_path):
     """HF base (written by transformers, GQA: 4 query heads in 2 groups) -> Megatron -> LoRA learner with non-zero
-    adapters -> PEFT export -> tools/convert_checkpoint.py --merge-adapter -> transformers scores the merged model."""
+    adapters -> PEFT export (both expert forms) -> tools/convert_checkpoint.py --merge-adapter -> transformers scores
+    the merged model."""
     import sys
 
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-
-    from moe_grpo.checkpoint.convert import hf_to_megatron, read_spec
-    from moe_grpo.checkpoint.peft import adapter_scale, read_adapter_config, read_adapter_weights
+    from moe_grpo.checkpoint.peft import read_adapter_config, read_adapter_modules, write_peft_adapter
     from moe_grpo.checkpoint.verify import hf_logprobs
-    from moe_grpo.learner.batch import LearnerSequence
-    from moe_grpo.learner.lora import load_adapter_state
 
     sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[2] / "tools"))
     import convert_checkpoint
 
-    torch.manual_seed(0)
-    base_dir, mg, adapter_dir, merged_dir = (str(tmp_path / n) for n in ("hf", "mg", "adapter", "merged"))
-    Qwen3MoeForCausalLM(Qwen3MoeConfig(
-        vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=4, num_experts_per_tok=2,
-        norm_topk_prob=True, max_position_embeddings=256, tie_word_embeddings=False)).save_pretrained(base_dir)
-    hf_to_megatron(base_dir, mg, progress=False)
-    spec = read_spec(mg)
-    assert spec.query_groups == 2 and spec.num_attention_heads == 4
-    cfg = L.lora_config()
-    learner = MegatronLearner(spec, config=LearnerConfig(micro_batch_size=2), lora=cfg)
-    learner.load_checkpoint(mg)  # a base checkpoint: the adapters keep their initial values (B = 0)
-    rng = np.random.default_rng(0)
-    tokens = [rng.integers(0, spec.vocab_size, size=20) for _ in range(3)]
-    seqs = [LearnerSequence(t, prompt_len=1) for t in tokens]
-    base_lp = learner.logprobs(seqs, replay=False)
-    load_adapter_state(learner.adapters, L.random_adapter_state(spec, cfg), spec, cfg)
-    lora_lp = learner.logprobs(seqs, replay=False)
-    learner.export_adapter(adapter_dir, base_model=base_dir)
+    targets = ("attention", "dense_mlp", "experts", "shared_experts")
+    base_dir, adapter_dir, tokens, learner, lora_lp, base_lp = _hf_base_with_adapter(tmp_path, "qwen3_moe", targets)
+    assert learner.spec.query_groups == 2 and learner.spec.num_attention_heads == 4
+    assert read_adapter_config(adapter_dir)["target_parameters"]  # transformers 5 fuses experts: the fused form
+    per_expert_dir, merged_dir, merged2_dir = (str(tmp_path / n) for n in ("per_expert", "merged", "merged2"))
+    write_peft_adapter(per_expert_dir, learner.adapter_state(), learner.spec, learner.lora, experts="per_expert")
+    assert not read_adapter_config(per_expert_dir).get("target_parameters")
 
-    assert convert_checkpoint.main(["--from", "hf", "--to", "hf", "--src", base_dir, "--dst", merged_dir,
-                                    "--merge-adapter", adapter_dir]) == 0
+    for adapter, out in ((adapter_dir, merged_dir), (per_expert_dir, merged2_dir)):
+        assert convert_checkpoint.main(["--from", "hf", "--to", "hf", "--src", base_dir, "--dst", out,
+                                        "--merge-adapter", adapter]) == 0
     from test_convert import load_dir
 
-    base_w, merged_w = load_dir(base_dir), load_dir(merged_dir)
-    adapter = read_adapter_weights(adapter_dir)
-    scale = adapter_scale(read_adapter_config(adapter_dir))
+    base_w, merged_w, merged2_w = load_dir(base_dir), load_dir(merged_dir), load_dir(merged2_dir)
+    assert set(merged_w) == set(merged2_w) and all(torch.equal(merged_w[k], merged2_w[k]) for k in merged_w)
+    adapter, scale = read_adapter_modules(adapter_dir)
     for module in ("model.layers.0.self_attn.k_proj", "model.layers.1.mlp.experts.2.up_proj"):
         a, b = (adapter[f"base_model.model.{module}.lora_{f}.weight"] for f in "AB")
         torch.testing.assert_close(merged_w[f"{module}.weight"], base_w[f"{module}.weight"] + scale * b @ a)
@@ -282,41 +267,71 @@ def test_an_exported_adapter_merged_by_the_tool_gives_transformers_the_learners_
     assert gap < 1e-4
 
 
+QWEN3_TARGETS = ("attention", "experts")  # Qwen3-MoE has no dense MLP layer and no shared experts
+V3_TARGETS = ("attention", "dense_mlp", "experts", "shared_experts")
 
-def _qwen3_base_with_adapter(tmp_path, targets):
-    """A transformers-written Qwen3-MoE base, converted; a LoRA learner on `targets` with non-zero adapters,
-    exported in PEFT's format. Returns (base_dir, adapter_dir, tokens, the learner's log-probs)."""
+
+def _hf_base(tmp_path, kind):
+    """A base written by transformers, converted to Megatron: Qwen3-MoE (GQA, 4 query heads in 2 groups) or
+    DeepSeek-V3 (MLA, a dense first layer, a shared expert, expert bias). Returns (hf dir, megatron dir)."""
+    from hf_fixtures import make_checkpoint
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    from moe_grpo.checkpoint.convert import hf_to_megatron, read_spec
+    from moe_grpo.checkpoint.convert import hf_to_megatron
+
+    base_dir, mg = str(tmp_path / f"hf_{kind}"), str(tmp_path / f"mg_{kind}")
+    if kind == "qwen3_moe":
+        torch.manual_seed(0)
+        Qwen3MoeForCausalLM(Qwen3MoeConfig(
+            vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=4, num_experts_per_tok=2,
+            norm_topk_prob=True, max_position_embeddings=256, tie_word_embeddings=False)).save_pretrained(base_dir)
+    else:
+        make_checkpoint(kind, base_dir)
+    hf_to_megatron(base_dir, mg, progress=False)
+    return base_dir, mg
+
+
+def _tokens(spec):
+    rng = np.random.default_rng(0)
+    return [rng.integers(0, spec.vocab_size, size=20) for _ in range(3)]
+
+
+def _learner_logprobs(learner, tokens):
     from moe_grpo.learner.batch import LearnerSequence
+
+    return learner.logprobs([LearnerSequence(t, prompt_len=1) for t in tokens], replay=False)
+
+
+def _hf_base_with_adapter(tmp_path, kind, targets):
+    """`_hf_base`; a LoRA learner on `targets` with non-zero adapters, exported by `export_adapter` (the form
+    'auto' picks). Returns (base_dir, adapter_dir, tokens, learner, its log-probs, the base model's log-probs)."""
+    from moe_grpo.checkpoint.convert import read_spec
     from moe_grpo.learner.lora import load_adapter_state
 
-    torch.manual_seed(0)
-    base_dir, mg, adapter_dir = (str(tmp_path / n) for n in ("hf", "mg", "adapter"))
-    Qwen3MoeForCausalLM(Qwen3MoeConfig(
-        vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=4, num_experts_per_tok=2,
-        norm_topk_prob=True, max_position_embeddings=256, tie_word_embeddings=False)).save_pretrained(base_dir)
-    hf_to_megatron(base_dir, mg, progress=False)
+    base_dir, mg = _hf_base(tmp_path, kind)
+    adapter_dir = str(tmp_path / "adapter")
     spec, cfg = read_spec(mg), L.lora_config(targets=targets)
     learner = MegatronLearner(spec, config=LearnerConfig(micro_batch_size=2), lora=cfg)
-    learner.load_checkpoint(mg)
+    learner.load_checkpoint(mg)  # a base checkpoint: the adapters keep their initial values (B = 0)
+    tokens = _tokens(spec)
+    base_lp = _learner_logprobs(learner, tokens)
     load_adapter_state(learner.adapters, L.random_adapter_state(spec, cfg), spec, cfg)
-    rng = np.random.default_rng(0)
-    tokens = [rng.integers(0, spec.vocab_size, size=20) for _ in range(3)]
-    lora_lp = learner.logprobs([LearnerSequence(t, prompt_len=1) for t in tokens], replay=False)
+    lora_lp = _learner_logprobs(learner, tokens)
     learner.export_adapter(adapter_dir, base_model=base_dir)
-    return base_dir, adapter_dir, tokens, lora_lp
+    return base_dir, adapter_dir, tokens, learner, lora_lp, base_lp
 
 
-def _peft_logprobs(base_dir, adapter_dir, tokens):
+def _peft_model(base_dir, adapter_dir):
     peft = pytest.importorskip("peft", reason="peft is not installed (pip install -e '.[lora]')")
     from transformers import AutoModelForCausalLM
 
     model = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32),
                                            adapter_dir)
-    model.eval()
+    return model.eval()
+
+
+def _hf_logprobs(model, tokens):
     out = []
     with torch.no_grad():
         for t in tokens:
@@ -329,22 +344,116 @@ def _peft_logprobs(base_dir, adapter_dir, tokens):
 @pytest.mark.slow
 def test_peft_applies_the_exported_attention_adapters_to_the_transformers_base(tmp_path):
     """The PEFT library itself loading our export onto the transformers model: the same log-probs as the learner."""
-    base_dir, adapter_dir, tokens, lora_lp = _qwen3_base_with_adapter(tmp_path, ("attention",))
-    gap = max_abs_diff(_peft_logprobs(base_dir, adapter_dir, tokens), lora_lp)
+    base_dir, adapter_dir, tokens, _, lora_lp, base_lp = _hf_base_with_adapter(tmp_path, "qwen3_moe", ("attention",))
+    gap = max_abs_diff(_hf_logprobs(_peft_model(base_dir, adapter_dir), tokens), lora_lp)
     print(f"transformers + peft (attention adapters) vs the LoRA learner: {gap:.3e}")
+    assert max_abs_diff(lora_lp, base_lp) > 1e-2
     assert gap < 1e-4
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason=(
-    "transformers >= 5 holds a Qwen3-MoE layer's routed experts as fused 3-D parameters (experts.gate_up_proj, "
-    "experts.down_proj), so PEFT cannot target the per-expert modules (experts.N.gate_proj) our export names; "
-    "measured 2026-11-25 with transformers 5.19 and peft 0.21.2: 0.20 apart. Merging with "
-    "tools/convert_checkpoint.py --merge-adapter is exact (the test above); PEFT's target_parameters format is "
-    "not written yet"))
-def test_peft_applies_the_exported_expert_adapters_to_the_transformers_base(tmp_path):
-    base_dir, adapter_dir, tokens, lora_lp = _qwen3_base_with_adapter(tmp_path, ("experts",))
-    assert max_abs_diff(_peft_logprobs(base_dir, adapter_dir, tokens), lora_lp) < 1e-4
+@pytest.mark.parametrize("kind,targets", [("qwen3_moe", QWEN3_TARGETS), ("deepseek_v3", V3_TARGETS)])
+def test_peft_applies_the_exported_expert_adapters_to_the_transformers_base(tmp_path, kind, targets):
+    """transformers 5 holds the routed experts as fused 3-D parameters: the export writes them as PEFT
+    `target_parameters` (gate_up at rank 2r, block-diagonal B), and PEFT gives the learner's log-probs."""
+    from moe_grpo.checkpoint.peft import read_adapter_config
+
+    base_dir, adapter_dir, tokens, _, lora_lp, base_lp = _hf_base_with_adapter(tmp_path, kind, targets)
+    meta = read_adapter_config(adapter_dir)
+    assert "mlp.experts.gate_up_proj" in meta["target_parameters"]
+    model = _peft_model(base_dir, adapter_dir)
+    experts = model.base_model.model.model.layers[1].mlp.experts
+    assert type(experts).__name__ == "ParamWrapper" and experts.parameter_name == "down_proj"
+    if kind == "deepseek_v3":  # the dense MLP and the shared experts stay adapted where they are
+        layers = model.base_model.model.model.layers
+        assert {type(layers[0].mlp.gate_proj).__name__, type(layers[1].mlp.shared_experts.up_proj).__name__} == {
+            "ParamWrapper"}
+    moved, gap = max_abs_diff(lora_lp, base_lp), max_abs_diff(_hf_logprobs(model, tokens), lora_lp)
+    print(f"{kind}: adapters moved log-probs by {moved:.3e}; transformers + peft vs the LoRA learner: {gap:.3e}")
+    assert moved > 1e-2
+    assert gap < 1e-4
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["qwen3_moe", "deepseek_v3"])
+def test_an_adapter_peft_wrote_with_target_parameters_loads_into_the_learner(tmp_path, kind):
+    """A user's adapter: `peft.get_peft_model` with `target_parameters` on the fused experts (gate_up at rank r, one
+    A for gate and up) and `target_modules` on attention, non-zero, saved by PEFT -> `init.adapter=DIR` (the
+    learner's `load_adapter`) gives transformers + PEFT's log-probs."""
+    peft = pytest.importorskip("peft", reason="peft is not installed (pip install -e '.[lora]')")
+    from transformers import AutoModelForCausalLM
+
+    from moe_grpo.checkpoint.convert import read_spec
+
+    base_dir, mg = _hf_base(tmp_path, kind)
+    attention = (["q_proj", "k_proj", "v_proj", "o_proj"] if kind == "qwen3_moe"
+                 else ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"])
+    model = peft.get_peft_model(
+        AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32),
+        peft.LoraConfig(r=L.RANK, lora_alpha=L.ALPHA, target_modules=attention,
+                        target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]))
+    gen = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * (0.05 if ".lora_B." in name else 0.3))
+    model.eval()
+    spec = read_spec(mg)
+    tokens = _tokens(spec)
+    peft_lp = _hf_logprobs(model, tokens)
+    adapter_dir = str(tmp_path / "peft_adapter")
+    model.save_pretrained(adapter_dir)
+
+    learner = MegatronLearner(spec, config=LearnerConfig(micro_batch_size=2),
+                              lora=L.lora_config(targets=("attention", "experts")))
+    learner.load_checkpoint(mg)
+    base_lp = _learner_logprobs(learner, tokens)
+    learner.load_adapter(adapter_dir)
+    lora_lp = _learner_logprobs(learner, tokens)
+    moved, gap = max_abs_diff(lora_lp, base_lp), max_abs_diff(lora_lp, peft_lp)
+    print(f"{kind}: PEFT's adapter moved log-probs by {moved:.3e}; "
+          f"the learner with it vs transformers + peft: {gap:.3e}")
+    assert moved > 1e-2
+    assert gap < 1e-4
+
+
+def test_the_fused_form_reads_back_exactly_and_auto_follows_transformers(tmp_path):
+    """Both forms of the tiny model's adapters (dense MLP, shared and routed experts, attention) read back to the
+    same tensors, bit for bit; 'auto' writes the fused form for the architectures transformers fuses."""
+    from moe_grpo.checkpoint.peft import (read_adapter_config, read_adapter_weights, read_peft_adapter,
+                                          resolve_experts_form, write_peft_adapter)
+    from moe_grpo.config import load_model_spec
+
+    spec, cfg = tiny_spec(), L.lora_config()
+    state = L.random_adapter_state(spec, cfg)
+    for form in ("fused", "per_expert"):
+        out = write_peft_adapter(tmp_path / form, state, spec, cfg, experts=form)
+        back = read_peft_adapter(out, cfg)
+        assert set(back) == set(state) and all(torch.equal(back[k], state[k]) for k in state), form
+    meta, raw = read_adapter_config(tmp_path / "fused"), read_adapter_weights(tmp_path / "fused")
+    import re
+    assert "model.layers.0.mlp.gate_proj.weight" in meta["target_parameters"]
+    assert "model.layers.2.mlp.shared_experts.down_proj.weight" in meta["target_parameters"]
+    assert not re.fullmatch(meta["target_modules"], "model.layers.0.mlp.gate_proj")  # not also a module target
+    assert meta["rank_pattern"] == {r"mlp\.experts\.gate_up_proj": 2 * L.RANK}
+    n_exp, ffn = spec.num_experts, spec.moe_ffn_hidden_size
+    gate_up_b = raw["base_model.model.model.layers.1.mlp.experts.base_layer.lora_B.weight"]
+    assert gate_up_b.shape == (2 * ffn, 2 * L.RANK * n_exp)
+    assert raw["base_model.model.model.layers.1.mlp.experts.lora_A.weight"].shape == (L.RANK * n_exp, ffn)
+    assert not any(".experts.3." in k for k in raw)
+    assert resolve_experts_form("auto", spec) == "per_expert"  # DeepSeek-MoE: no fused transformers class
+    for name in ("qwen3_moe_30b_a3b", "deepseek_v3"):
+        assert resolve_experts_form("auto", load_model_spec(name)) == "fused"
+
+    # A rank-2r gate_up adapter that is not two rank-r blocks cannot be the learner's rank-r gate and up.
+    from safetensors.torch import save_file
+
+    raw["base_model.model.model.layers.1.mlp.experts.base_layer.lora_B.weight"] = gate_up_b + 1e-3
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "adapter_config.json").write_text(json.dumps(meta))
+    save_file(raw, str(tmp_path / "bad" / "adapter_model.safetensors"))
+    with pytest.raises(ValueError, match="not block-diagonal"):
+        read_peft_adapter(tmp_path / "bad", cfg)
 
 
 def test_checkpoints_and_run_state_carry_the_adapters_and_their_optimizer_state(base, tmp_path):
