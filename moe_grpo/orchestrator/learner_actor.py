@@ -131,13 +131,47 @@ class LearnerWorker:
 
     def export_version(self, version: int, directory: str) -> str:
         """Rank 0: write a published version as a model directory an engine starts from (with the tokenizer of
-        `init.hf` when the run started from a checkpoint)."""
+        `init.hf` when the run started from a checkpoint).
+
+        With LoRA, a base version (the first one this learner published) becomes the engines' start directory:
+        the frozen base, and the version's adapter in `<directory>/adapter` (PEFT format; engines apply it at
+        start). An adapter-only version (the final policy) becomes the merged model (base read back from that
+        start directory), with its adapter in `<directory>/peft_adapter`."""
         from moe_grpo.rollout.export import export_model_dir
 
         if self._handle is not None:
             self._handle.wait()
         tensors = self.sync.transport.read_version(version, timeout_s=self.run.cluster.start_timeout_s)
-        return str(export_model_dir(self.run.model, tensors, directory, source_dir=self.run.init.hf))
+        if not self.run.lora.enabled:
+            return str(export_model_dir(self.run.model, tensors, directory, source_dir=self.run.init.hf))
+        return str(self._export_lora_version(version, tensors, directory))
+
+    def _export_lora_version(self, version: int, tensors: dict[str, Any], directory: str) -> Any:
+        from moe_grpo.checkpoint.hf_io import SafetensorsDir
+        from moe_grpo.checkpoint.peft import write_peft_adapter
+        from moe_grpo.learner.lora import merge_into_hf
+        from moe_grpo.models.hf_names import hf_names
+        from moe_grpo.rollout.export import export_model_dir
+        from moe_grpo.rollout.lora_merge import is_adapter_name
+        from moe_grpo.rollout.vllm_engine import START_ADAPTER
+
+        spec, lora = self.run.model, self.run.lora
+        adapter = {k: v for k, v in tensors.items() if is_adapter_name(k)}
+        base = {k: v for k, v in tensors.items() if not is_adapter_name(k)}
+        if base:
+            path = export_model_dir(spec, base, directory, source_dir=self.run.init.hf)
+            write_peft_adapter(path / START_ADAPTER, adapter, spec, lora)
+            self._base_dir = str(path)
+            return path
+        base_dir = getattr(self, "_base_dir", None)
+        if base_dir is None:
+            raise RuntimeError(f"version {version} carries adapters only and this learner exported no base version "
+                               "to merge them into")
+        files = SafetensorsDir(base_dir)
+        merged = merge_into_hf({n: files.get(n) for n in hf_names(spec)}, adapter, lora.scale)
+        path = export_model_dir(spec, merged, directory, source_dir=self.run.init.hf)
+        write_peft_adapter(path / "peft_adapter", adapter, spec, lora)
+        return path
 
 
 def children_die_with_their_parent() -> None:
