@@ -147,30 +147,12 @@ class LearnerWorker:
         return str(self._export_lora_version(version, tensors, directory))
 
     def _export_lora_version(self, version: int, tensors: dict[str, Any], directory: str) -> Any:
-        from moe_grpo.checkpoint.hf_io import SafetensorsDir
-        from moe_grpo.checkpoint.peft import write_peft_adapter
-        from moe_grpo.learner.lora import merge_into_hf
-        from moe_grpo.models.hf_names import hf_names
-        from moe_grpo.rollout.export import export_model_dir
-        from moe_grpo.rollout.lora_merge import is_adapter_name
-        from moe_grpo.rollout.vllm_engine import START_ADAPTER
+        from moe_grpo.rollout.export import export_lora_version
 
-        spec, lora = self.run.model, self.run.lora
-        adapter = {k: v for k, v in tensors.items() if is_adapter_name(k)}
-        base = {k: v for k, v in tensors.items() if not is_adapter_name(k)}
-        if base:
-            path = export_model_dir(spec, base, directory, source_dir=self.run.init.hf)
-            write_peft_adapter(path / START_ADAPTER, adapter, spec, lora)
+        path, is_base = export_lora_version(self.run.model, self.run.lora, tensors, directory,
+                                            base_dir=getattr(self, "_base_dir", None), source_dir=self.run.init.hf)
+        if is_base:
             self._base_dir = str(path)
-            return path
-        base_dir = getattr(self, "_base_dir", None)
-        if base_dir is None:
-            raise RuntimeError(f"version {version} carries adapters only and this learner exported no base version "
-                               "to merge them into")
-        files = SafetensorsDir(base_dir)
-        merged = merge_into_hf({n: files.get(n) for n in hf_names(spec)}, adapter, lora.scale)
-        path = export_model_dir(spec, merged, directory, source_dir=self.run.init.hf)
-        write_peft_adapter(path / "peft_adapter", adapter, spec, lora)
         return path
 
 
