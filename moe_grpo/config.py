@@ -91,10 +91,10 @@ class RunConfig:
         if self.init.adapter is not None and not self.lora.enabled:
             raise ValueError(f"init.adapter={self.init.adapter!r} needs lora.rank > 0 (the adapter's r) and lora.alpha "
                              "(its lora_alpha)")
-        if self.lora.enabled:
-            raise ValueError(f"lora.rank={self.lora.rank}: the learner trains LoRA adapters (MegatronLearner(lora=...), "
-                             "export_adapter, init.adapter), but the weight sync does not carry them to the engines yet "
-                             "(issue 20, part 2), so a run would sample from the base model forever; not started")
+        if self.lora.enabled and self.sync.transport in ("relay", "cuda_ipc"):
+            raise ValueError(f"lora.rank={self.lora.rank} with sync.transport={self.sync.transport}: adapter-only "
+                             "versions go through shared memory on one host only (sync.transport=shm or auto on one "
+                             "host); the relay's receivers and the CUDA IPC buffers hold one plan for every version")
         if self.mode not in ("sync", "async"):
             raise ValueError(f"mode={self.mode!r}, expected 'async' or 'sync'")
         if self.mode == "async" and self.algo.max_staleness < self.algo.sync_every:

@@ -584,7 +584,7 @@ class InitialWeights:
         self.state.published = version
         probe = probe_due(self.run, version)
         ray.get([a.publish.remote(version, False, probe) for a in learners])
-        if self.run.init.hf and not self.state.warm_start_loss and self.resume_from is None:
+        if self.run.init.hf and not self.state.warm_start_loss and self.resume_from is None and not self.run.lora.enabled:
             return str(hf_init.engine_dir(self.run.init.hf, self.run.model, os.path.join(self.run_dir, "model_v0")))
         return ray.get(learners[0].export_version.remote(version, os.path.join(self.run_dir, f"model_v{version}")))
 

@@ -12,8 +12,9 @@ class EngineWorker:
     """Owns one `VllmEngine` (AsyncLLM) in its own process; many `generate` calls run at once."""
 
     def __init__(self, name: str, model_dir: str, spec: Any, rollout: Any, run_dir: str, sync: Any,
-                 cpus: list[int] | None = None, seed: int = 0) -> None:
-        """`sync`: the run's `SyncLayout` (or a shared-memory root directory): where this host's versions arrive."""
+                 cpus: list[int] | None = None, seed: int = 0, lora: Any = None, lora_apply: str = "merge") -> None:
+        """`sync`: the run's `SyncLayout` (or a shared-memory root directory): where this host's versions arrive.
+        `lora`, `lora_apply`: the run's `lora` section and `sync.lora_apply` (VllmEngine)."""
         from moe_grpo.orchestrator.logs import quiet_libraries, quiet_vllm
 
         if cpus:
@@ -29,7 +30,8 @@ class EngineWorker:
         self.engine = VllmEngine(model_dir, spec, max_model_len=context_length(rollout, spec.max_position_embeddings),
                                  max_num_seqs=rollout.max_num_seqs, kv_cache_gib=rollout.kv_cache_gib,
                                  dtype=rollout.dtype, on_update=rollout.on_update, seed=seed,
-                                 request_timeout_s=rollout.request_timeout_s, name=name)
+                                 request_timeout_s=rollout.request_timeout_s, name=name, lora=lora,
+                                 lora_apply=lora_apply)
         self.transport = make_receiver(sync)
         self._in_flight = 0
         self._busy_since = 0.0

@@ -131,13 +131,29 @@ class LearnerWorker:
 
     def export_version(self, version: int, directory: str) -> str:
         """Rank 0: write a published version as a model directory an engine starts from (with the tokenizer of
-        `init.hf` when the run started from a checkpoint)."""
+        `init.hf` when the run started from a checkpoint).
+
+        With LoRA, a base version (the first one this learner published) becomes the engines' start directory:
+        the frozen base, and the version's adapter in `<directory>/adapter` (PEFT format; engines apply it at
+        start). An adapter-only version (the final policy) becomes the merged model (base read back from that
+        start directory), with its adapter in `<directory>/peft_adapter`."""
         from moe_grpo.rollout.export import export_model_dir
 
         if self._handle is not None:
             self._handle.wait()
         tensors = self.sync.transport.read_version(version, timeout_s=self.run.cluster.start_timeout_s)
-        return str(export_model_dir(self.run.model, tensors, directory, source_dir=self.run.init.hf))
+        if not self.run.lora.enabled:
+            return str(export_model_dir(self.run.model, tensors, directory, source_dir=self.run.init.hf))
+        return str(self._export_lora_version(version, tensors, directory))
+
+    def _export_lora_version(self, version: int, tensors: dict[str, Any], directory: str) -> Any:
+        from moe_grpo.rollout.export import export_lora_version
+
+        path, is_base = export_lora_version(self.run.model, self.run.lora, tensors, directory,
+                                            base_dir=getattr(self, "_base_dir", None), source_dir=self.run.init.hf)
+        if is_base:
+            self._base_dir = str(path)
+        return path
 
 
 def children_die_with_their_parent() -> None:

@@ -39,6 +39,10 @@ def plan_sync(run: Any, placement_group: Any, run_name: str) -> SyncLayout:
     engine_hosts = tuple(nodes[i] for i in range(c.num_engines))
     rank_hosts = tuple(nodes[c.num_engines + r] for r in range(world))
     transport = resolve_transport(run.sync.transport, len(set(engine_hosts + rank_hosts)))
+    if run.lora.enabled and transport != "shm":
+        raise ValueError(f"lora.rank={run.lora.rank}: the run's actors were placed on "
+                         f"{len(set(engine_hosts + rank_hosts))} hosts (sync.transport={run.sync.transport} -> "
+                         f"{transport}), and adapter-only versions are built for shared memory on one host only")
     return SyncLayout(transport, run_name, rank_hosts, engine_hosts, run.sync.root, run.sync.slots,
                       timeout_s=run.sync.relay_timeout_s)
 

@@ -87,6 +87,37 @@ def export_model_dir(spec: MoEModelSpec, hf_state: dict[str, torch.Tensor], dire
     return target
 
 
+def export_lora_version(spec: MoEModelSpec, lora: Any, tensors: dict[str, torch.Tensor], directory: str | Path, *,
+                        base_dir: str | Path | None = None, source_dir: str | Path | None = None) -> tuple[Path, bool]:
+    """A published LoRA version (`read_version`: HF base tensors and / or PEFT adapter tensors) as a directory.
+
+    A base version becomes an engine start directory: the frozen base, and the version's adapter in
+    `<directory>/adapter` (PEFT format; `VllmEngine(lora=...)` applies it at start). An adapter-only version
+    becomes the merged model (base read from `base_dir`, the start directory) with its adapter in
+    `<directory>/peft_adapter`. Returns (the directory, whether the version was a base version)."""
+    from moe_grpo.checkpoint.hf_io import SafetensorsDir
+    from moe_grpo.checkpoint.peft import write_peft_adapter
+    from moe_grpo.learner.lora import merge_into_hf
+    from moe_grpo.models.hf_names import hf_names
+    from moe_grpo.rollout.lora_merge import is_adapter_name
+    from moe_grpo.rollout.vllm_engine import START_ADAPTER
+
+    adapter = {k: v for k, v in tensors.items() if is_adapter_name(k)}
+    base = {k: v for k, v in tensors.items() if not is_adapter_name(k)}
+    if base:
+        path = export_model_dir(spec, base, directory, source_dir=source_dir)
+        # The engine reads this adapter's tensors by our per-expert names (lora_merge.py), not through PEFT.
+        write_peft_adapter(path / START_ADAPTER, adapter, spec, lora, experts="per_expert")
+        return path, True
+    if base_dir is None:
+        raise ValueError(f"an adapter-only version and no base directory (base_dir=None) to merge it into")
+    files = SafetensorsDir(base_dir)
+    merged = merge_into_hf({n: files.get(n) for n in hf_names(spec)}, adapter, lora.scale)
+    path = export_model_dir(spec, merged, directory, source_dir=source_dir)
+    write_peft_adapter(path / "peft_adapter", adapter, spec, lora)
+    return path, False
+
+
 def export_learner(learner: Any, directory: str | Path) -> Path:
     """A single-process learner's current weights as a vLLM model directory."""
     if learner.layout.world_size() != 1:

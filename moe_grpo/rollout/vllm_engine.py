@@ -63,6 +63,9 @@ from moe_grpo.rollout.types import Completion, SamplingSettings
 from moe_grpo.routing.trace import RoutingTrace
 
 EXTENSION = "moe_grpo.rollout.worker_extension.RoutingCaptureExtension"
+START_ADAPTER = "adapter"
+"""A LoRA run's start directory: the frozen base in the directory, this subdirectory the PEFT adapter of the version
+the engine starts on (`VllmEngine(lora=...)` applies it at start)."""
 _ENGINE_IDS = itertools.count()
 
 
@@ -279,11 +282,15 @@ class VllmEngine:
     def __init__(self, model_dir: str | Path, spec: MoEModelSpec, *, max_model_len: int = 512, max_num_seqs: int = 16,
                  kv_cache_gib: int = 1, capture: bool = True, extension: bool = True, seed: int = 0,
                  max_num_batched_tokens: int | None = None, dtype: str = "float32", routing_source: str = "auto",
-                 on_update: str = "keep", request_timeout_s: float = 600.0, name: str | None = None) -> None:
+                 on_update: str = "keep", request_timeout_s: float = 600.0, name: str | None = None,
+                 lora: Any = None, lora_apply: str = "merge") -> None:
         """`routing_source`: 'extension' (router hooks, any platform), 'native' (vLLM's
         enable_return_routed_experts: Model Runner V2, GPU only) or 'auto' (native on GPU).
         `extension=False` starts vLLM without the worker extension at all (no capture, no weight
-        loads: the baseline of bench_capture). `request_timeout_s` bounds every call into vLLM."""
+        loads: the baseline of bench_capture). `request_timeout_s` bounds every call into vLLM.
+        `lora`: the run's LoraConfig; with rank > 0 the engine takes LoRA versions (base once, then adapters
+        only), applied as `lora_apply` says ('merge': rollout/lora_merge.py); `model_dir` then holds the frozen
+        base and, in `model_dir/adapter` (PEFT format), the adapters of the version it starts on."""
         import torch
 
         if routing_source not in ("auto", "extension", "native"):
@@ -292,6 +299,14 @@ class VllmEngine:
             raise ValueError(f"on_update={on_update!r}, expected 'keep' (pause, load, resume) or 'abort' (resubmit)")
         if capture and not extension and routing_source != "native":
             raise ValueError("capture=True needs the worker extension (extension=True) or routing_source='native'")
+        if lora is not None and lora.enabled and lora_apply != "merge":
+            raise ValueError(f"lora_apply={lora_apply!r}: this engine applies adapters by merging only ('merge')")
+        if lora is not None and lora.enabled and not extension:
+            raise ValueError("lora with extension=False: merging adapters needs the worker extension")
+        self.lora = lora if lora is not None and lora.enabled else None
+        """The adapters' LoraConfig (None: full-weight versions only)."""
+        self.lora_base_bytes = 0
+        """Host memory each worker holds for the exact copy of W0 of the adapted weights (merge)."""
         self.spec, self.model_dir, self.max_model_len = spec, str(model_dir), max_model_len
         self.native = capture and (routing_source == "native" or (routing_source == "auto" and torch.cuda.is_available()))
         self.capture, self.extension, self.on_update = capture, extension, on_update
@@ -392,6 +407,44 @@ class VllmEngine:
                               f"expected {self.spec.num_moe_layers} for {self.spec.name}")
         if info is not None:
             self.worker_pid = int(info["pid"])  # the process that holds the model (vLLM's engine core)
+        if self.lora is not None:
+            self._lora_start()
+
+    # ------------------------------------------------------------------ LoRA
+    def _lora_start(self) -> None:
+        """Keep W0 in the workers (from the start directory, the frozen base) and serve the start directory's
+        adapter, if it has one (the version the engine starts on)."""
+        from moe_grpo.learner.lora import adapter_sites
+
+        adapted = [hf for m in adapter_sites(self.spec, self.lora).values() for hf in m.hf]
+        try:
+            self.lora_base_bytes = int(self._rpc("moe_grpo_lora_setup", (adapted, self.model_dir))[0])
+            rpcs = self._dir_adapter_rpcs()
+            if rpcs:
+                self._call(self._load(rpcs, self.policy_version, self.weight_source), "the start adapter")
+        except Exception as e:
+            self.shutdown(stop_loop=False, kill=True, reason="its LoRA setup failed")
+            raise EngineError(f"engine {self.engine_id}: LoRA setup from {self.model_dir} failed: {e}") from e
+
+    def _dir_adapter_rpcs(self) -> list[tuple[str, tuple]]:
+        """The calls that apply `model_dir/adapter` (a PEFT adapter), checked against `self.lora`; none without."""
+        from moe_grpo.checkpoint.peft import ADAPTER_WEIGHTS, adapter_scale, read_adapter_config
+
+        directory = Path(self.model_dir) / START_ADAPTER
+        if not (directory / ADAPTER_WEIGHTS).exists():
+            return []
+        scale = adapter_scale(read_adapter_config(directory))
+        if abs(scale - self.lora.scale) > 1e-12 * max(1.0, abs(scale)):
+            raise EngineError(f"engine {self.engine_id}: {directory} has scale lora_alpha/r={scale}, expected "
+                              f"lora.alpha/lora.rank={self.lora.scale}")
+        return self._adapter_rpcs([{"kind": "safetensors", "path": str(directory / ADAPTER_WEIGHTS)}], scale)
+
+    def _adapter_rpcs(self, sources: list[dict], scale: float) -> list[tuple[str, tuple]]:
+        """How a version's adapters reach the served weights (`sync.lora_apply`); the one place another way to
+        apply them plugs in. `sources`: the adapter buckets (`bucket_sources`) or a PEFT safetensors file, whose
+        tensors are PEFT names -> whole A / B; `scale`: alpha / r. 'merge': each worker computes W0 + scale B @ A
+        from its copy of W0 and reloads those weights (`worker_extension.moe_grpo_apply_adapter`)."""
+        return [("moe_grpo_merge_adapter", (sources, float(scale)))]
 
     async def _astart(self) -> dict[str, Any] | None:
         from vllm.engine.arg_utils import AsyncEngineArgs
@@ -720,7 +773,15 @@ class VllmEngine:
             from moe_grpo.sync.transport import shm_bucket_sources
 
             sources = shm_bucket_sources(slot, plan)
-        return [("moe_grpo_reload_bucket", (source,)) for source in sources]
+        if getattr(plan, "lora", None) is None:
+            return [("moe_grpo_reload_bucket", (source,)) for source in sources]
+        from moe_grpo.rollout.lora_merge import is_adapter_name
+
+        if self.lora is None:
+            raise EngineError(f"engine {self.engine_id}: a LoRA version for an engine started without lora")
+        adapters = [s for s in sources if s["entries"] and all(is_adapter_name(e[0]) for e in s["entries"])]
+        base = [s for s in sources if s not in adapters]  # a base version: W0 first (the workers keep it)
+        return [("moe_grpo_reload_bucket", (source,)) for source in base] + self._adapter_rpcs(adapters, plan.lora.scale)
 
     def load_weights(self, hf_tensors: dict[str, Any], version: int) -> None:
         """Load full HF-named tensors held in this process, one decoder layer per reload; serve `version`.
@@ -790,6 +851,8 @@ class VllmEngine:
 
         files = SafetensorsDir(self.model_dir)
         self.load_weights({n: files.get(n) for n in hf_names(self.spec)}, self.policy_version)
+        if self.lora is not None and self._dir_adapter_rpcs():  # the base is back; its adapter on top
+            self._call(self._load(self._dir_adapter_rpcs(), self.policy_version, None), "rollback", timeout_s)
         self.weight_source = "model_dir"
 
     def shutdown(self, *, stop_loop: bool = True, kill: bool | None = None, timeout_s: float = 10.0,

@@ -185,6 +185,7 @@ class RoutingCaptureExtension:
         from safetensors.torch import load_file
 
         tensors = load_file(path)
+        self._mg_keep_base(tensors)
         self.reload_weights(weights_iterator=iter(list(tensors.items())))  # type: ignore[attr-defined]
         return len(tensors)
 
@@ -194,5 +195,57 @@ class RoutingCaptureExtension:
         from moe_grpo.sync.transports import open_bucket
 
         with open_bucket(source) as tensors:
+            self._mg_keep_base(tensors)
             self.reload_weights(weights_iterator=iter(list(tensors.items())))  # type: ignore[attr-defined]
             return len(tensors)
+
+    # ---------------------------------------------------------------- LoRA, merged (rollout/lora_merge.py)
+    def moe_grpo_lora_setup(self, adapted: list[str], model_dir: str) -> int:
+        """Merge mode: keep an exact copy of W0 of every `adapted` HF weight, read from the model directory the
+        engine started from (a LoRA run's start directory holds the frozen base). Returns the copies' bytes."""
+        from moe_grpo.checkpoint.hf_io import SafetensorsDir
+        from moe_grpo.rollout.lora_merge import MergedWeights
+
+        self._mg_lora = MergedWeights(adapted)
+        files = SafetensorsDir(model_dir)
+        files.require(adapted)
+        for name in adapted:
+            self._mg_lora.keep({name: files.get(name)})
+        return self._mg_lora.nbytes
+
+    def _mg_keep_base(self, tensors: dict) -> None:
+        """Every full-weight load is the base (a LoRA run's base is frozen): refresh the copies of W0 it holds."""
+        lora = getattr(self, "_mg_lora", None)
+        if lora is not None:
+            lora.keep(tensors)
+
+    def moe_grpo_merge_adapter(self, sources: list[dict], scale: float) -> int:
+        """Serve W0 + scale * B @ A for the adapters in `sources` (published buckets, as `open_bucket` takes them,
+        or {"kind": "safetensors", "path": ...}: a PEFT adapter file). Returns the HF weights reloaded."""
+        import contextlib
+
+        from safetensors.torch import load_file
+
+        from moe_grpo.sync.transports import open_bucket
+
+        adapter: dict = {}
+        with contextlib.ExitStack() as stack:
+            for source in sources:
+                if source.get("kind") == "safetensors":
+                    adapter.update(load_file(source["path"]))
+                else:
+                    adapter.update(stack.enter_context(open_bucket(source)))
+            return self.moe_grpo_apply_adapter(adapter, scale)
+
+    def moe_grpo_apply_adapter(self, adapter: dict, scale: float) -> int:
+        """The merge itself: one version's adapters (PEFT names -> whole A / B) and scale alpha / r in, the merged
+        weights reloaded one decoder layer at a time. Never accumulates: W comes from the copy of W0."""
+        lora = getattr(self, "_mg_lora", None)
+        if lora is None:
+            raise RuntimeError("moe_grpo_apply_adapter before moe_grpo_lora_setup (the engine was started "
+                               "without lora)")
+        n = 0
+        for group in lora.merged(adapter, float(scale)):
+            self.reload_weights(weights_iterator=iter(list(group.items())))  # type: ignore[attr-defined]
+            n += len(group)
+        return n

@@ -9,6 +9,12 @@ from moe_grpo.validate import at_least, positive, refuse
 TRANSPORTS = ("auto", "shm", "relay", "cuda_ipc")
 """`sync.transport` (see `sync/transports.py` for what each one does)."""
 
+LORA_APPLY = ("merge", "serve")
+"""`sync.lora_apply`: how an engine applies a version's LoRA adapters."""
+
+LORA_APPLY_BUILT = ("merge",)
+"""The ways built so far ('serve', vLLM's LoRA requests, is being built in rollout/lora_serving.py)."""
+
 ROOT_ENV = "MOE_GRPO_SYNC_ROOT"
 """A host's weight-buffer directory, read on each host (set it in the environment of that host's `ray start`);
 `sync.root` wins over it."""
@@ -32,9 +38,18 @@ class SyncConfig:
     relay_timeout_s: float = 300.0
     """A relay broadcast (one bucket of one rank's shards) not through within this many seconds fails that
     publish, naming the rank and the host."""
+    lora_apply: str = "merge"
+    """With `lora.rank > 0`: how an engine applies each version's adapters. 'merge': each vLLM worker keeps an
+    exact copy of W0 of every adapted weight (host memory: those weights' bytes) and reloads W0 + (alpha/r) B A
+    computed from it (rollout/lora_merge.py); 'serve': vLLM's LoRA serving (not built yet, refused)."""
 
     def __post_init__(self) -> None:
         if self.transport not in TRANSPORTS:
             raise refuse("sync.transport", self.transport, f"one of {', '.join(TRANSPORTS)}")
+        if self.lora_apply not in LORA_APPLY:
+            raise refuse("sync.lora_apply", self.lora_apply, f"one of {', '.join(LORA_APPLY)}")
+        if self.lora_apply not in LORA_APPLY_BUILT:
+            raise ValueError(f"sync.lora_apply={self.lora_apply!r}: applying adapters through vLLM's LoRA serving is "
+                             f"not built yet; use sync.lora_apply=merge")
         at_least("sync.slots", self.slots, 1)
         positive("sync.relay_timeout_s", self.relay_timeout_s)

@@ -100,6 +100,8 @@ def local_shard_writes(learner: Any) -> list[ShardWrite]:
     edp_first = ps.get_expert_data_parallel_rank() == 0
     writes: list[ShardWrite] = []
     for local, tensor in tensors.items():
+        if ".lora." in local:
+            continue  # LoRA adapters travel in PEFT's naming (adapter_gather.py), not as base weights
         name = _global_name(local, module)
         if name == "output_layer.weight" and spec.tie_word_embeddings:
             continue  # the last stage's copy of the tied embedding

@@ -10,6 +10,13 @@ being copied. Background syncs use no collective of the learner's group, so
 they cannot interleave with the training step's collectives; under the relay
 (`transports.py`) a rank also broadcasts its shards over a private group of
 its own to the other hosts that assemble versions (`shard_relay.py`).
+
+With LoRA adapters in the learner (`learner.adapters`), the first version a
+`WeightSync` publishes is a *base* version (every base tensor plus the
+adapters) and every later one an *adapter* version: the adapters only (A and
+B of every adapted HF module, PEFT names; `plan.py`), each rank writing its
+own adapter shards (`adapter_gather.py`). The base is frozen, so it is sent
+once per learner.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ from typing import Any
 
 import torch
 
+from moe_grpo.sync.adapter_gather import local_adapter_writes
 from moe_grpo.sync.gather import ShardWrite, local_shard_writes
 from moe_grpo.sync.plan import BucketPlan, plan_buckets
 from moe_grpo.sync.transport import SharedMemoryTransport, SyncError, WeightTransport
@@ -33,13 +41,16 @@ class SyncReport:
     rank: int
     bytes_written: int
     """Bytes this rank wrote (its shards; replicas write nothing)."""
+    version_bytes: int
+    """Bytes of the whole version (every rank's shards, as each host that assembles it holds them)."""
     seconds: float
     """From the call until this rank's shards were written and marked done."""
     slot: str
 
     def metrics(self) -> dict[str, float]:
-        """The run record's keys (README.md, section "Contracts"): `sync/seconds`, `sync/bytes`."""
-        return {"sync/seconds": self.seconds, "sync/bytes": float(self.bytes_written)}
+        """The run record's keys (README.md, section "Contracts"): `sync/seconds`, `sync/bytes` (the version's
+        bytes: the full model, or with LoRA after the first version the adapters only)."""
+        return {"sync/seconds": self.seconds, "sync/bytes": float(self.version_bytes)}
 
 
 class SyncHandle:
@@ -76,26 +87,36 @@ class WeightSync:
         self.transport = transport if transport is not None else SharedMemoryTransport()
         self.claim_timeout_s = claim_timeout_s
         dtype = next(learner.module.parameters()).dtype
-        self.plan: BucketPlan = plan_buckets(learner.spec, dtype, max_bucket_bytes)
-        where = self.plan.bucket_of()
+        lora = getattr(learner, "lora", None) if getattr(learner, "adapters", None) else None
+        base = local_shard_writes(learner)
+        adapters = local_adapter_writes(learner) if lora is not None else []
+        self.plan: BucketPlan = plan_buckets(learner.spec, dtype, max_bucket_bytes, lora=lora)
+        """The first version's plan (every tensor; with LoRA also the adapters)."""
+        self.adapter_plan: BucketPlan | None = (plan_buckets(learner.spec, dtype, max_bucket_bytes, lora=lora, base=False)
+                                                if lora is not None else None)
+        """With LoRA: every later version's plan (the adapters only)."""
         # Placements are fixed for the run: the optimizer updates parameters in place.
-        self.writes: dict[int, list[ShardWrite]] = {b.index: [] for b in self.plan.buckets}
-        for w in local_shard_writes(learner):
-            self.writes[where[w.name]].append(w)
+        self.writes = _by_bucket(self.plan, base + adapters)
+        self.adapter_writes = _by_bucket(self.adapter_plan, adapters) if self.adapter_plan is not None else {}
+        self._published = 0
+        """Versions this WeightSync published (the first one is the base version)."""
         self.rank, self.world = torch.distributed.get_rank(), torch.distributed.get_world_size()
         if hasattr(self.transport, "bind"):  # a relaying transport sends each shard's place once
+            if self.adapter_plan is not None:
+                raise ValueError(f"sync.transport=relay ({type(self.transport).__name__}) with lora.rank > 0: "
+                                 "adapter-only versions over the relay are not built (its receivers hold one "
+                                 "plan); use sync.transport=shm (one host)")
             self.transport.bind(self.plan, self.writes)
         self._local = getattr(self.transport, "writes_locally", True)
         self._forward = getattr(self.transport, "forward_bucket", None)
         """Whether this rank writes into its host's buffers, and where its shards go besides (transports.py)."""
         self._pending: SyncHandle | None = None
-        self._bound: dict[tuple[str, int], tuple[int, BoundCopy]] = {}
-        self._sizes = {i: (sum(w.source.numel() for w in ws), sum(w.source.numel() * w.source.element_size() for w in ws))
-                       for i, ws in self.writes.items()}
-        """Per bucket: (elements, bytes) this rank writes."""
+        self._bound: dict[tuple[str, Any], tuple[int, BoundCopy]] = {}
+        self._sizes = {**_sizes(self.writes), **{("adapter", i): v for i, v in _sizes(self.adapter_writes).items()}}
+        """Per bucket: (elements, bytes) this rank writes (adapter-only buckets under ("adapter", index))."""
         learner.before_update.append(self._wait_pending)
 
-    def _bound_copy(self, slot: str, index: int, full: dict[str, torch.Tensor], writes: list[ShardWrite]) -> "BoundCopy":
+    def _bound_copy(self, slot: str, index: Any, full: dict[str, torch.Tensor], writes: list[ShardWrite]) -> "BoundCopy":
         """This bucket's copies with their destinations resolved, reused while the bucket's device buffer is the same.
 
         Only device buffers are kept: they are the transport's for the whole run
@@ -132,28 +153,49 @@ class WeightSync:
     def _run(self, handle: SyncHandle) -> None:
         t0 = time.perf_counter()
         try:
-            slot = self.transport.claim(handle.version, self.plan, self.rank, self.world, self.claim_timeout_s)
+            adapter_only = self.adapter_plan is not None and self._published > 0
+            plan = self.adapter_plan if adapter_only else self.plan
+            assert plan is not None
+            all_writes = self.adapter_writes if adapter_only else self.writes
+            slot = self.transport.claim(handle.version, plan, self.rank, self.world, self.claim_timeout_s)
             elements: dict[int, int] = {}
             nbytes = 0
-            stream = _copy_stream(self.writes)
+            stream = _copy_stream(all_writes)
             with torch.no_grad(), (torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()):
-                for bucket in self.plan.buckets:
-                    writes = self.writes[bucket.index]
-                    elements[bucket.index], size = self._sizes[bucket.index]
+                for bucket in plan.buckets:
+                    writes = all_writes[bucket.index]
+                    elements[bucket.index], size = self._sizes[("adapter", bucket.index) if adapter_only else bucket.index]
                     if not writes:
                         continue
                     if self._local:
-                        with self.transport.bucket_views(slot, bucket, self.plan.torch_dtype) as full:
-                            self._bound_copy(slot, bucket.index, full, writes)()
+                        with self.transport.bucket_views(slot, bucket, plan.torch_dtype) as full:
+                            self._bound_copy(slot, (adapter_only, bucket.index), full, writes)()
                     if self._forward is not None:
                         self._forward(handle.version, bucket)
                     nbytes += size
             if stream is not None:
                 stream.synchronize()  # every byte is in the buffers before any engine may read them
             self.transport.mark_done(slot, handle.version, self.rank, elements)
-            handle._finish(SyncReport(handle.version, self.rank, nbytes, time.perf_counter() - t0, slot), None)
+            self._published += 1  # a failed base version is sent whole again next time
+            handle._finish(SyncReport(handle.version, self.rank, nbytes, plan.total_bytes, time.perf_counter() - t0,
+                                      slot), None)
         except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the handle
             handle._finish(None, e)
+
+
+def _by_bucket(plan: BucketPlan, writes: list[ShardWrite]) -> dict[int, list[ShardWrite]]:
+    """`writes` sorted into the plan's buckets (each write's HF or PEFT name must be in the plan)."""
+    where = plan.bucket_of()
+    out: dict[int, list[ShardWrite]] = {b.index: [] for b in plan.buckets}
+    for w in writes:
+        out[where[w.name]].append(w)
+    return out
+
+
+def _sizes(writes: dict[int, list[ShardWrite]]) -> dict[int, tuple[int, int]]:
+    """Per bucket: (elements, bytes) of the writes."""
+    return {i: (sum(w.source.numel() for w in ws), sum(w.source.numel() * w.source.element_size() for w in ws))
+            for i, ws in writes.items()}
 
 
 def _copy_stream(writes: dict[int, list[ShardWrite]]) -> "torch.cuda.Stream | None":

@@ -50,3 +50,20 @@ def lora_layout_step(tp: int, ep: int, pp: int, ckpt_dir: str, adapter_dir: str,
     adapter = learner.adapter_state()
     return {"metrics": metrics, "before": before, "after": after, "adapter": adapter,
             "base_unchanged": base_unchanged}
+
+
+def lora_sync(tp: int, ep: int, pp: int, spec_changes: dict, lora_changes: dict, adapter_dir: str, root: str):
+    """At (tp, ep, pp): a LoRA learner with the PEFT adapter of `adapter_dir` publishes version 0 (base version)
+    and version 1 (adapters only) through shared memory at `root`. Returns rank 0's sync reports' metrics."""
+    from moe_grpo.learner.megatron_learner import LearnerConfig, MegatronLearner
+    from moe_grpo.learner.parallel import ParallelLayout
+    from moe_grpo.sync.transport import SharedMemoryTransport
+    from moe_grpo.sync.weight_sync import WeightSync
+
+    learner = MegatronLearner(tiny_spec(**spec_changes), ParallelLayout(tp, ep, pp), LearnerConfig(seed=5),
+                              lora=lora_config(**lora_changes))
+    learner.load_adapter(adapter_dir)
+    sync = WeightSync(learner, SharedMemoryTransport(root), max_bucket_bytes=1 << 14)
+    first = sync.sync(0).wait().metrics()
+    second = sync.sync(1).wait().metrics()
+    return {"base": first, "adapter": second}

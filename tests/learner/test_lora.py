@@ -58,9 +58,16 @@ def test_the_command_line_takes_the_lora_section_and_refuses_a_run_the_sync_cann
     assert from_hydra(compose([])).lora == LoraConfig()
     with pytest.raises(ValueError, match="lora.targets"):
         from_hydra(compose(["lora.rank=8", "lora.targets=[experts,router]"]))
-    # The learner trains adapters, but the weight sync does not ship them yet: a run would never sample from them.
-    with pytest.raises(ValueError, match="weight sync does not carry them"):
-        from_hydra(compose(["lora.rank=8", "lora.targets=[experts]"]))
+    run = from_hydra(compose(["lora.rank=8", "lora.targets=[experts]"]))  # shared memory, merged in the engine
+    assert run.lora.rank == 8 and run.sync.lora_apply == "merge"
+    # Adapter-only versions go through shared memory on one host only; vLLM's LoRA serving is not built yet.
+    for transport in ("relay", "cuda_ipc"):
+        with pytest.raises(ValueError, match=f"sync.transport={transport}: adapter-only"):
+            from_hydra(compose(["lora.rank=8", f"sync.transport={transport}"]))
+    with pytest.raises(ValueError, match="sync.lora_apply='serve'.*not built"):
+        from_hydra(compose(["lora.rank=8", "sync.lora_apply=serve"]))
+    with pytest.raises(ValueError, match="sync.lora_apply='both'"):
+        from_hydra(compose(["sync.lora_apply=both"]))
 
 
 def test_adapters_start_at_zero_and_the_model_is_the_base_model_exactly(base):
