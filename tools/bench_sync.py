@@ -38,8 +38,23 @@ memcpy baseline is a `copy_` of the same bytes in the learner actor, same run.
 
     .venv/bin/python tools/bench_sync.py --transport relay [--mb 600] [--ray-address HEAD:PORT]
 
+With `--lora` it compares adapter-only versions with full-weight versions of the
+same model (default: the run's default model, conf/model/deepseek_moe.yaml), in
+one run: a learner without adapters publishes full versions, a learner with
+adapters (`--lora-rank`, `--lora-targets`, default rank 16 on attention and
+routed experts) publishes its base version once and adapter-only versions after
+it (what `lora.rank > 0` runs publish). For each adapter version it also times
+the engine's merge arithmetic (`rollout/lora_merge.py`: W0 + (alpha/r) B A of
+every adapted weight, from the copy of W0), without vLLM's weight reload. The
+same ratio is computed from the bucket plans, without building anything, for
+Qwen3-30B-A3B and DeepSeek-V3 in bf16.
+
+    .venv/bin/python tools/bench_sync.py --lora [--model deepseek_moe] [--lora-rank 16]
+
 Last line: one JSON object with `sync_vs_memcpy_ratio` and `projected_deepseek_v3_seconds`
-(DeepSeek-V3's bf16 bytes at the measured sync rate on this machine).
+(DeepSeek-V3's bf16 bytes at the measured sync rate on this machine); with `--lora`,
+`lora_bytes_ratio` (measured), `lora_bytes_ratio_qwen3_30b_a3b` and
+`lora_bytes_ratio_deepseek_v3` (computed) and the seconds per sync of both kinds.
 """
 
 from __future__ import annotations
@@ -239,6 +254,103 @@ def bench_relay_nodes(args: argparse.Namespace) -> dict:
                     "memcpy = copy_ of the same bytes in the learner actor"}
 
 
+def lora_bytes_ratio(model: str, lora: object, dtype: str = "bfloat16") -> dict:
+    """Bytes of an adapter-only version over a full-weight version of conf/model/<model>.yaml, from the bucket
+    plans alone (sync/plan.py: the same plans a run publishes; nothing is built)."""
+    from moe_grpo.config import load_model_spec
+    from moe_grpo.sync.plan import plan_buckets
+
+    spec = load_model_spec(model)
+    full = plan_buckets(spec, dtype).total_bytes
+    adapters = plan_buckets(spec, dtype, lora=lora, base=False).total_bytes
+    return {"full_bytes": full, "adapter_bytes": adapters, "ratio": round(adapters / full, 5)}
+
+
+def timed_syncs(sync: object, transport: object, versions: list[int], merge: object = None) -> tuple[list, list]:
+    """Seconds of each `sync.sync(v)`, and (with `merge`, a function of a version's tensors) of the merge of each."""
+    sync_s, merge_s = [], []
+    for v in versions:
+        sync_s.append(sync.sync(v).wait().seconds)
+        if merge is not None:
+            tensors = transport.read_version(v, timeout_s=600)
+            t0 = time.perf_counter()
+            merge(tensors)
+            merge_s.append(time.perf_counter() - t0)
+    return sync_s, merge_s
+
+
+def bench_lora(args: argparse.Namespace) -> dict:
+    """Adapter-only versions against full-weight versions of the same model, in one run (see the docstring)."""
+    import torch
+
+    from moe_grpo.config import load_model_spec
+    from moe_grpo.learner.lora import peft_shapes
+    from moe_grpo.learner.lora_config import LoraConfig
+    from moe_grpo.learner.megatron_learner import LearnerConfig, MegatronLearner
+    from moe_grpo.models.options import MegatronOptions
+    from moe_grpo.rollout.lora_merge import MergedWeights, adapter_weight, is_adapter_name
+    from moe_grpo.sync.transport import SharedMemoryTransport
+    from moe_grpo.sync.weight_sync import WeightSync
+
+    model = args.model or "deepseek_moe"
+    spec = load_model_spec(model)
+    lora = LoraConfig(rank=args.lora_rank, alpha=2.0 * args.lora_rank, targets=tuple(args.lora_targets.split(",")))
+    dtype, bucket = args.dtype or "float32", int(args.bucket_mb * 2**20)
+    options = MegatronOptions(params_dtype=dtype)
+    versions = list(range(1, args.rounds + 3))
+    shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
+
+    full_transport = SharedMemoryTransport(tempfile.mkdtemp(prefix="bench_sync_full_", dir=shm), slots=2)
+    full = WeightSync(MegatronLearner(spec, config=LearnerConfig(), options=options), full_transport,
+                      max_bucket_bytes=bucket)
+    try:
+        full_s, _ = timed_syncs(full, full_transport, versions)
+    finally:
+        full_transport.close()
+
+    learner = MegatronLearner(spec, config=LearnerConfig(), options=options, lora=lora)
+    transport = SharedMemoryTransport(tempfile.mkdtemp(prefix="bench_sync_lora_", dir=shm), slots=2)
+    sync = WeightSync(learner, transport, max_bucket_bytes=bucket)
+    adapted = sorted({adapter_weight(k)[0] for k in peft_shapes(spec, lora)})
+    merged = MergedWeights(adapted)
+
+    def merge(tensors: dict) -> None:
+        if not merged.base:  # the base version: keep W0, as the engine's workers do
+            merged.keep({k: v for k, v in tensors.items() if not is_adapter_name(k)})
+        for _ in merged.merged({k: v for k, v in tensors.items() if is_adapter_name(k)}, lora.scale):
+            pass
+
+    try:
+        lora_s, merge_s = timed_syncs(sync, transport, [0] + versions, merge)
+    finally:
+        transport.close()
+    assert sync.adapter_plan is not None
+    full_bytes, adapter_bytes = full.plan.total_bytes, sync.adapter_plan.total_bytes
+    computed = {m: lora_bytes_ratio(m, LoraConfig(rank=16, alpha=32.0, targets=("attention", "experts")))
+                for m in ("qwen3_moe_30b_a3b", "deepseek_v3")}
+    t_full, t_lora = statistics.median(full_s[2:]), statistics.median(lora_s[3:])
+    return {
+        "bench": "sync", "mode": "lora", "model": spec.name, "dtype": dtype, "threads": torch.get_num_threads(),
+        "lora_rank": lora.rank, "lora_alpha": lora.alpha, "lora_targets": list(lora.targets),
+        "full_version_bytes": full_bytes, "base_version_bytes": sync.plan.total_bytes,
+        "adapter_version_bytes": adapter_bytes, "lora_bytes_ratio": round(adapter_bytes / full_bytes, 5),
+        "full_sync_seconds": round(t_full, 5), "adapter_sync_seconds": round(t_lora, 5),
+        "base_sync_seconds": round(lora_s[0], 4), "adapter_vs_full_sync_seconds_ratio": round(t_lora / t_full, 4),
+        "engine_merge_seconds": round(statistics.median(merge_s[3:]), 5),
+        "engine_w0_copy_bytes": merged.nbytes,
+        "lora_bytes_ratio_qwen3_30b_a3b": computed["qwen3_moe_30b_a3b"]["ratio"],
+        "lora_bytes_ratio_deepseek_v3": computed["deepseek_v3"]["ratio"],
+        "computed": {m: {**c, "dtype": "bfloat16", "lora_rank": 16, "lora_targets": ["attention", "experts"]}
+                     for m, c in computed.items()},
+        "note": "full = versions of a learner without adapters; adapter = versions after the base version of a "
+                "learner with adapters (the base version, sent once, carries the base weights and the adapters); "
+                "sync seconds are medians after warm-up, one learner process, CPU, shared-memory transport; "
+                "engine_merge = W0 + (alpha/r) B A of every adapted weight in one process (the arithmetic of "
+                "sync.lora_apply=merge), without vLLM's reload; computed ratios come from the bucket plans "
+                "(rank 16 on attention and routed experts, bf16)",
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--mb", type=float, default=600.0, help="model size to sync, in MB (fp32)")
@@ -253,6 +365,11 @@ def main() -> None:
     ap.add_argument("--model", default=None, help="conf/model/<name>.yaml instead of the --mb-sized model")
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
                     help="weights' dtype (default: bfloat16 with cuda_ipc, float32 otherwise)")
+    ap.add_argument("--lora", action="store_true",
+                    help="adapter-only versions against full-weight versions of the same model (see the docstring)")
+    ap.add_argument("--lora-rank", type=int, default=16, help="--lora: adapter rank (alpha = 2 * rank)")
+    ap.add_argument("--lora-targets", default="attention,experts",
+                    help="--lora: comma-separated lora.targets (attention, dense_mlp, experts, shared_experts)")
     args = ap.parse_args()
     import warnings
 
@@ -266,6 +383,12 @@ def main() -> None:
 
     if args.transport == "relay":
         print(json.dumps(bench_relay_nodes(args)))
+        return
+    if args.lora:
+        if args.transport != "shm":
+            raise SystemExit(f"--lora with --transport {args.transport}: adapter-only versions are built for the "
+                             "shared-memory transport only (sync.transport=shm)")
+        print(json.dumps(bench_lora(args)))
         return
 
     ipc = args.transport == "cuda_ipc"
