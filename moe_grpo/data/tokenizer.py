@@ -188,9 +188,12 @@ def _generation_eos(directory: str) -> Any:
 
 
 def load_tokenizer(spec: Any, hf_dir: str | None) -> ByteTokenizer | HFTokenizer:
-    """The run's tokenizer: the checkpoint's own when starting from one (`init.hf`), else the byte tokenizer."""
+    """The run's tokenizer: the checkpoint's own when starting from one (`init.hf`), else the byte tokenizer.
+
+    A run's `policy/` given as `init.hf` holds the byte tokenizer's files; it gets the byte tokenizer, which puts
+    <bos> before every prompt as the policy was trained (transformers' reading of those files does not)."""
     if hf_dir:
-        return HFTokenizer(hf_dir, spec.vocab_size)
+        return policy_tokenizer(spec, hf_dir)
     return ByteTokenizer(spec.vocab_size)
 
 

@@ -3,7 +3,7 @@
 import json
 
 from moe_grpo.data.prompts import held_out_source
-from moe_grpo.data.tokenizer import ByteTokenizer, HFTokenizer, policy_tokenizer, write_tokenizer
+from moe_grpo.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer, policy_tokenizer, write_tokenizer
 from moe_grpo.evaluation.config import EvaluateConfig
 
 
@@ -48,3 +48,15 @@ def test_a_runs_policy_gets_the_byte_tokenizer_a_checkpoint_its_own(tmp_path):
         (tmp_path / "theirs" / name).write_text((tmp_path / "ours" / name).read_text())
     (tmp_path / "theirs" / "tokenizer.json").write_text(json.dumps(other))
     assert isinstance(policy_tokenizer(spec, tmp_path / "theirs"), HFTokenizer)
+
+
+def test_training_from_a_runs_policy_encodes_prompts_as_the_policy_was_trained(tmp_path):
+    """`init.hf=<a run's policy/>`: prompts start with <bos> as in the run that trained it."""
+    from moe_grpo.config import load_model_spec
+
+    spec = load_model_spec("deepseek_moe")
+    write_tokenizer(tmp_path, spec.vocab_size)
+    tokenizer = load_tokenizer(spec, str(tmp_path))
+    assert isinstance(tokenizer, ByteTokenizer)
+    assert tokenizer.encode("abc<rev>") == ByteTokenizer(spec.vocab_size).encode("abc<rev>")
+    assert tokenizer.encode("abc")[0] == 1  # <bos>
