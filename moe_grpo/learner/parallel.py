@@ -128,6 +128,16 @@ def init_distributed(layout: ParallelLayout, *, timeout_s: float = 300.0) -> Non
     world = dist.get_world_size()
     layout.data_parallel(world)  # validates
     if parallel_state.model_parallel_is_initialized():
+        same = (parallel_state.get_tensor_model_parallel_world_size(),
+                parallel_state.get_pipeline_model_parallel_world_size(),
+                parallel_state.get_expert_model_parallel_world_size()) == \
+            (layout.tensor_parallel, layout.pipeline_parallel, layout.expert_parallel)
+        if same:
+            # Keep the groups: megatron-core's destroy_model_parallel drops its references to most groups without
+            # destroying them, so every re-initialisation in a process left ~20 gloo groups alive, each with a
+            # TCP loop thread waking constantly (a test process that built ~50 learners spent most of two cores
+            # switching between 1,100 such threads).
+            return
         parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=layout.tensor_parallel,

@@ -210,3 +210,26 @@ def test_mini_batches_take_one_optimizer_step_per_part_and_r2_replays_the_routin
 def test_more_mini_batches_than_sequences_is_refused(learner):
     with pytest.raises(ValueError, match="mini_batches=5 for 4 sequences"):
         learner.train_batch(make_sequences(tiny_spec(), n=4), mini_batches=5)
+
+
+def _gloo_loop_threads() -> int:
+    import glob
+
+    names = []
+    for path in glob.glob("/proc/self/task/*/comm"):
+        try:
+            names.append(open(path).read().strip())
+        except OSError:  # a thread that ended while listing
+            pass
+    return sum(n == "gloo_tcp_loop" for n in names)
+
+
+@pytest.mark.skipif(not __import__("os").path.isdir("/proc/self/task"), reason="needs Linux /proc to count threads")
+def test_building_learners_one_after_another_in_a_process_leaves_no_gloo_threads_behind():
+    """A test process (or a benchmark) builds many learners: each used to leave ~20 gloo groups, each with a TCP
+    loop thread waking constantly, and a suite's process ended up with 1,100 of them thrashing two cores."""
+    MegatronLearner(tiny_spec(), config=LearnerConfig(seed=1))
+    before = _gloo_loop_threads()
+    for seed in range(3):
+        MegatronLearner(tiny_spec(), config=LearnerConfig(seed=seed))
+    assert _gloo_loop_threads() == before
