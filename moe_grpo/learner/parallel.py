@@ -82,6 +82,10 @@ _store_client: Any = None
 vanish with the last Python reference (new_group then fails with "Not implemented")."""
 
 
+_groups_world: Any = None
+"""The default process group megatron-core's groups were last made from (init_distributed)."""
+
+
 def init_distributed(layout: ParallelLayout, *, timeout_s: float = 300.0) -> None:
     """Start torch.distributed (gloo on CPU, NCCL on GPU) and Megatron's model-parallel groups.
 
@@ -94,6 +98,7 @@ def init_distributed(layout: ParallelLayout, *, timeout_s: float = 300.0) -> Non
 
     from moe_grpo.learner import megatron_cpu
 
+    global _groups_world
     megatron_cpu.apply()
     import torch.distributed as dist
     from megatron.core import parallel_state
@@ -132,13 +137,15 @@ def init_distributed(layout: ParallelLayout, *, timeout_s: float = 300.0) -> Non
                 parallel_state.get_pipeline_model_parallel_world_size(),
                 parallel_state.get_expert_model_parallel_world_size()) == \
             (layout.tensor_parallel, layout.pipeline_parallel, layout.expert_parallel)
-        if same:
+        if same and _groups_world is dist.distributed_c10d._get_default_group():
             # Keep the groups: megatron-core's destroy_model_parallel drops its references to most groups without
             # destroying them, so every re-initialisation in a process left ~20 gloo groups alive, each with a
             # TCP loop thread waking constantly (a test process that built ~50 learners spent most of two cores
             # switching between 1,100 such threads).
+            # Only while the default group they were made from lives (a test may have torn it down and made another).
             return
         parallel_state.destroy_model_parallel()
+    _groups_world = dist.distributed_c10d._get_default_group()
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=layout.tensor_parallel,
         pipeline_model_parallel_size=layout.pipeline_parallel,
