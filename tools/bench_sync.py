@@ -284,11 +284,11 @@ def bench_lora(args: argparse.Namespace) -> dict:
     import torch
 
     from moe_grpo.config import load_model_spec
-    from moe_grpo.learner.lora import peft_shapes
+    from moe_grpo.learner.lora import adapter_sites
     from moe_grpo.learner.lora_config import LoraConfig
     from moe_grpo.learner.megatron_learner import LearnerConfig, MegatronLearner
     from moe_grpo.models.options import MegatronOptions
-    from moe_grpo.rollout.lora_merge import MergedWeights, adapter_weight, is_adapter_name
+    from moe_grpo.rollout.lora_merge import MergedWeights, is_adapter_name
     from moe_grpo.sync.transport import SharedMemoryTransport
     from moe_grpo.sync.weight_sync import WeightSync
 
@@ -311,8 +311,7 @@ def bench_lora(args: argparse.Namespace) -> dict:
     learner = MegatronLearner(spec, config=LearnerConfig(), options=options, lora=lora)
     transport = SharedMemoryTransport(tempfile.mkdtemp(prefix="bench_sync_lora_", dir=shm), slots=2)
     sync = WeightSync(learner, transport, max_bucket_bytes=bucket)
-    adapted = sorted({adapter_weight(k)[0] for k in peft_shapes(spec, lora)})
-    merged = MergedWeights(adapted)
+    merged = MergedWeights([hf for m in adapter_sites(spec, lora).values() for hf in m.hf])  # as VllmEngine does
 
     def merge(tensors: dict) -> None:
         if not merged.base:  # the base version: keep W0, as the engine's workers do
@@ -381,14 +380,14 @@ def main() -> None:
     from moe_grpo.sync.transport import SharedMemoryTransport
     from moe_grpo.sync.weight_sync import WeightSync
 
-    if args.transport == "relay":
-        print(json.dumps(bench_relay_nodes(args)))
-        return
     if args.lora:
         if args.transport != "shm":
             raise SystemExit(f"--lora with --transport {args.transport}: adapter-only versions are built for the "
                              "shared-memory transport only (sync.transport=shm)")
         print(json.dumps(bench_lora(args)))
+        return
+    if args.transport == "relay":
+        print(json.dumps(bench_relay_nodes(args)))
         return
 
     ipc = args.transport == "cuda_ipc"

@@ -1,6 +1,7 @@
 """The learner's step on one process: recompute + replay, non-finite guard, checkpoints, config errors."""
 
 import math
+import os
 
 import numpy as np
 import pytest
@@ -224,7 +225,7 @@ def _gloo_loop_threads() -> int:
     return sum(n == "gloo_tcp_loop" for n in names)
 
 
-@pytest.mark.skipif(not __import__("os").path.isdir("/proc/self/task"), reason="needs Linux /proc to count threads")
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="needs Linux /proc to count threads")
 def test_building_learners_one_after_another_in_a_process_leaves_no_gloo_threads_behind():
     """A test process (or a benchmark) builds many learners: each used to leave ~20 gloo groups, each with a TCP
     loop thread waking constantly, and a suite's process ended up with 1,100 of them thrashing two cores."""
