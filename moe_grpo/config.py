@@ -96,6 +96,10 @@ class RunConfig:
             raise ValueError(f"lora.rank={self.lora.rank} with sync.transport={self.sync.transport}: adapter-only "
                              "versions go through shared memory on one host only (sync.transport=shm or auto on one "
                              "host); the relay's receivers and the CUDA IPC buffers hold one plan for every version")
+        if self.lora.enabled and self.sync.lora_apply == "serve":
+            from moe_grpo.rollout.lora_serving import max_lora_rank
+
+            max_lora_rank(self.lora.rank)  # vLLM's limit, refused here rather than when the engines start
         if self.mode not in ("sync", "async"):
             raise ValueError(f"mode={self.mode!r}, expected 'async' or 'sync'")
         if self.mode == "async" and self.algo.max_staleness < self.algo.sync_every:

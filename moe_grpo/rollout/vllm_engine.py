@@ -289,8 +289,9 @@ class VllmEngine:
         `extension=False` starts vLLM without the worker extension at all (no capture, no weight
         loads: the baseline of bench_capture). `request_timeout_s` bounds every call into vLLM.
         `lora`: the run's LoraConfig; with rank > 0 the engine takes LoRA versions (base once, then adapters
-        only), applied as `lora_apply` says ('merge': rollout/lora_merge.py); `model_dir` then holds the frozen
-        base and, in `model_dir/adapter` (PEFT format), the adapters of the version it starts on."""
+        only), applied as `lora_apply` says ('merge': rollout/lora_merge.py; 'serve': vLLM's LoRA serving,
+        rollout/lora_serving.py); `model_dir` then holds the frozen base and, in `model_dir/adapter` (PEFT
+        format), the adapters of the version it starts on."""
         import torch
 
         if routing_source not in ("auto", "extension", "native"):
@@ -299,12 +300,17 @@ class VllmEngine:
             raise ValueError(f"on_update={on_update!r}, expected 'keep' (pause, load, resume) or 'abort' (resubmit)")
         if capture and not extension and routing_source != "native":
             raise ValueError("capture=True needs the worker extension (extension=True) or routing_source='native'")
-        if lora is not None and lora.enabled and lora_apply != "merge":
-            raise ValueError(f"lora_apply={lora_apply!r}: this engine applies adapters by merging only ('merge')")
+        if lora is not None and lora.enabled and lora_apply not in ("merge", "serve"):
+            raise ValueError(f"lora_apply={lora_apply!r}, expected 'merge' or 'serve'")
         if lora is not None and lora.enabled and not extension:
-            raise ValueError("lora with extension=False: merging adapters needs the worker extension")
+            raise ValueError("lora with extension=False: the worker extension merges adapters ('merge') and keeps "
+                             "vLLM's CPU MoE kernel with LoRA on ('serve')")
         self.lora = lora if lora is not None and lora.enabled else None
         """The adapters' LoraConfig (None: full-weight versions only)."""
+        self.lora_apply = lora_apply if self.lora is not None else None
+        """'merge', 'serve' (how adapter versions are applied) or None without LoRA."""
+        self._served: Any = None
+        """The adapters vLLM serves ('serve' only; lora_serving.ServedAdapters)."""
         self.lora_base_bytes = 0
         """Host memory each worker holds for the exact copy of W0 of the adapted weights (merge)."""
         self.spec, self.model_dir, self.max_model_len = spec, str(model_dir), max_model_len
@@ -336,6 +342,16 @@ class VllmEngine:
             self._engine_args["worker_extension_cls"] = EXTENSION
         if max_num_batched_tokens is not None:
             self._engine_args.update(max_num_batched_tokens=max_num_batched_tokens, enable_chunked_prefill=True)
+        if self.lora_apply == "serve":
+            from moe_grpo.rollout import lora_serving
+
+            lora_serving.check_servable(self.lora.targets, torch.cuda.is_available())
+            self._engine_args.update(
+                enable_lora=True, max_lora_rank=lora_serving.max_lora_rank(self.lora.rank),
+                max_loras=lora_serving.MAX_SERVED_ADAPTERS, max_cpu_loras=2 * lora_serving.MAX_SERVED_ADAPTERS,
+                lora_target_modules=lora_serving.target_modules(self._adapted_hf()))
+            self._served = lora_serving.ServedAdapters.under("/dev/shm" if os.path.isdir("/dev/shm") else None,
+                                                             self.engine_id)
         if self.native:
             # vLLM's own capture (it also needs prefix caching on, and Model Runner V2).
             os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "1")
@@ -411,14 +427,24 @@ class VllmEngine:
             self._lora_start()
 
     # ------------------------------------------------------------------ LoRA
-    def _lora_start(self) -> None:
-        """Keep W0 in the workers (from the start directory, the frozen base) and serve the start directory's
-        adapter, if it has one (the version the engine starts on)."""
+    def _adapted_hf(self) -> list[str]:
+        """The HF weights the run's adapters change."""
         from moe_grpo.learner.lora import adapter_sites
 
-        adapted = [hf for m in adapter_sites(self.spec, self.lora).values() for hf in m.hf]
+        return [hf for m in adapter_sites(self.spec, self.lora).values() for hf in m.hf]
+
+    def _lora_start(self) -> None:
+        """Serve the start directory's adapter, if it has one (the version the engine starts on); merging first
+        keeps W0 in the workers (from the start directory, the frozen base)."""
         try:
-            self.lora_base_bytes = int(self._rpc("moe_grpo_lora_setup", (adapted, self.model_dir))[0])
+            if self._served is not None:
+                self._served.reset()  # a (re)started vLLM holds no adapters
+                directory = self._start_adapter_dir()
+                if directory is not None:
+                    adapter = self._served.prepare(self.policy_version, directory)
+                    self._call(self._serve(adapter, self.policy_version, self.weight_source), "the start adapter")
+                return
+            self.lora_base_bytes = int(self._rpc("moe_grpo_lora_setup", (self._adapted_hf(), self.model_dir))[0])
             rpcs = self._dir_adapter_rpcs()
             if rpcs:
                 self._call(self._load(rpcs, self.policy_version, self.weight_source), "the start adapter")
@@ -426,18 +452,97 @@ class VllmEngine:
             self.shutdown(stop_loop=False, kill=True, reason="its LoRA setup failed")
             raise EngineError(f"engine {self.engine_id}: LoRA setup from {self.model_dir} failed: {e}") from e
 
-    def _dir_adapter_rpcs(self) -> list[tuple[str, tuple]]:
-        """The calls that apply `model_dir/adapter` (a PEFT adapter), checked against `self.lora`; none without."""
+    def _start_adapter_dir(self) -> Path | None:
+        """`model_dir/adapter` (a PEFT adapter) checked against `self.lora`, or None if the directory has none."""
         from moe_grpo.checkpoint.peft import ADAPTER_WEIGHTS, adapter_scale, read_adapter_config
 
         directory = Path(self.model_dir) / START_ADAPTER
         if not (directory / ADAPTER_WEIGHTS).exists():
-            return []
+            return None
         scale = adapter_scale(read_adapter_config(directory))
         if abs(scale - self.lora.scale) > 1e-12 * max(1.0, abs(scale)):
             raise EngineError(f"engine {self.engine_id}: {directory} has scale lora_alpha/r={scale}, expected "
                               f"lora.alpha/lora.rank={self.lora.scale}")
-        return self._adapter_rpcs([{"kind": "safetensors", "path": str(directory / ADAPTER_WEIGHTS)}], scale)
+        return directory
+
+    def _dir_adapter_rpcs(self) -> list[tuple[str, tuple]]:
+        """Merge mode: the calls that apply `model_dir/adapter`; none without one."""
+        from moe_grpo.checkpoint.peft import ADAPTER_WEIGHTS
+
+        directory = self._start_adapter_dir()
+        if directory is None:
+            return []
+        return self._adapter_rpcs([{"kind": "safetensors", "path": str(directory / ADAPTER_WEIGHTS)}], self.lora.scale)
+
+    async def _serve(self, adapter: Any, version: int, source: Any) -> None:
+        """Serve mode: have vLLM load `adapter` (the one served so far stays until it has), then make it the
+        one new requests use; with `on_update=abort` requests in flight are aborted and resubmitted on it."""
+        llm, task = self.llm, asyncio.current_task()
+        self._tasks.add(task)  # a shutdown or restart ends it
+        try:
+            try:
+                if not await llm.add_lora(adapter.request):
+                    raise EngineError(f"engine {self.engine_id}: vLLM did not take the adapter of version {version}")
+            except BaseException:
+                self._served.discard(adapter)
+                raise
+            abort = self.on_update == "abort"
+            if abort:
+                self._updating.clear()
+                await llm.pause_generation(mode="abort", clear_cache=False)
+            try:
+                idle = self._served.switch(adapter)
+                self.policy_version, self.weight_source = int(version), source
+            finally:
+                if abort:
+                    if process_alive(self.worker_pid):
+                        await llm.resume_generation()
+                    self._updating.set()
+            await self._retire(idle)
+        finally:
+            self._tasks.discard(task)
+
+    async def _retire(self, idle: list[Any]) -> None:
+        """Drop adapters no request uses any more from vLLM and from disk (best effort: one left over only
+        holds memory until vLLM's cache evicts it)."""
+        for adapter in idle:
+            try:
+                if self.llm is not None:
+                    await self.llm.remove_lora(adapter.request.lora_int_id)
+            except Exception:  # noqa: BLE001
+                pass
+            self._served.discard(adapter)
+
+    def _published_adapter(self, slot: str, plan: Any, sources: list[dict] | None, version: int) -> Any:
+        """Serve mode: the adapter of a published version, written as a PEFT directory from its buckets."""
+        import contextlib
+
+        from moe_grpo.rollout.lora_merge import is_adapter_name
+        from moe_grpo.sync.transports import open_bucket
+
+        if sources is None:
+            from moe_grpo.sync.transport import shm_bucket_sources
+
+            sources = shm_bucket_sources(slot, plan)
+        if getattr(plan, "lora", None) is None:
+            raise EngineError(f"engine {self.engine_id} serves LoRA adapters (sync.lora_apply=serve); version "
+                              f"{version} has full weights")
+        base = sorted({e[0] for s in sources for e in s["entries"] if not is_adapter_name(e[0])})
+        if base:
+            raise EngineError(f"engine {self.engine_id} (sync.lora_apply=serve) takes its base weights from its start "
+                              f"directory only; version {version} carries {len(base)} base weights (e.g. {base[0]}): "
+                              "start the engine from that version's start directory")
+        with contextlib.ExitStack() as stack:
+            state: dict = {}
+            for source in sources:
+                state.update(stack.enter_context(open_bucket(source)))
+            return self._served.prepare(version, state=state, spec=self.spec, lora=self.lora)
+
+    def _apply_published(self, slot: str, plan: Any, sources: list[dict] | None, version: int) -> Awaitable[None]:
+        """The coroutine that makes the engine serve a published version (bucket sources as in `_bucket_rpcs`)."""
+        if self._served is not None:
+            return self._serve(self._published_adapter(slot, plan, sources, version), version, (slot, plan, sources))
+        return self._load(self._bucket_rpcs(slot, plan, sources), version, (slot, plan, sources))
 
     def _adapter_rpcs(self, sources: list[dict], scale: float) -> list[tuple[str, tuple]]:
         """How a version's adapters reach the served weights (`sync.lora_apply`); the one place another way to
@@ -513,8 +618,7 @@ class VllmEngine:
                 raise EngineError(f"engine {self.engine_id}: {self.broken}")
             if isinstance(self.weight_source, tuple):
                 try:
-                    self._call(self._load(self._bucket_rpcs(*self.weight_source), version, self.weight_source),
-                               "restore", timeout_s)
+                    self._call(self._apply_published(*self.weight_source, version), "restore", timeout_s)
                 except Exception as e:
                     self.broken = f"restarted but could not reload version {version} ({e}); sync a full version"
                     raise EngineError(f"engine {self.engine_id}: {self.broken}") from e
@@ -620,8 +724,11 @@ class VllmEngine:
         final, task = None, asyncio.current_task()
         self._inflight[request_id] = task
         self.stats["requests"] += 1
+        adapter = self._served.acquire() if self._served is not None else None
+        version = adapter.version if adapter is not None else self.policy_version
         try:
-            async for out in self.llm.generate({"prompt_token_ids": prompt}, params, request_id=request_id):
+            async for out in self.llm.generate({"prompt_token_ids": prompt}, params, request_id=request_id,
+                                               lora_request=adapter.request if adapter is not None else None):
                 final = out
         except asyncio.CancelledError:
             if self._closing:
@@ -631,6 +738,8 @@ class VllmEngine:
             raise self._failure(e, f"generation of request {request_id}") from e
         finally:
             self._inflight.pop(request_id, None)
+            if self._served is not None:
+                await self._retire(self._served.release(adapter))
             routing = await self._pop_routing([f"{request_id}-"])  # freed however the request ended
         ids = np.asarray(prompt, np.int64)
         if final is None or not final.outputs:
@@ -638,7 +747,10 @@ class VllmEngine:
         c = final.outputs[0]
         tokens = np.asarray(c.token_ids, dtype=np.int64)
         lps = np.asarray([c.logprobs[j][int(t)].logprob for j, t in enumerate(tokens)], dtype=np.float32)
-        versions = versions_from_spans(getattr(c, "weight_versions", None), len(tokens), self.policy_version)
+        if self._served is not None:  # every token of a served-adapter request is of the adapter it started on
+            versions = np.full(len(tokens), version, dtype=np.int64)
+        else:
+            versions = versions_from_spans(getattr(c, "weight_versions", None), len(tokens), self.policy_version)
         finish = str(c.finish_reason or "")
         n_pos = len(ids) + len(tokens) - 1
         trace, error = None, None
@@ -714,9 +826,11 @@ class VllmEngine:
             self._check_serving()
             task = asyncio.current_task()
             self._tasks.add(task)
+            adapter = self._served.acquire() if self._served is not None else None
             try:
                 async for out in self.llm.generate({"prompt_token_ids": [int(t) for t in seq]}, params,
-                                                   request_id=request_id):
+                                                   request_id=request_id,
+                                                   lora_request=adapter.request if adapter is not None else None):
                     final = out
             except asyncio.CancelledError:
                 if self._closing:
@@ -724,6 +838,8 @@ class VllmEngine:
                 raise
             finally:
                 self._tasks.discard(task)
+                if self._served is not None:
+                    await self._retire(self._served.release(adapter))
                 await self._pop_routing([f"{request_id}-"])  # scoring must not leave routing buffers behind
             lps = final.prompt_logprobs[1:]
             return np.asarray([lp[int(t)].logprob for lp, t in zip(lps, seq[1:])], dtype=np.float32)
@@ -791,6 +907,10 @@ class VllmEngine:
 
         from moe_grpo.rollout.export import weight_buckets
 
+        if self._served is not None:
+            raise EngineError(f"engine {self.engine_id} (sync.lora_apply=serve) takes adapter versions only; its base "
+                              "weights come from its start directory")
+
         shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
         paths = []
         try:
@@ -824,9 +944,11 @@ class VllmEngine:
         if not process_alive(self.worker_pid):
             raise EngineError(f"engine {self.engine_id}: process {self.worker_pid} is dead (version {version} not sent)")
         try:
-            self._call(self._load(self._bucket_rpcs(slot, plan, sources), version, (slot, plan, sources)),
-                       f"load of version {version}", timeout_s)
+            self._call(self._apply_published(slot, plan, sources, version), f"load of version {version}", timeout_s)
         except Exception as e:
+            if self._served is not None and not self.closing:  # nothing served changed: no rollback
+                raise EngineError(f"engine {self.engine_id}: loading version {version} failed ({e}); still serving "
+                                  f"version {self.policy_version}") from e
             if self.closing:  # a restart or shutdown stopped it; a restart brings back the version served
                 raise EngineError(f"engine {self.engine_id}: loading version {version} was stopped: "
                                   f"{self.closing}") from e
@@ -844,8 +966,7 @@ class VllmEngine:
         if self.weight_source is None:
             raise EngineError(f"no copy of version {self.policy_version} to roll back to (it was loaded from memory)")
         if isinstance(self.weight_source, tuple):
-            self._call(self._load(self._bucket_rpcs(*self.weight_source), self.policy_version, self.weight_source),
-                       "rollback", timeout_s)
+            self._call(self._apply_published(*self.weight_source, self.policy_version), "rollback", timeout_s)
             return
         from moe_grpo.checkpoint.hf_io import SafetensorsDir
 
@@ -943,6 +1064,8 @@ class VllmEngine:
         self.last_shutdown = {"killed": sorted(set(killed)), "unresponsive": unresponsive, "hard": hard,
                               "shm_removed": sorted(removed), "processes_left": left,
                               "seconds": time.perf_counter() - t0, "phases": phases}
+        if stop_loop and self._served is not None:
+            self._served.close()
         if stop_loop and self._loop.is_running():
             self._loop.call_soon_threadsafe(self._loop.stop)
         return self.last_shutdown

@@ -22,6 +22,17 @@ so DeepSeek-V2/V3 served on CPU drifted 0.01 nats from transformers with every l
 vLLM's own PyTorch implementation (`forward_native`) and writes the result back in place, as the
 kernel does. `CustomOp` binds the forward at construction, so modules built before the patch
 are rebound by `rebind_rotary(model)`. 2-D and single-head inputs keep the kernel.
+
+cpu_moe_without_expert_lora: with LoRA enabled, `select_unquantized_moe_backend`
+(model_executor/layers/fused_moe/oracle/unquantized.py) picks the Triton MoE kernel for every
+MoE layer, because `FusedMoEConfig.is_lora_enabled` is set whenever the engine has a LoRA
+config (fused_moe/layer.py), whether or not the experts carry adapters. Triton has no CPU
+backend, so on CPU no MoE model starts with `enable_lora`. When the deploy-time
+`LoRAConfig.target_modules` leaves the routed experts out (no `experts` suffix), vLLM's LoRA
+manager never wraps them (lora/model_manager.py `_create_lora_modules`), so their kernel needs
+no LoRA support: the patch clears `is_lora_enabled` for those layers on CPU, which keeps the
+CPU experts kernel. Routed-expert adapters stay unservable on CPU (the CPU punica wrapper has
+no fused-MoE LoRA op); the engine refuses them before vLLM starts.
 """
 
 from __future__ import annotations
@@ -107,6 +118,41 @@ def rebind_rotary(model: Any) -> int:
             module._forward_method = module.forward_cpu
             n += 1
     return n
+
+
+EXPERT_LORA_MODULE = "experts"
+"""The module-name suffix of vLLM's routed experts in `LoRAConfig.target_modules`."""
+
+
+def apply_cpu_moe_without_expert_lora() -> bool:
+    """Install the MoE-backend patch in this process (before the model is built). Returns False if installed."""
+    if "cpu_moe_without_expert_lora" in _applied:
+        return False
+    _check_version()
+    from vllm.model_executor.layers.fused_moe.config import FusedMoEConfig
+
+    original = FusedMoEConfig.__post_init__
+
+    def __post_init__(self):  # type: ignore[no-untyped-def]
+        original(self)
+        if self.is_lora_enabled and not _experts_lora_targeted():
+            self.is_lora_enabled = False
+
+    FusedMoEConfig.__post_init__ = __post_init__
+    _applied["cpu_moe_without_expert_lora"] = (FusedMoEConfig, "__post_init__", original)
+    return True
+
+
+def _experts_lora_targeted() -> bool:
+    """Whether the engine being built may put LoRA on routed experts (True off CPU: the patch changes nothing)."""
+    from vllm.config import get_current_vllm_config
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return True
+    lora = get_current_vllm_config().lora_config
+    targets = None if lora is None else lora.target_modules
+    return targets is None or EXPERT_LORA_MODULE in targets
 
 
 def revert(name: str) -> bool:

@@ -24,6 +24,13 @@ from typing import Any
 
 import numpy as np
 
+from moe_grpo.rollout import vllm_patches
+
+# vLLM imports this module in its engine process before it builds the model, and an MoE layer picks its kernel
+# while it is built: this is the one point early enough for the MoE-backend patch (a no-op without LoRA, off CPU,
+# or when the routed experts are LoRA targets).
+vllm_patches.apply_cpu_moe_without_expert_lora()
+
 
 class RoutingCaptureExtension:
     """Mixed into vLLM's worker class; methods are called through `collective_rpc`."""

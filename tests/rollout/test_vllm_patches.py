@@ -65,3 +65,39 @@ def test_cpu_rotary_patch_keeps_the_kernel_for_flat_inputs(rope):
     finally:
         if installed:
             vllm_patches.revert("cpu_rotary_multihead_3d")
+
+
+def _moe_backend(lora_targets: list[str]) -> tuple[bool, str]:
+    """(is_lora_enabled, the backend vLLM picks) of an MoE layer built under a LoRA config with `lora_targets`."""
+    from vllm.config import LoRAConfig, VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.fused_moe.activation import MoEActivation
+    from vllm.model_executor.layers.fused_moe.config import (FusedMoEConfig, FusedMoEParallelConfig,
+                                                             RoutingMethodType)
+    from vllm.model_executor.layers.fused_moe.oracle.unquantized import select_unquantized_moe_backend
+
+    config = VllmConfig()
+    config.lora_config = LoRAConfig(max_lora_rank=8, target_modules=lora_targets)  # as enable_lora sets it
+    with set_current_vllm_config(config):
+        moe = FusedMoEConfig(num_experts=8, experts_per_token=2, hidden_dim=64, intermediate_size=32,
+                             num_local_experts=8, num_logical_experts=8, activation=MoEActivation.SILU, device="cpu",
+                             routing_method=RoutingMethodType.Renormalize,
+                             moe_parallel_config=FusedMoEParallelConfig.make_no_parallel(), in_dtype=torch.float32,
+                             is_lora_enabled=True)
+        return moe.is_lora_enabled, select_unquantized_moe_backend(moe)[0].value
+
+
+def test_cpu_moe_with_lora_picks_triton_without_the_patch_and_the_cpu_kernel_with_it():
+    """Without the patch an engine with LoRA on could not build any MoE layer on CPU (Triton has no CPU backend)."""
+    from moe_grpo.rollout import vllm_patches
+
+    was_installed = vllm_patches.revert("cpu_moe_without_expert_lora")  # worker_extension's import installs it
+    try:
+        assert _moe_backend(["q_proj", "o_proj"]) == (True, "TRITON"), "vLLM keeps the CPU kernel: drop the patch"
+        vllm_patches.apply_cpu_moe_without_expert_lora()
+        assert _moe_backend(["q_proj", "o_proj"]) == (False, "CPU")
+        # Experts that are LoRA targets keep vLLM's choice (the engine refuses them on CPU before vLLM starts).
+        assert _moe_backend(["q_proj", "experts"]) == (True, "TRITON")
+    finally:
+        vllm_patches.revert("cpu_moe_without_expert_lora")
+        if was_installed:
+            vllm_patches.apply_cpu_moe_without_expert_lora()
