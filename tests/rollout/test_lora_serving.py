@@ -111,6 +111,28 @@ def test_requests_in_flight_finish_on_the_adapter_they_started_on(served):
     assert _gap(_scores(engine, seqs), learner.logprobs(seqs)) < TOLERANCE
 
 
+def test_with_abort_a_request_in_flight_goes_on_under_the_new_adapter(served, monkeypatch):
+    """on_update=abort: the request in flight is aborted at the switch and resubmitted on the new adapter; its tokens
+    are stamped with the version each part was sampled under."""
+    from moe_grpo.rollout.types import SamplingSettings
+    from moe_grpo.sync.deliver import apply_version
+
+    engine, learner, sync, transport, seqs, _ = served
+    monkeypatch.setattr(engine, "on_update", "abort")
+    old, resubmitted = engine.policy_version, engine.stats["resubmitted"]
+    learner.train_step(seqs, replay=False)
+    sync.sync(old + 1).wait()
+    sampling = SamplingSettings(n=1, temperature=1.0, max_tokens=500, stop_token_ids=(), seed=5)
+    long = engine.submit(list(seqs[1].tokens[:3]), sampling)
+    time.sleep(0.5)
+    assert not long.done(), "the request must still be running when the version arrives"
+    apply_version(engine, transport, old + 1)
+    done = long.result(120)[0]
+    versions = done.versions.tolist()
+    assert len(versions) == 500 and engine.stats["resubmitted"] == resubmitted + 1
+    assert versions[0] == old and versions[-1] == old + 1 and versions == sorted(versions)
+
+
 def test_a_version_vllm_cannot_load_or_with_base_weights_leaves_the_engine_on_its_version(served, monkeypatch):
     from moe_grpo.sync.deliver import apply_version
     from moe_grpo.sync.transport import SyncError
