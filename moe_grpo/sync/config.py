@@ -40,8 +40,9 @@ class SyncConfig:
     exact copy of W0 of every adapted weight (host memory: those weights' bytes) and reloads W0 + (alpha/r) B A
     computed from it (rollout/lora_merge.py); 'serve': each version's adapters become a vLLM LoRA adapter that new
     requests carry, the base weights untouched (rollout/lora_serving.py; on CPU not for `lora.targets` with
-    'experts', which vLLM 0.32 cannot serve there). 'merge' is the default: it serves routed-expert adapters on
-    every platform, and both match the learner's log-probs to within 1e-6 (tests/rollout/test_lora_*.py)."""
+    'experts', which vLLM 0.32 cannot serve there). 'merge' is the default: on CPU served adapters took 1.87x
+    the time per token of merged weights (tools/bench_lora_apply.py), merging serves routed-expert adapters, and
+    both match the learner's log-probs to within 1e-6 (tests/rollout/test_lora_*.py)."""
 
     def __post_init__(self) -> None:
         if self.transport not in TRANSPORTS:
