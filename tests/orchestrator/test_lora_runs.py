@@ -1,6 +1,9 @@
-"""Async runs with LoRA adapters and adapter-only weight sync, merged in the engine (sync.lora_apply=merge).
+"""Async runs with LoRA adapters and adapter-only weight sync, merged in the engine (sync.lora_apply=merge) or served
+by vLLM (serve).
 
 One run per family and layout (Qwen3-MoE at EP=2 with in-flight updates 'keep', DeepSeek-V3 at TP=2 with 'abort'),
+merged, and one DeepSeek-V3 run at TP=2 with 'keep' whose adapters vLLM serves (no routed-expert targets: vLLM 0.32
+cannot serve those on CPU),
 from transformers-written checkpoints and a random PEFT adapter (non-zero A and B, so an engine that ignored the
 adapters would be far off). Each family at each layout is also checked without a run: adapter shard placement in
 tests/sync/test_adapter_sync.py (bit-exact), the merge against the learner in tests/rollout/test_lora_merge.py.
@@ -34,20 +37,23 @@ def checkpoints(tmp_path_factory):
     return {kind: make_checkpoint(kind, root / kind) for kind in ("qwen3_moe", "deepseek_v3")}, root
 
 
-def lora_run(hf, cache, layout, on_update, adapter=None, targets=None):
+def lora_run(hf, cache, layout, on_update, adapter=None, targets=None, lora_apply="merge"):
     tp, ep = (2, 1) if layout == "TP=2" else (1, 2)
     lora = {"rank": 4, "alpha": 8.0, **({"targets": list(targets)} if targets else {})}
     tree = {"steps": 3, "warm_start_steps": 0, "eval_every": 0, "mode": "async",
             "init": {"hf": hf, "cache_dir": str(cache), **({"adapter": adapter} if adapter else {})},
             "parallel": {"tensor_parallel": tp, "expert_parallel": ep}, "lora": lora,
             "cluster": {"learner_cpus": 0.5, "engine_cpus": 1.0}, "algo": {"prompts_per_step": 4, "group_size": 4},
-            "learner": {"lr": 1e-2}, "rollout": {"max_tokens": 8, "max_num_seqs": 32, "on_update": on_update}}
+            "learner": {"lr": 1e-2}, "rollout": {"max_tokens": 8, "max_num_seqs": 32, "on_update": on_update},
+            "sync": {"lora_apply": lora_apply}}
     return from_hydra(tree)
 
 
-@pytest.mark.parametrize("kind,layout,on_update", [("qwen3_moe", "EP=2", "keep"), ("deepseek_v3", "TP=2", "abort")])
+@pytest.mark.parametrize("kind,layout,on_update,lora_apply", [("qwen3_moe", "EP=2", "keep", "merge"),
+                                                              ("deepseek_v3", "TP=2", "abort", "merge"),
+                                                              ("deepseek_v3", "TP=2", "keep", "serve")])
 def test_an_async_lora_run_sends_the_base_once_and_engines_match_the_learner(checkpoints, kind, layout, on_update,
-                                                                            tmp_path):
+                                                                            lora_apply, tmp_path):
     import lora_scenarios as L
     from moe_grpo.checkpoint.peft import write_peft_adapter
     from moe_grpo.orchestrator.driver import train
@@ -56,17 +62,19 @@ def test_an_async_lora_run_sends_the_base_once_and_engines_match_the_learner(che
     paths, root = checkpoints
     # DeepSeek-V3's MLA attention adapters need TP=1 in the learner (learner/lora.py)
     targets = ("dense_mlp", "experts", "shared_experts") if kind == "deepseek_v3" and layout == "TP=2" else None
-    run = lora_run(paths[kind], root / "cache", layout, on_update, targets=targets)
+    if lora_apply == "serve":
+        targets = ("dense_mlp", "shared_experts")
+    run = lora_run(paths[kind], root / "cache", layout, on_update, targets=targets, lora_apply=lora_apply)
     write_peft_adapter(tmp_path / "adapter", L.random_adapter_state(run.model, run.lora, b_std=0.02), run.model,
                        run.lora)
-    run = lora_run(paths[kind], root / "cache", layout, on_update, str(tmp_path / "adapter"), targets)
+    run = lora_run(paths[kind], root / "cache", layout, on_update, str(tmp_path / "adapter"), targets, lora_apply)
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     summary = train(run, run_dir)
     rows = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
     adapter_bytes = plan_buckets(run.model, "float32", lora=run.lora, base=False).total_bytes
     base_bytes = plan_buckets(run.model, "float32").total_bytes
-    print(kind, layout, on_update, f"adapter version {adapter_bytes} B, base {base_bytes} B;",
+    print(kind, layout, on_update, lora_apply, f"adapter version {adapter_bytes} B, base {base_bytes} B;",
           [(r["step"], r["sync/bytes"], round(r["sync/seconds"], 4), r["mismatch/kl"], r["mismatch/probe_version"],
             r["train/rollout_kl"]) for r in rows])
     assert summary["steps"] == 3 and all(r["replay/applied"] == 1.0 for r in rows)
