@@ -97,7 +97,8 @@ class ServedAdapters:
         if owned:
             from moe_grpo.checkpoint.peft import write_peft_adapter
 
-            directory = write_peft_adapter(self.root / f"v{version}-{lora_id}", state, spec, lora)
+            # Routed experts (served on GPU only) one module adapter per expert, the form vLLM's MoE LoRA reads.
+            directory = write_peft_adapter(self.root / f"v{version}-{lora_id}", state, spec, lora, experts="per_expert")
         request = LoRARequest(f"moe_grpo-v{version}-{lora_id}", lora_id, str(directory))
         return ServedAdapter(version, request, Path(directory), owned)
 

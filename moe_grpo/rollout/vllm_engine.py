@@ -372,7 +372,12 @@ class VllmEngine:
         self._thread = threading.Thread(target=self._loop.run_forever, name=f"moe_grpo-{self.engine_id}", daemon=True)
         self._thread.start()
         self.llm: Any = None
-        self._start()
+        try:
+            self._start()
+        except BaseException:
+            if self._served is not None:  # no engine object reaches the caller: its adapter directory goes now
+                self._served.close()
+            raise
 
     # ------------------------------------------------------------------ plumbing
     def _call(self, coro: Awaitable[Any], what: str, timeout_s: float | None = None) -> Any:
