@@ -550,8 +550,8 @@ class VllmEngine:
         return self._load(self._bucket_rpcs(slot, plan, sources), version, (slot, plan, sources))
 
     def _adapter_rpcs(self, sources: list[dict], scale: float) -> list[tuple[str, tuple]]:
-        """How a version's adapters reach the served weights (`sync.lora_apply`); the one place another way to
-        apply them plugs in. `sources`: the adapter buckets (`bucket_sources`) or a PEFT safetensors file, whose
+        """Merge mode: how a version's adapters reach the served weights ('serve' goes through `_serve` instead).
+        `sources`: the adapter buckets (`bucket_sources`) or a PEFT safetensors file, whose
         tensors are PEFT names -> whole A / B; `scale`: alpha / r. 'merge': each worker computes W0 + scale B @ A
         from its copy of W0 and reloads those weights (`worker_extension.moe_grpo_apply_adapter`)."""
         return [("moe_grpo_merge_adapter", (sources, float(scale)))]
