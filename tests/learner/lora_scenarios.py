@@ -67,3 +67,35 @@ def lora_sync(tp: int, ep: int, pp: int, spec_changes: dict, lora_changes: dict,
     first = sync.sync(0).wait().metrics()
     second = sync.sync(1).wait().metrics()
     return {"base": first, "adapter": second}
+
+
+def lora_start(spec, lora, root):
+    """A one-rank LoRA learner with a random non-zero adapter, its WeightSync through shared memory at `root/shm`
+    with the base version (0) published, and that version's engine start directory. Returns (learner, sync,
+    transport, sequences, the base model's log-probs of them, start directory)."""
+    from pathlib import Path
+
+    from moe_grpo.checkpoint.peft import write_peft_adapter
+    from moe_grpo.learner.megatron_learner import LearnerConfig, MegatronLearner
+    from moe_grpo.rollout.export import export_lora_version
+    from moe_grpo.sync.transport import SharedMemoryTransport
+    from moe_grpo.sync.weight_sync import WeightSync
+
+    root = Path(root)
+    learner = MegatronLearner(spec, config=LearnerConfig(micro_batch_size=4, lr=1e-2, seed=11), lora=lora)
+    seqs = make_sequences(spec, n=4, with_routing=False)
+    base_lp = learner.logprobs(seqs)  # B = 0: the base model
+    write_peft_adapter(root / "adapter", random_adapter_state(spec, lora), spec, lora)
+    learner.load_adapter(str(root / "adapter"))
+    transport = SharedMemoryTransport(str(root / "shm"))
+    sync = WeightSync(learner, transport, max_bucket_bytes=1 << 20)
+    sync.sync(0)
+    start, _ = export_lora_version(spec, lora, transport.read_version(0), root / "model_v0")
+    return learner, sync, transport, seqs, base_lp, start
+
+
+def logprob_gap(a, b) -> float:
+    """Largest |a - b| over lists of per-token log-prob arrays."""
+    import numpy as np
+
+    return max(float(np.abs(np.asarray(x) - np.asarray(y)).max()) for x, y in zip(a, b))

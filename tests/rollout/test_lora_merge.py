@@ -4,9 +4,7 @@ One engine on the default tiny model (deepseek_moe, 4 layers) starts from a base
 (frozen base + the version's PEFT adapter, non-zero A and B) and takes adapter-only versions from a one-rank
 LoRA learner's WeightSync through shared memory."""
 
-import time
 
-import numpy as np
 import pytest
 import torch
 
@@ -42,32 +40,18 @@ def lora_engine(tmp_path_factory):
     """(engine, learner, WeightSync, transport, sequences, base log-probs) on one random non-zero adapter."""
     # vLLM's presence is checked by tests/conftest.py for every `vllm`-marked test before its fixtures start
     # (importing `conftest` here could find tests/faults/conftest.py first, as it did in a whole-suite run).
-    from moe_grpo.checkpoint.peft import write_peft_adapter
-    from moe_grpo.learner.megatron_learner import LearnerConfig, MegatronLearner
-    from moe_grpo.rollout.export import export_lora_version
     from moe_grpo.rollout.vllm_engine import VllmEngine
-    from moe_grpo.sync.transport import SharedMemoryTransport
-    from moe_grpo.sync.weight_sync import WeightSync
 
     root = tmp_path_factory.mktemp("lora_merge")
     spec, lora = S.tiny_spec(), L.lora_config()
-    learner = MegatronLearner(spec, config=LearnerConfig(micro_batch_size=4, lr=1e-2, seed=11), lora=lora)
-    seqs = S.make_sequences(spec, n=4, with_routing=False)
-    base_lp = learner.logprobs(seqs)  # B = 0: the base model
-    write_peft_adapter(root / "adapter", L.random_adapter_state(spec, lora), spec, lora)
-    learner.load_adapter(str(root / "adapter"))
-    transport = SharedMemoryTransport(str(root / "shm"))
-    sync = WeightSync(learner, transport, max_bucket_bytes=1 << 20)
-    sync.sync(0)
-    start, _ = export_lora_version(spec, lora, transport.read_version(0), root / "model_v0")
+    learner, sync, transport, seqs, base_lp, start = L.lora_start(spec, lora, root)
     engine = VllmEngine(start, spec, max_model_len=256, max_num_seqs=16, lora=lora)
     yield engine, learner, sync, transport, seqs, base_lp
     engine.shutdown()
     transport.close()
 
 
-def _gap(a, b) -> float:
-    return max(float(np.abs(np.asarray(x) - np.asarray(y)).max()) for x, y in zip(a, b))
+_gap = L.logprob_gap
 
 
 def _scores(engine, seqs):

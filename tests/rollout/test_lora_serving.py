@@ -7,9 +7,7 @@ dense MLP and the shared experts: vLLM 0.32 on CPU cannot serve routed-expert ad
 
 import time
 
-import numpy as np
 import pytest
-import torch
 
 import layout_scenarios as S
 import lora_scenarios as L
@@ -33,25 +31,12 @@ def test_routed_expert_adapters_are_refused_on_cpu_before_vllm_starts(tmp_path):
 @pytest.fixture(scope="module", params=["deepseek_moe", "deepseek_v3_mla"])
 def served(request, tmp_path_factory):
     """(engine, learner, WeightSync, transport, sequences, base log-probs) on one random non-zero adapter."""
-    from moe_grpo.checkpoint.peft import write_peft_adapter
-    from moe_grpo.learner.megatron_learner import LearnerConfig, MegatronLearner
-    from moe_grpo.rollout.export import export_lora_version
     from moe_grpo.rollout.vllm_engine import VllmEngine
-    from moe_grpo.sync.transport import SharedMemoryTransport
-    from moe_grpo.sync.weight_sync import WeightSync
 
     root = tmp_path_factory.mktemp(f"lora_serve_{request.param}")
     spec = S.tiny_spec() if request.param == "deepseek_moe" else S.tiny_v3_spec()
     lora = L.lora_config(targets=SERVED_TARGETS)
-    learner = MegatronLearner(spec, config=LearnerConfig(micro_batch_size=4, lr=1e-2, seed=11), lora=lora)
-    seqs = S.make_sequences(spec, n=4, with_routing=False)
-    base_lp = learner.logprobs(seqs)  # B = 0: the base model
-    write_peft_adapter(root / "adapter", L.random_adapter_state(spec, lora), spec, lora)
-    learner.load_adapter(str(root / "adapter"))
-    transport = SharedMemoryTransport(str(root / "shm"))
-    sync = WeightSync(learner, transport, max_bucket_bytes=1 << 20)
-    sync.sync(0)
-    start, _ = export_lora_version(spec, lora, transport.read_version(0), root / "model_v0")
+    learner, sync, transport, seqs, base_lp, start = L.lora_start(spec, lora, root)
     engine = VllmEngine(start, spec, max_model_len=512, max_num_seqs=16, lora=lora, lora_apply="serve",
                         on_update="keep")
     yield engine, learner, sync, transport, seqs, base_lp
@@ -59,8 +44,7 @@ def served(request, tmp_path_factory):
     transport.close()
 
 
-def _gap(a, b) -> float:
-    return max(float(np.abs(np.asarray(x) - np.asarray(y)).max()) for x, y in zip(a, b))
+_gap = L.logprob_gap
 
 
 def _scores(engine, seqs):
