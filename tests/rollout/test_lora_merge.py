@@ -4,7 +4,6 @@ One engine on the default tiny model (deepseek_moe, 4 layers) starts from a base
 (frozen base + the version's PEFT adapter, non-zero A and B) and takes adapter-only versions from a one-rank
 LoRA learner's WeightSync through shared memory."""
 
-
 import pytest
 import torch
 
