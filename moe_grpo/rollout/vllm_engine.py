@@ -518,17 +518,13 @@ class VllmEngine:
                 pass
             self._served.discard(adapter)
 
-    def _published_adapter(self, slot: str, plan: Any, sources: list[dict] | None, version: int) -> Any:
+    def _published_adapter(self, plan: Any, sources: list[dict], version: int) -> Any:
         """Serve mode: the adapter of a published version, written as a PEFT directory from its buckets."""
         import contextlib
 
         from moe_grpo.rollout.lora_merge import is_adapter_name
         from moe_grpo.sync.transports import open_bucket
 
-        if sources is None:
-            from moe_grpo.sync.transport import shm_bucket_sources
-
-            sources = shm_bucket_sources(slot, plan)
         if getattr(plan, "lora", None) is None:
             raise EngineError(f"engine {self.engine_id} serves LoRA adapters (sync.lora_apply=serve); version "
                               f"{version} has full weights")
@@ -544,10 +540,16 @@ class VllmEngine:
             return self._served.prepare(version, state=state, spec=self.spec, lora=self.lora)
 
     def _apply_published(self, slot: str, plan: Any, sources: list[dict] | None, version: int) -> Awaitable[None]:
-        """The coroutine that makes the engine serve a published version (bucket sources as in `_bucket_rpcs`)."""
+        """The coroutine that makes the engine serve a published version: the buckets the receiver describes in
+        `sources` (`bucket_sources`), or with None the shared-memory files of `slot`."""
+        source = (slot, plan, sources)  # what a rollback or restart re-reads
+        if sources is None:
+            from moe_grpo.sync.transport import shm_bucket_sources
+
+            sources = shm_bucket_sources(slot, plan)
         if self._served is not None:
-            return self._serve(self._published_adapter(slot, plan, sources, version), version, (slot, plan, sources))
-        return self._load(self._bucket_rpcs(slot, plan, sources), version, (slot, plan, sources))
+            return self._serve(self._published_adapter(plan, sources, version), version, source)
+        return self._load(self._bucket_rpcs(plan, sources), version, source)
 
     def _adapter_rpcs(self, sources: list[dict], scale: float) -> list[tuple[str, tuple]]:
         """Merge mode: how a version's adapters reach the served weights ('serve' goes through `_serve` instead).
@@ -887,13 +889,9 @@ class VllmEngine:
             self._updating.set()
             self._tasks.discard(task)
 
-    def _bucket_rpcs(self, slot: str, plan: Any, sources: list[dict] | None = None) -> list[tuple[str, tuple]]:
-        """One reload call per bucket, each handing the workers what the receiver described (`bucket_sources`;
-        None: the shared-memory files of `slot`)."""
-        if sources is None:
-            from moe_grpo.sync.transport import shm_bucket_sources
-
-            sources = shm_bucket_sources(slot, plan)
+    def _bucket_rpcs(self, plan: Any, sources: list[dict]) -> list[tuple[str, tuple]]:
+        """Merge mode and full weights: one reload call per bucket, each handing the workers what the receiver
+        described (`bucket_sources`)."""
         if getattr(plan, "lora", None) is None:
             return [("moe_grpo_reload_bucket", (source,)) for source in sources]
         from moe_grpo.rollout.lora_merge import is_adapter_name
@@ -977,8 +975,9 @@ class VllmEngine:
 
         files = SafetensorsDir(self.model_dir)
         self.load_weights({n: files.get(n) for n in hf_names(self.spec)}, self.policy_version)
-        if self.lora is not None and self._dir_adapter_rpcs():  # the base is back; its adapter on top
-            self._call(self._load(self._dir_adapter_rpcs(), self.policy_version, None), "rollback", timeout_s)
+        rpcs = self._dir_adapter_rpcs() if self.lora is not None else []
+        if rpcs:  # the base is back; its adapter on top
+            self._call(self._load(rpcs, self.policy_version, None), "rollback", timeout_s)
         self.weight_source = "model_dir"
 
     def shutdown(self, *, stop_loop: bool = True, kill: bool | None = None, timeout_s: float = 10.0,
