@@ -72,9 +72,9 @@ def test_engine_serves_the_learners_lora_model_through_adapter_only_versions(ser
     assert len(list(engine._served.root.iterdir())) == 1, "adapters no request uses are removed"
 
 
-def test_requests_in_flight_finish_on_the_adapter_they_started_on(served):
-    """on_update=keep with served adapters: nothing pauses; a request started before a version finishes on its own
-    adapter (every token stamped with its version), the next one runs on the new adapter."""
+def _new_version_during_a_long_request(served, prompt: int, seed: int):
+    """Train a step, publish it, start a 500-token request and apply the version while it runs. Returns (the
+    request's future, the version served before)."""
     from moe_grpo.rollout.types import SamplingSettings
     from moe_grpo.sync.deliver import apply_version
 
@@ -82,11 +82,21 @@ def test_requests_in_flight_finish_on_the_adapter_they_started_on(served):
     old = engine.policy_version
     learner.train_step(seqs, replay=False)
     sync.sync(old + 1).wait()
-    sampling = SamplingSettings(n=1, temperature=1.0, max_tokens=500, stop_token_ids=(), seed=3)
-    long = engine.submit(list(seqs[0].tokens[:3]), sampling)
+    sampling = SamplingSettings(n=1, temperature=1.0, max_tokens=500, stop_token_ids=(), seed=seed)
+    long = engine.submit(list(seqs[prompt].tokens[:3]), sampling)
     time.sleep(0.5)
     assert not long.done(), "the request must still be running when the version arrives"
     apply_version(engine, transport, old + 1)
+    return long, old
+
+
+def test_requests_in_flight_finish_on_the_adapter_they_started_on(served):
+    """on_update=keep with served adapters: nothing pauses; a request started before a version finishes on its own
+    adapter (every token stamped with its version), the next one runs on the new adapter."""
+    from moe_grpo.rollout.types import SamplingSettings
+
+    engine, learner, _, _, seqs, _ = served
+    long, old = _new_version_during_a_long_request(served, prompt=0, seed=3)
     assert not long.done(), "a served-adapter version does not wait for requests in flight"
     first = long.result(120)[0]
     after = engine.generate([list(seqs[0].tokens[:3])], SamplingSettings(n=1, max_tokens=8, seed=3))[0][0]
@@ -98,19 +108,10 @@ def test_requests_in_flight_finish_on_the_adapter_they_started_on(served):
 def test_with_abort_a_request_in_flight_goes_on_under_the_new_adapter(served, monkeypatch):
     """on_update=abort: the request in flight is aborted at the switch and resubmitted on the new adapter; its tokens
     are stamped with the version each part was sampled under."""
-    from moe_grpo.rollout.types import SamplingSettings
-    from moe_grpo.sync.deliver import apply_version
-
-    engine, learner, sync, transport, seqs, _ = served
+    engine = served[0]
     monkeypatch.setattr(engine, "on_update", "abort")
-    old, resubmitted = engine.policy_version, engine.stats["resubmitted"]
-    learner.train_step(seqs, replay=False)
-    sync.sync(old + 1).wait()
-    sampling = SamplingSettings(n=1, temperature=1.0, max_tokens=500, stop_token_ids=(), seed=5)
-    long = engine.submit(list(seqs[1].tokens[:3]), sampling)
-    time.sleep(0.5)
-    assert not long.done(), "the request must still be running when the version arrives"
-    apply_version(engine, transport, old + 1)
+    resubmitted = engine.stats["resubmitted"]
+    long, old = _new_version_during_a_long_request(served, prompt=1, seed=5)
     done = long.result(120)[0]
     versions = done.versions.tolist()
     assert len(versions) == 500 and engine.stats["resubmitted"] == resubmitted + 1
