@@ -18,11 +18,16 @@ def test_main_job_trains_writes_the_run_record_and_prints_no_traceback(main_job)
     rows = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
     assert [r["step"] for r in rows] == [1, 2, 3]
     for r in rows:  # values a broken run gets wrong (a missing key or unapplied replay already fails the run)
-        assert r["policy_version"] == r["step"] and r["staleness/max"] <= 2, r
         assert 0 <= r["reward/mean"] <= 1 and 0 <= r["eval/reward/mean"] <= 1
         assert r["sync/bytes"] > 0 and r["throughput/rollout_tokens_per_s"] >= 0
         assert (r["grad_norm"] == 0) if r["reward/std"] == 0 else (r["grad_norm"] >= 0), r
         assert r["faults/engine_restarts"] == r["faults/requests_lost"] == r["faults/steps_skipped"] == 0
+    # Only versions 0, 2 and 3 are ever published (sync_every=2, and the last step), so the staleness of what each
+    # step trained is fixed: step 1 trains tokens of version 0 (0 behind), step 2 only tokens of version 0 (1 behind:
+    # version 1 was never served), step 3 tokens of version 0 or 2 (2 or 0 behind). A wrong version stamp on the
+    # engine's tokens, or a staleness counted against the wrong version, breaks this pattern.
+    assert [r["staleness/max"] for r in rows][:2] == [0, 1] and rows[1]["staleness/mean"] == 1, rows
+    assert rows[2]["staleness/max"] in (0, 2), rows[2]
     # Each evaluation is of the newest published version (0, 2, then 3: the last step is published too).
     assert [(r["eval/step"], r["eval/policy_version"]) for r in rows] == [(0, 0), (2, 2), (3, 3)]
     # async: a step may train on groups sampled during an earlier one, but the engines generated over the run

@@ -61,7 +61,6 @@ def test_only_the_failed_engines_requests_were_sent_again_and_none_lost(faulted_
     assert 1 <= last["faults/requests_resubmitted"] <= 2 * capacity, last["faults/requests_resubmitted"]
     assert "request(s) in flight are sent again" in run.output
     assert last["faults/requests_lost"] == 0
-    assert all(r["staleness/max"] <= 1 for r in run.rows())
 
 
 def test_each_failure_is_named_in_the_log(faulted_run):

@@ -41,7 +41,6 @@ def test_train_step_is_layout_invariant(reference):
     ckpt, _ = reference
     m1, after1 = run_distributed(S.layout_train_step, 1, 1, 1, 1, ckpt, {}, {})[0]
     m2, after2 = run_distributed(S.layout_train_step, 2, 1, 2, 1, ckpt, {}, {})[0]
-    assert m1["replay/applied"] == m2["replay/applied"] == 1.0
     assert abs(m1["loss"] - m2["loss"]) < 1e-6
     assert abs(m1["grad_norm"] - m2["grad_norm"]) / m1["grad_norm"] < 1e-4
     assert max_abs_diff(after1, after2) < 1e-4
@@ -56,7 +55,7 @@ def test_a_sequence_normalised_loss_with_r2_is_layout_invariant(reference):
     algo = {"loss": "grpo", "loss_agg": "seq-mean-token-mean"}
     m1, after1 = run_distributed(S.layout_train_step, 1, 1, 1, 1, ckpt, {}, {}, algo, "r2")[0]
     m2, after2 = run_distributed(S.layout_train_step, 2, 1, 2, 1, ckpt, {}, {}, algo, "r2")[0]
-    assert m1["replay/applied"] == m2["replay/applied"] == 1.0 and m1["sequences"] == m2["sequences"] == 4
+    assert m1["sequences"] == m2["sequences"] == 4
     assert abs(m1["loss"] - m2["loss"]) < 1e-6
     assert abs(m1["grad_norm"] - m2["grad_norm"]) / m1["grad_norm"] < 1e-4
     assert max_abs_diff(after1, after2) < 1e-4

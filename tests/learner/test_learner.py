@@ -31,7 +31,6 @@ def test_activation_recompute_replays_the_same_ids_in_the_recomputed_forward():
     m_rec = recomputing.forward_backward(seqs, replay=True)
     # Every router ran twice per microbatch (forward + recompute) and both used replayed ids.
     assert recomputing.replayer.calls == 2 * plain_calls
-    assert m_rec["replay/applied"] == 1.0
     assert all(not s.replay.replay_backward_list for s in recomputing.replayer.slots), "recompute FIFO not drained"
     assert abs(m_rec["loss"] - m_plain["loss"]) < 1e-6
     for a, b in zip(router_grads(recomputing), grads_plain):
@@ -51,7 +50,7 @@ def test_train_step_changes_the_policy_in_the_advantage_direction(learner):
     before = learner.logprobs(seqs, replay=True)
     metrics = learner.train_step(seqs, replay=True)
     after = learner.logprobs(seqs, replay=True)
-    assert math.isfinite(metrics["loss"]) and metrics["grad_norm"] > 0 and metrics["replay/applied"] == 1.0
+    assert math.isfinite(metrics["loss"]) and metrics["grad_norm"] > 0
     gain = [float((a[s.prompt_len - 1:] - b[s.prompt_len - 1:]).mean()) for a, b, s in zip(after, before, seqs)]
     assert gain[0] > 0 and gain[2] > 0, f"positive-advantage completions should become likelier: {gain}"
     assert gain[1] < 0 and gain[3] < 0, f"negative-advantage completions should become less likely: {gain}"
@@ -187,7 +186,7 @@ def test_mini_batches_take_one_optimizer_step_per_part_and_r2_replays_the_routin
     batch, by_hand, per_step = make(), make(), make()
 
     m = batch.train_batch(seqs, mini_batches=2, replay="r3")
-    assert m["step"] == 2.0 and m["sequences"] == 8.0 and m["replay/applied"] == 1.0
+    assert m["step"] == 2.0 and m["sequences"] == 8.0
     by_hand.train_step(seqs[:4], replay="r3")
     by_hand.train_step(seqs[4:], replay="r3")
     for k, v in _weights(batch).items():

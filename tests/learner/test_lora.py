@@ -101,7 +101,7 @@ def test_a_step_trains_only_the_adapters_and_the_optimizer_holds_only_them(base)
     assert buffered == sum(p.numel() for p in adapter_params)
 
     metrics = learner.train_step(seqs, replay=True)
-    assert metrics["grad_norm"] > 0 and metrics["replay/applied"] == 1.0
+    assert metrics["grad_norm"] > 0
     after = base_state(learner)
     assert all(torch.equal(after[k], state[k]) for k in state), "a base weight changed"
     states = [s for inner in (o.optimizer for o in getattr(learner.optimizer, "chained_optimizers", [learner.optimizer]))
@@ -216,7 +216,6 @@ def test_a_lora_step_is_layout_invariant(layout_reference, name):
     assert ref["base_unchanged"] and out["base_unchanged"]
     assert max_abs_diff(out["before"], ref["before"]) < 1e-5
     m1, m2 = ref["metrics"], out["metrics"]
-    assert m2["replay/applied"] == 1.0
     assert abs(m1["loss"] - m2["loss"]) < 1e-6
     assert abs(m1["grad_norm"] - m2["grad_norm"]) / m1["grad_norm"] < 1e-4
     assert max_abs_diff(out["after"], ref["after"]) < 1e-4

@@ -91,8 +91,7 @@ def test_run_from_a_transformers_checkpoint_trains_exports_and_vllm_serves_the_e
     with caplog.at_level("INFO", logger="moe_grpo"):
         summary = train(run, run_dir)
     rows = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
-    assert summary["steps"] == 3 and [r["step"] for r in rows] == [1, 2, 3]
-    assert all(r["replay/applied"] == 1.0 for r in rows)
+    assert [r["step"] for r in rows] == [1, 2, 3]
     assert all(r["train/rollout_kl"] < 1e-3 for r in rows), [r["train/rollout_kl"] for r in rows]
     assert rows[-1]["mismatch/kl"] < 1e-3, "the probe measured the engine-vs-learner gap on the same weights"
     # the learner started from the checkpoint's weights (converted once per checkpoint, then reused)

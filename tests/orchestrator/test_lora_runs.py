@@ -79,7 +79,7 @@ def test_an_async_lora_run_sends_the_base_once_and_engines_match_the_learner(che
     print(kind, layout, on_update, lora_apply, f"adapter version {adapter_bytes} B, base {base_bytes} B;",
           [(r["step"], r["sync/bytes"], round(r["sync/seconds"], 4), r["mismatch/kl"], r["mismatch/probe_version"],
             r["train/rollout_kl"]) for r in rows])
-    assert summary["steps"] == run.steps and all(r["replay/applied"] == 1.0 for r in rows)
+    assert [r["step"] for r in rows] == list(range(1, run.steps + 1)), "each step logged once"
     # A row carries the newest finished sync of rank 0 (in async mode the step's own publish may still be running)
     first = plan_buckets(run.model, "float32", lora=run.lora).total_bytes
     assert [r["sync/bytes"] for r in rows][1:] == [adapter_bytes] * (run.steps - 1)

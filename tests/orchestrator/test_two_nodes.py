@@ -66,7 +66,7 @@ def test_a_learner_split_across_two_nodes_trains_and_every_host_gets_each_versio
     sync = summary["sync"]
     assert sync["transport"] == "relay", "auto picks the relay on two Ray nodes"
     assert sorted(sync["rank_hosts"]) in ([-1, 0], [0, 1]), sync  # the learner spans both nodes
-    assert summary["steps"] == 3 and not sync["errors"], sync
+    assert not sync["errors"], sync
     # Every version (0 = the initial weights, 1..3 the steps) arrived once, whole, on every host it was relayed to.
     received = [versions for host in sync["received"].values() for versions in host.values()]
     assert received and all(v == [0, 1, 2, 3] for v in received), sync
@@ -77,6 +77,6 @@ def test_a_learner_split_across_two_nodes_trains_and_every_host_gets_each_versio
     assert max(r["gap"] for r in rows) < 1e-4, rows
     assert len({r["node"] for r in rows}) == 2 and {r["local_rank"] for r in rows} == {"0"}, "one rank per node"
     metrics = rows_of(tmp_path / "run")
-    assert [r["policy_version"] for r in metrics] == [1, 2, 3] and all(r["staleness/max"] == 0 for r in metrics)
+    assert [r["step"] for r in metrics] == [1, 2, 3] and all(r["staleness/max"] == 0 for r in metrics)
     for root in roots.values():  # each host's buffers of the run are gone
         assert not os.path.isdir(root) or not [p for p in os.listdir(root) if p.startswith("run-")]

