@@ -13,6 +13,11 @@ Learner rank (the pipeline stage that needs most):
   expert-data-parallel ranks (routed experts), as Megatron's distributed optimizer does; gradients and weights
   are not sharded by it.
 - the KL reference (`algo.kl_coef > 0`): one more copy of the weights (`MegatronLearner.set_reference`).
+- the mismatch probe (on by default: `routing.probe_prompts > 0` and `routing.probe_every > 0`): `PROBE_SNAPSHOTS`
+  copies of the rank's weights, the published versions `MegatronLearner.snapshot_weights` keeps until an engine's
+  samples of them come back.
+- `sync.transport=cuda_ipc`: `sync.slots` whole versions of the model, in `megatron.params_dtype`, as CUDA buffers
+  owned by learner rank 0 (sync/cuda_ipc.py), on the first pipeline stage's rank 0 only.
 - activations, per micro-batch and layer, from Korthikanti et al. 2022 ("Reducing Activation Recomputation in
   Large Transformer Models"): 34·s·b·h bytes at 2-byte activations with flash attention, divided by TP with
   sequence parallelism, where the MLP's part (19·s·b·h for a 4h MLP) is replaced in MoE layers by each routed
@@ -43,6 +48,9 @@ RESERVED_GIB = 4.0
 VLLM_GPU_MEMORY_UTILIZATION = 0.9
 """vLLM's default share of a GPU for weights + KV cache (the engines do not change it)."""
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+PROBE_SNAPSHOTS = 2
+"""Copies of a rank's weights the mismatch probe keeps: learner/megatron_learner.py's MAX_SNAPSHOTS (not imported:
+that module loads torch and Megatron, and a dry run loads neither; a test checks the two agree)."""
 
 
 @dataclass(frozen=True)
@@ -57,6 +65,10 @@ class RankMemory:
     optimizer: int
     reference: int
     activations: int
+    probe: int
+    """The mismatch probe's copies of the weights (0: the probe is off)."""
+    sync_slots: int
+    """`sync.transport=cuda_ipc`'s whole-model buffers on rank 0 (0: another transport, or not rank 0's stage)."""
     capacity: int
     """The GPU's memory less RESERVED_GIB."""
     details: str
@@ -64,7 +76,8 @@ class RankMemory:
 
     @property
     def total(self) -> int:
-        return self.weights + self.grads + self.optimizer + self.reference + self.activations
+        return (self.weights + self.grads + self.optimizer + self.reference + self.activations + self.probe
+                + self.sync_slots)
 
     @property
     def fits(self) -> bool:
@@ -73,7 +86,9 @@ class RankMemory:
     def terms(self) -> str:
         return (f"weights {gib(self.weights)} + grads {gib(self.grads)} + Adam {gib(self.optimizer)}"
                 + (f" + KL reference {gib(self.reference)}" if self.reference else "")
-                + f" + activations {gib(self.activations)}")
+                + f" + activations {gib(self.activations)}"
+                + (f" + mismatch probe {gib(self.probe)}" if self.probe else "")
+                + (f" + cuda_ipc slots {gib(self.sync_slots)} on rank 0" if self.sync_slots else ""))
 
     def line(self) -> str:
         return (f"{self.terms()} = {gib(self.total)} of {gib(self.capacity)} usable (pipeline stage {self.stage}, "
@@ -119,6 +134,11 @@ class TrainingShape:
     """Sequences (or packed rows) per micro-batch."""
     seq_len: int = 1
     """Positions per sequence (or packed row)."""
+    probe: bool = False
+    """Whether the mismatch probe runs (`routing.probe_prompts > 0` and `routing.probe_every > 0`)."""
+    cuda_ipc_slots: int = 0
+    """Whole versions `sync.transport=cuda_ipc` keeps in rank 0's GPU memory (`sync.slots`); 0 for other
+    transports."""
 
 
 def rank_memory(spec: MoEModelSpec, counts: ParamCounts, tp: int, pp: int, ep: int, dp: int,
@@ -163,17 +183,24 @@ def rank_memory(spec: MoEModelSpec, counts: ParamCounts, tp: int, pp: int, ep: i
         activations = one_microbatch * in_flight
         if stage == pp - 1:
             activations += 8 * tokens * spec.vocab_size / tp
+        probe = PROBE_SNAPSHOTS * params * wbytes if shape.probe else 0
+        sync_slots = shape.cuda_ipc_slots * counts.total * wbytes if stage == 0 else 0
         memory = RankMemory(
             stage=stage, params=int(params), weights=int(params * wbytes), grads=int(params * gbytes),
             optimizer=int(opt_dense + opt_experts), reference=int(params * wbytes) if shape.kl_reference else 0,
-            activations=int(activations), capacity=int(gpu_memory_bytes - RESERVED_GIB * GIB),
+            activations=int(activations), probe=int(probe), sync_slots=int(sync_slots),
+            capacity=int(gpu_memory_bytes - RESERVED_GIB * GIB),
             details=(f"{shape.params_dtype} weights, {'fp32' if gbytes == 4 else shape.params_dtype} grads, "
                      f"Adam {obytes} bytes/parameter"
                      + (f" sharded over DP {dp} (dense) / expert DP {edp} (experts)" if shape.distributed_optimizer
                         else " (megatron.distributed_optimizer=false: not sharded)")
                      + f"; activations for micro-batch {shape.micro_batch} x {shape.seq_len} positions, "
                      f"{len(layers)} layers x {in_flight} micro-batch(es) in flight"
-                     + (", full recompute" if shape.recompute else "")))
+                     + (", full recompute" if shape.recompute else "")
+                     + (f"; mismatch probe: {PROBE_SNAPSHOTS} copies of the weights" if shape.probe else
+                        "; mismatch probe off (routing.probe_prompts=0 or routing.probe_every=0): no copies")
+                     + (f"; sync.transport=cuda_ipc: {shape.cuda_ipc_slots} whole-model slots "
+                        f"({_count(counts.total)} parameters x {wbytes} bytes each) on rank 0" if sync_slots else "")))
         if best is None or memory.total > best.total:
             best = memory
     assert best is not None

@@ -492,7 +492,9 @@ def _training_shape(run: Any, layout: Layout, seq_len: int | None, notes: list[s
     m = run.megatron
     return TrainingShape(params_dtype=m.params_dtype, grad_reduce_in_fp32=m.grad_reduce_in_fp32,
                          distributed_optimizer=m.distributed_optimizer, recompute=m.recompute,
-                         kl_reference=run.algo.kl_coef > 0, micro_batch=rows, seq_len=positions)
+                         kl_reference=run.algo.kl_coef > 0, micro_batch=rows, seq_len=positions,
+                         probe=run.routing.probe_prompts > 0 and run.routing.probe_every > 0,
+                         cuda_ipc_slots=run.sync.slots if run.sync.transport == "cuda_ipc" else 0)
 
 
 def _memory_refusal(run: Any, total: int, mem: RankMemory, layout: Layout) -> str:
@@ -507,6 +509,10 @@ def _memory_refusal(run: Any, total: int, mem: RankMemory, layout: Layout) -> st
         helps.append("megatron.recompute=true")
     if run.learner.micro_batch_size > 1:
         helps.append("a smaller learner.micro_batch_size")
+    if mem.probe:
+        helps.append(f"routing.probe_prompts=0 (no mismatch probe: {mem.probe / GIB:.1f} GiB less)")
+    if mem.sync_slots:
+        helps.append(f"sync.transport=shm (weights through host memory: {mem.sync_slots / GIB:.1f} GiB less on rank 0)")
     helps[-1] = ("or " if len(helps) > 1 else "") + helps[-1]
     return (f"a learner rank needs {mem.total / GIB:.1f} GiB ({mem.terms()} on pipeline stage {mem.stage}) but a GPU "
             f"has {mem.capacity / GIB:.1f} GiB usable (cluster.gpu_memory_gib={run.cluster.gpu_memory_gib:g} less "

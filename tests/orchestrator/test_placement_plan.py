@@ -37,8 +37,10 @@ def slurm_env(nodelist, nodes, gpus=8, cpus=128):
 GPU_TRAINING = ["cluster=slurm", "megatron.params_dtype=bfloat16", "megatron.distributed_optimizer=true",
                 "megatron.recompute=true", "rollout.dtype=bfloat16", "rollout.max_model_len=4096",
                 "learner.micro_batch_size=1"]
+# The mismatch probe off: its two copies of the weights (16.4 GiB a rank) do not fit beside Adam here
+# (test_the_mismatch_probe_and_cuda_ipc_slots_count_in_a_ranks_memory).
 QWEN_2x8 = ["model=qwen3_moe_30b_a3b", *GPU_TRAINING, "cluster.num_engines=4", "cluster.engine_tensor_parallel=2",
-            "parallel.tensor_parallel=2", "parallel.expert_parallel=4"]
+            "parallel.tensor_parallel=2", "parallel.expert_parallel=4", "routing.probe_prompts=0"]
 DSV3 = ["model=deepseek_v3", *GPU_TRAINING, "cluster.engine_tensor_parallel=8"]
 
 
@@ -69,6 +71,8 @@ def test_qwen3_30b_on_two_nodes_of_eight_gpus_fits_and_says_where_everything_run
     assert f"memory per rank: {mem.terms()} = {mem.total / GIB:.1f} GiB of 76.0 GiB usable" in text
     assert "memory per engine GPU: weights 28.4 GiB of 68.0 GiB usable (39.6 GiB left for the KV cache)" in text
     assert text.endswith("plan: OK")
+    probed = plan_for([o for o in QWEN_2x8 if o != "routing.probe_prompts=0"], slurm_env("gpu[01-02]", 2))
+    assert probed.problems[0].startswith("a learner rank needs 86.5 GiB")  # the probe's copies do not fit
     # What the run is started with: each bundle pinned to its node, the world and GPUs per actor filled in.
     assert plan.bundle_nodes() == ["gpu02"] * 4 + ["gpu01"] * 8
     cluster = plan.cluster_for_run(run_config(QWEN_2x8).cluster)
@@ -107,7 +111,7 @@ def test_deepseek_v3_on_four_nodes_of_eight_h100s_is_refused_with_the_numbers():
             "to 2 hosts") in text
     assert "plan: REFUSED (2 reasons)" in text
     training, engine = plan.problems
-    assert "a learner rank needs 801.3 GiB" in training
+    assert "a learner rank needs 1017.4 GiB" in training and "mismatch probe 216.0 GiB" in training
     assert "the model's weights, gradients and Adam state alone are 10.99 TiB, at least 149 such GPUs" in training
     assert "(the training pool has 16)" in training
     assert engine.startswith("an engine GPU needs 156.2 GiB for its share of the weights (671.03B parameters x 2 "
@@ -174,6 +178,44 @@ def test_impossible_plans_are_refused_with_the_reason(overrides, environ, reason
     assert not plan.ok
     assert any(reason in p for p in plan.problems), plan.problems
     assert reason in plan.render() and "plan: REFUSED" in plan.render()
+
+
+def test_the_mismatch_probe_and_cuda_ipc_slots_count_in_a_ranks_memory():
+    """What a default run keeps beside the weights, gradients and Adam: the mismatch probe's two copies of each
+    rank's weights (on unless routing.probe_prompts=0 or routing.probe_every=0), and with sync.transport=cuda_ipc
+    `sync.slots` whole bf16 models in rank 0's GPU memory. Would have caught: the estimate left both out, so this
+    plan on 24-GiB GPUs said "13.4 of 20.0 GiB, plan: OK" with cuda_ipc, where rank 0 needs 22.9 GiB."""
+    one_node = ["model=qwen3_moe_1b_64e", *GPU_TRAINING, "cluster.num_engines=2", "parallel.expert_parallel=2",
+                "cluster.gpu_memory_gib=24"]
+    env = slurm_env("gpu07", 1)
+    off = plan_for([*one_node, "routing.probe_prompts=0"], env)
+    assert off.ok and off.rank_memory.probe == 0
+    assert "mismatch probe off (routing.probe_prompts=0 or routing.probe_every=0): no copies" in off.render()
+    assert plan_for([*one_node, "routing.probe_every=0"], env).rank_memory.total == off.rank_memory.total
+    probed = plan_for(one_node, env)  # the default: the probe on
+    mem = probed.rank_memory
+    assert abs(mem.probe - 2 * mem.weights) <= 2 and mem.total == off.rank_memory.total + mem.probe
+    assert ("weights 1.8 GiB + grads 3.6 GiB + Adam 2.9 GiB + activations 4.9 GiB + mismatch probe 3.6 GiB = "
+            "17.0 GiB of 20.0 GiB usable") in probed.render()
+    assert "mismatch probe: 2 copies of the weights" in probed.render() and probed.ok
+    ipc = plan_for([*one_node, "sync.transport=cuda_ipc"], env)
+    assert ipc.rank_memory.sync_slots == 2 * ipc.sync_bytes  # sync.slots=2 versions of 1.58B x 2 bytes
+    (reason,) = ipc.problems
+    assert reason.startswith("a learner rank needs 22.9 GiB (weights 1.8 GiB + grads 3.6 GiB + Adam 2.9 GiB + "
+                             "activations 4.9 GiB + mismatch probe 3.6 GiB + cuda_ipc slots 5.9 GiB on rank 0 on "
+                             "pipeline stage 0) but a GPU has 20.0 GiB usable")
+    assert reason.endswith("routing.probe_prompts=0 (no mismatch probe: 3.6 GiB less), or sync.transport=shm "
+                           "(weights through host memory: 5.9 GiB less on rank 0)")
+    one_slot = plan_for([*one_node, "sync.transport=cuda_ipc", "sync.slots=1", "routing.probe_prompts=0"], env)
+    assert one_slot.ok and one_slot.rank_memory.sync_slots == one_slot.sync_bytes
+
+
+def test_the_estimates_probe_copies_are_the_learners():
+    """memory_estimate mirrors the learner's MAX_SNAPSHOTS (a dry run must not import torch to read it)."""
+    from moe_grpo.learner.megatron_learner import MAX_SNAPSHOTS
+    from moe_grpo.orchestrator.memory_estimate import PROBE_SNAPSHOTS
+
+    assert PROBE_SNAPSHOTS == MAX_SNAPSHOTS
 
 
 def test_a_one_node_job_shares_its_node_engines_first_and_is_runnable_in_this_build():
