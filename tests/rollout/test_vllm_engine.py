@@ -44,6 +44,25 @@ def test_a_request_routes_the_same_alone_and_in_a_crowd(engine_and_learner):
     np.testing.assert_array_equal(np.sort(alone.routing.expert_ids, -1), np.sort(crowd.routing.expert_ids, -1))
 
 
+def test_seeded_requests_whose_prefill_is_split_sample_as_when_served_alone(engine_and_learner):
+    """Seeded requests whose prompts together exceed the engine's batched-token budget (64 here; 2048 by default),
+    so the scheduler splits their prefill over engine steps: each draws the same tokens as when it is served alone.
+
+    Would have caught: vLLM 0.32 rewinding each split request's generator with `set_offset`, which a CPU generator
+    refuses ("CPU Generator does not use offset"): the engine core died and was restarted into the same error
+    (a GSM8K run with ~125-token prompts stopped after 4 engine failures). It would also catch a fix that skipped
+    the rewind instead of undoing the discarded draw: the split request's samples would then differ from alone."""
+    engine, _ = engine_and_learner
+    seeded = SamplingSettings(n=2, max_tokens=12, temperature=1.0, stop_token_ids=(), seed=1234)
+    target = prompts_of_lengths([45], seed=5)[0]  # < 64: prefilled in one step when alone
+    alone = engine.generate([target], seeded)[0]
+    crowd = engine.generate(prompts_of_lengths([40, 52, 33], seed=6) + [target], seeded)  # 170 tokens to prefill
+    assert all(c.ok for group in crowd for c in group), [c.error for group in crowd for c in group if not c.ok]
+    for a, b in zip(alone, crowd[-1]):
+        np.testing.assert_array_equal(a.token_ids, b.token_ids)
+    assert engine.generate([target], seeded)[0][0].ok, "the engine serves on"
+
+
 def test_bad_requests_get_their_own_error_and_the_rest_is_served(engine_and_learner):
     engine, _ = engine_and_learner
     good = prompts_of_lengths([6, 11])

@@ -101,3 +101,66 @@ def test_cpu_moe_with_lora_picks_triton_without_the_patch_and_the_cpu_kernel_wit
         vllm_patches.revert("cpu_moe_without_expert_lora")
         if was_installed:
             vllm_patches.apply_cpu_moe_without_expert_lora()
+
+
+@pytest.mark.parametrize("release", ["0.32.0", "0.32.1"])
+def test_on_a_gpu_nothing_is_patched_and_no_release_is_refused(monkeypatch, release):
+    """vLLM's platform faked as a GPU and its release as `release`: importing the worker extension (what every
+    vLLM engine does before it builds the model) and installing it patch nothing and raise nothing.
+
+    Would have caught: the worker extension installing the CPU MoE-backend patch on every platform, whose version
+    check refused any release but 0.32.0 (a GPU engine from the `gpu` extra's 0.32.x would not start), and which
+    would have switched LoRA off on a GPU's MoE layers, where vLLM's Triton kernels support it."""
+    import importlib
+
+    from moe_grpo.rollout import vllm_patches
+
+    saved = dict(vllm_patches._applied)
+    vllm_patches.revert_all()
+    monkeypatch.setattr(vllm_patches, "on_cpu", lambda: False)
+    monkeypatch.setattr(vllm_patches, "vllm_version", lambda: release)
+    try:
+        import moe_grpo.rollout.worker_extension as worker_extension
+
+        importlib.reload(worker_extension)
+        assert vllm_patches.apply_cpu_patches_after_build(torch.nn.Linear(2, 2)) == []
+        assert vllm_patches._applied == {}, "a CPU patch was installed on a GPU platform"
+    finally:
+        monkeypatch.undo()
+        vllm_patches.revert_all()
+        for name in saved:  # leave the process as it was
+            getattr(vllm_patches, f"apply_{name}")()
+
+
+def test_on_cpu_a_patch_refuses_a_release_it_was_not_read_against_and_names_itself(monkeypatch):
+    from moe_grpo.rollout import vllm_patches
+
+    saved = dict(vllm_patches._applied)
+    vllm_patches.revert_all()
+    monkeypatch.setattr(vllm_patches, "on_cpu", lambda: True)
+    monkeypatch.setattr(vllm_patches, "vllm_version", lambda: "0.32.1")
+    try:
+        with pytest.raises(RuntimeError, match=r"vllm_patches.cpu_moe_without_expert_lora targets vLLM 0.32.0, "
+                                               r"found 0.32.1"):
+            vllm_patches.apply_cpu_patches_before_build()
+    finally:
+        monkeypatch.undo()
+        vllm_patches.revert_all()
+        for name in saved:
+            getattr(vllm_patches, f"apply_{name}")()
+
+
+def test_on_cpu_the_sampler_patch_is_installed_before_the_model_is_built():
+    """The worker extension's import (before vLLM builds the model and samples) installs the CPU patches that
+    cannot wait for the engine's first call: the MoE backend and the seeded partial-prefill rewind."""
+    import importlib
+
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    import moe_grpo.rollout.worker_extension as worker_extension
+    from moe_grpo.rollout import vllm_patches
+
+    vllm_patches.revert_all()
+    importlib.reload(worker_extension)  # what vLLM's worker does: import it
+    assert {"cpu_moe_without_expert_lora", "cpu_seeded_partial_prefill"} <= set(vllm_patches._applied)
+    assert GPUModelRunner._bookkeeping_sync.__module__ == vllm_patches.__name__
