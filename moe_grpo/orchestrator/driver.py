@@ -600,12 +600,11 @@ def train(run: Any, run_dir: str | Path, *, learner_cls: type | None = None) -> 
     from moe_grpo.data.tokenizer import load_tokenizer
     from moe_grpo.orchestrator import run_checkpoint
     from moe_grpo.orchestrator.pools import start_pools, start_ray, stop_pools
-    from moe_grpo.orchestrator.run_dirs import release_private_dir
+    from moe_grpo.orchestrator.run_dirs import make_sync_root, release_private_dir
     from moe_grpo.orchestrator.run_record import RunRecord
     from moe_grpo.orchestrator.trackers import check_installed
     from moe_grpo.orchestrator.sync_hosts import relay_report, stop_sync_hosts
     from moe_grpo.sync.layout import host_root
-    from moe_grpo.sync.transport import SharedMemoryTransport
 
     check_installed(run.logger)  # a missing tracker package fails now, not after the pools took minutes to start
     t_start = time.perf_counter()
@@ -629,10 +628,9 @@ def train(run: Any, run_dir: str | Path, *, learner_cls: type | None = None) -> 
             log.info("resume: continuing from %s (step %d of %d)", resume_from, state.step, run.steps)
     rewards = _rewards(run)
     run = hf_init.prepare(run, run_dir)  # init.hf: the learner's converted checkpoint (cached next to the run)
-    remove_orphaned_sync_roots(host_root(run.sync.root))
-    sync_name = f"run-{os.getpid()}-{int(time.time())}"  # the run's weight buffers under each host's root
-    sync_root = os.path.join(host_root(run.sync.root), sync_name)
-    SharedMemoryTransport(sync_root)  # this host's, created (private) before any actor opens it
+    # The run's weight buffers on this host, private and held by this process (run_dirs.py) before any actor opens
+    # them; what SIGKILLed runs left under the root is swept first.
+    sync_name, sync_root = make_sync_root(host_root(run.sync.root))
     pools, driver, private_dir = None, None, None
     sync_report: dict[str, Any] = {}
     signals = SignalRelay()
@@ -714,44 +712,6 @@ def checked_plan(run: Any) -> tuple[Any, Any]:
     if limits:
         raise PlanRefused("this build cannot run the plan yet: " + "; ".join(limits))
     return dataclasses.replace(run, cluster=plan.cluster_for_run(run.cluster)), plan
-
-
-def remove_orphaned_sync_roots(root: str) -> list[str]:
-    """Weight slots of runs whose driver is gone (SIGKILLed: it could not clean up) hold up to twice a model's size in
-    shared memory; the next run on the host removes them. Only `run-<pid>-<time>` directories of dead pids under our
-    own private root are touched."""
-    import shutil
-
-    import json
-    import socket
-
-    from moe_grpo.orchestrator.sync_hosts import OWNER_FILE
-    from moe_grpo.sync.transport import _pid_alive
-
-    def orphaned(path: str, driver_pid: int) -> bool:
-        """The driver is gone; for a relay run's directory whose driver is on another host (its pid means nothing
-        here), the relay agent that made it on this host is gone (an agent makes it with its owner file inside)."""
-        try:
-            with open(os.path.join(path, OWNER_FILE)) as f:
-                owner = json.load(f)
-        except (OSError, ValueError):
-            owner = None
-        if owner is not None and owner.get("driver_host") != socket.gethostname():
-            return not _pid_alive(int(owner["agent_pid"]))
-        return not _pid_alive(driver_pid)
-
-    removed = []
-    if not os.path.isdir(root):
-        return removed
-    for name in os.listdir(root):
-        parts = name.split("-")
-        if (len(parts) == 3 and parts[0] == "run" and parts[1].isdigit()
-                and orphaned(os.path.join(root, name), int(parts[1]))):
-            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
-            removed.append(name)
-    if removed:
-        log.info("removed the weight slots of %d run(s) whose driver is gone: %s", len(removed), ", ".join(removed))
-    return removed
 
 
 class SignalRelay:

@@ -1,50 +1,215 @@
-"""The run's private scratch directory (Ray's temp dir, vLLM's RPC sockets) and the checks on its run directory.
+"""The run's own directories (its private scratch directory, its weight buffers on each host), who owns them, and the
+checks on its run directory.
 
 Ray's default `/tmp/ray` and vLLM's default socket directory (the system temp dir) are shared by every user and
 every run on a host: a stray `ray_current_cluster` file there made default runs fail, and sockets there can be
 reached by anyone. Each run gets `/tmp/moe_grpo-<uid>-<pid>-<random>` instead, mode 0700, removed when the run
-ends (and, after a SIGKILL, by the next run of the same user, as the weight slots are).
+ends. Its weight buffers live in `run-<pid>-<time>-<random>` under each host's sync root (sync/layout.host_root).
+
+A run SIGKILLed cannot remove them; the next run of the same user sweeps them. Who owns a directory is decided by a
+lock, never by the pid in its name (a pid means nothing on another host sharing `sync.root`, in another pid
+namespace, or once reused): every process that owns one holds a shared `flock` on its `OWNER_LOCK` file for as long
+as it lives, and the kernel drops the lock when that process dies however it dies. A sweep removes a directory only
+when it can take the lock exclusively, i.e. nobody holds it. A directory appears under its name with the lock
+already held (made under a hidden name and renamed into place), so a sweep never sees a live one unlocked. One
+without a lock file was made by an earlier moe_grpo (owner unknown): it is left alone and named in the log.
 """
 
 from __future__ import annotations
 
+import errno
+import fcntl
+import logging
 import os
+import secrets
 import shutil
 import tempfile
+import time
+from typing import Callable
+
+log = logging.getLogger("moe_grpo")
 
 PRIVATE_PREFIX = "moe_grpo-"
+SYNC_PREFIX = "run-"
+OWNER_LOCK = "owner.lock"
+"""In each directory a run owns: the file its owners hold a shared flock on."""
 MAX_BASE_CHARS = 40
 """Ray puts unix sockets under `<temp>/session_<date>_<pid>/sockets/`; AF_UNIX paths are limited to 107 bytes, so a
 long TMPDIR is replaced by /tmp."""
+LOCK_WAIT_S = 10.0
+"""How long an owner waits for its shared lock while a sweep briefly holds it (only on a directory another owner
+already holds, where the sweep lets go at once)."""
+
+_held: dict[str, int] = {}
+"""Directory -> the descriptor of its lock file this process holds (closed by `release`, or once the directory is
+gone)."""
 
 
-def make_private_dir() -> str:
-    """A fresh 0700 directory owned by this user, named after this process (see `remove_orphaned_private_dirs`)."""
-    base = tempfile.gettempdir()
-    if len(base) > MAX_BASE_CHARS:
-        base = "/tmp"
-    return tempfile.mkdtemp(prefix=f"{PRIVATE_PREFIX}{os.getuid()}-{os.getpid()}-", dir=base)  # mkdtemp: 0700
-
-
-def remove_orphaned_private_dirs() -> list[str]:
-    """Private dirs of this user's runs whose driver is gone (SIGKILLed: it could not clean up)."""
-    from moe_grpo.sync.transport import _pid_alive
-
-    removed = []
-    bases = {tempfile.gettempdir(), "/tmp"}
-    mine = f"{PRIVATE_PREFIX}{os.getuid()}-"
-    for base in bases:
+def hold(path: str) -> None:
+    """Hold a shared lock on `path`'s owner file for as long as this process lives (or until `release(path)`): the
+    directory is in use. Several processes may hold it (the driver and a relay agent on the same host)."""
+    path = os.path.abspath(path)
+    _forget_removed()
+    if path in _held:
+        return
+    fd = os.open(os.path.join(path, OWNER_LOCK), os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o600)
+    deadline = time.monotonic() + LOCK_WAIT_S
+    while True:
         try:
-            names = os.listdir(base)
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            break
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                os.close(fd)
+                raise TimeoutError(f"{path}: its {OWNER_LOCK} stayed locked exclusively for {LOCK_WAIT_S:g} s (an "
+                                   "orphan sweep removing it?); expected to share it with the directory's owner")
+            time.sleep(0.05)
+        except OSError:
+            os.close(fd)
+            raise
+    _held[path] = fd
+
+
+def release(path: str) -> None:
+    """Stop holding `path` (after removing it: a directory still there becomes sweepable)."""
+    fd = _held.pop(os.path.abspath(path), None)
+    if fd is not None:
+        os.close(fd)
+
+
+def _forget_removed() -> None:
+    """Close the locks of directories this process held that are gone (removed without `release`)."""
+    for path, fd in list(_held.items()):
+        try:
+            gone = os.fstat(fd).st_nlink == 0
+        except OSError:
+            gone = True
+        if gone:
+            release(path)
+
+
+def make_owned_dir(parent: str, name: Callable[[], str], *, existing_ok: bool = False) -> str:
+    """A new 0700 directory `parent/<name()>`, held by this process (`hold`) before it appears under its name.
+    `name` is asked again if the name is taken; with `existing_ok` the directory of that name is held instead (a
+    relay agent on the driver's host, or on a host sharing its root: several owners of one directory)."""
+    while True:
+        final = os.path.join(parent, name())
+        aside = tempfile.mkdtemp(prefix=f".{os.path.basename(final)}.", dir=parent)  # 0700, invisible to sweeps
+        try:
+            hold(aside)
+            os.rename(aside, final)  # fails on any directory of ours there: it holds its lock file
+        except OSError as e:
+            release(aside)
+            shutil.rmtree(aside, ignore_errors=True)
+            if e.errno not in (errno.EEXIST, errno.ENOTEMPTY, errno.ENOTDIR):
+                raise
+            if existing_ok:
+                hold(final)
+                return final
+            continue
+        _held[os.path.abspath(final)] = _held.pop(os.path.abspath(aside))
+        return final
+
+
+def _claim_orphan(path: str) -> int | bool | None:
+    """The descriptor of `path`'s owner lock, locked exclusively (nobody holds it: an orphan), True when someone
+    holds it, None when its owner cannot be told (no lock file: made by an earlier moe_grpo; or a file system
+    without flock)."""
+    try:
+        fd = os.open(os.path.join(path, OWNER_LOCK), os.O_RDWR | getattr(os, "O_NOFOLLOW", 0))
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return fd
+    except BlockingIOError:
+        os.close(fd)
+        return True
+    except OSError as e:  # ENOLCK / ENOSYS (e.g. Lustre without -o flock)
+        os.close(fd)
+        log.warning("%s: cannot test its owner lock (%s); kept", path, errno.errorcode.get(e.errno, e.errno))
+        return None
+
+
+def owner_alive(path: str) -> bool | None:
+    """Whether a process holds `path`'s owner lock: True, False (an orphan), or None (cannot be told)."""
+    claim = _claim_orphan(path)
+    if claim is True or claim is None:
+        return claim
+    os.close(claim)
+    return False
+
+
+def sweep_orphans(base: str, prefix: str) -> list[str]:
+    """Remove this user's directories `base/<prefix>*` whose owner lock nobody holds; returns their names."""
+    removed, unknown = [], []
+    try:
+        names = sorted(os.listdir(base))
+    except OSError:
+        return removed
+    for name in names:
+        path = os.path.join(base, name)
+        try:
+            if (not name.startswith(prefix) or os.path.islink(path) or not os.path.isdir(path)
+                    or os.stat(path).st_uid != os.getuid()):
+                continue
         except OSError:
             continue
-        for name in names:
-            rest = name[len(mine):].split("-") if name.startswith(mine) else []
-            path = os.path.join(base, name)
-            if (len(rest) == 2 and rest[0].isdigit() and not _pid_alive(int(rest[0]))
-                    and os.path.isdir(path) and not os.path.islink(path) and os.stat(path).st_uid == os.getuid()):
+        claim = _claim_orphan(path)
+        if claim is None:
+            unknown.append(name)
+        elif claim is not True:
+            try:  # removed while the exclusive lock is held: no owner can appear meanwhile
                 shutil.rmtree(path, ignore_errors=True)
-                removed.append(path)
+            finally:
+                os.close(claim)
+            removed.append(name)
+    if unknown:
+        log.warning("%s: left %s alone: no %s in them (made by an earlier moe_grpo, whose owner cannot be told); "
+                    "remove them by hand once no run uses them", base, ", ".join(unknown), OWNER_LOCK)
+    return removed
+
+
+def private_bases() -> list[str]:
+    """Where `make_private_dir` puts private directories."""
+    return sorted({tempfile.gettempdir(), "/tmp"})
+
+
+def make_private_dir(base: str | None = None) -> str:
+    """A fresh 0700 directory owned by this user and held by this process (see `remove_orphaned_private_dirs`)."""
+    if base is None:
+        base = tempfile.gettempdir()
+        if len(base) > MAX_BASE_CHARS:
+            base = "/tmp"
+    return make_owned_dir(base, lambda: f"{PRIVATE_PREFIX}{os.getuid()}-{os.getpid()}-{secrets.token_hex(4)}")
+
+
+def remove_orphaned_private_dirs(bases: list[str] | None = None) -> list[str]:
+    """Private dirs of this user's runs that no live process holds (a SIGKILLed driver could not clean up)."""
+    removed = []
+    for base in private_bases() if bases is None else bases:
+        removed += [os.path.join(base, n) for n in sweep_orphans(base, f"{PRIVATE_PREFIX}{os.getuid()}-")]
+    return removed
+
+
+def make_sync_root(root: str) -> tuple[str, str]:
+    """This run's weight-buffer directory under this host's sync root `root`, held by this process: (its name,
+    the same on every host, and its path). What SIGKILLed runs left under `root` is swept first."""
+    from moe_grpo.sync.transport import secure_root
+
+    secure_root(root)
+    remove_orphaned_sync_roots(root)
+    path = make_owned_dir(root, lambda: f"{SYNC_PREFIX}{os.getpid()}-{int(time.time())}-{secrets.token_hex(4)}")
+    secure_root(path)
+    return os.path.basename(path), path
+
+
+def remove_orphaned_sync_roots(root: str) -> list[str]:
+    """Weight slots of runs no live process holds (up to twice a model's size in shared memory each): the driver on
+    its host, a relay agent on the others (sync_hosts.SyncHostAgent). Returns the names removed."""
+    removed = sweep_orphans(root, SYNC_PREFIX)
+    if removed:
+        log.info("removed the weight slots of %d run(s) nobody holds any more: %s", len(removed), ", ".join(removed))
     return removed
 
 
@@ -63,6 +228,7 @@ def release_private_dir(private_dir: str | None, run_dir: str) -> None:
     except OSError:
         pass  # the logs are a convenience; the private directory goes either way
     shutil.rmtree(private_dir, ignore_errors=True)
+    release(private_dir)
 
 
 RECORD = ("metrics.jsonl", "checkpoints")

@@ -12,10 +12,8 @@ directory when the run ends. On one host
 from __future__ import annotations
 
 import logging
-import os
 import secrets
 import shutil
-import socket
 import threading
 from pathlib import Path
 from typing import Any
@@ -23,11 +21,6 @@ from typing import Any
 from moe_grpo.sync.layout import SyncLayout, resolve_transport
 
 log = logging.getLogger("moe_grpo")
-
-OWNER_FILE = "owner.json"
-"""In a run's buffer directory made by an agent: {"driver_host", "agent_pid"}. On a host other than the driver's,
-the directory's `run-<driver pid>-...` name means nothing; the agent (on this host, alive for the whole run) is what
-an orphan sweep there checks (driver.remove_orphaned_sync_roots)."""
 
 
 def plan_sync(run: Any, placement_group: Any, run_name: str) -> SyncLayout:
@@ -50,26 +43,18 @@ def plan_sync(run: Any, placement_group: Any, run_name: str) -> SyncLayout:
 class SyncHostAgent:
     """One per sync host of a relay run (a Ray actor pinned to that node)."""
 
-    def __init__(self, layout: SyncLayout, host: str, driver_host: str, serve_store: bool) -> None:
-        from moe_grpo.sync.transport import SharedMemoryTransport, _mkdir_private, _write_json, secure_root
-
-        from moe_grpo.orchestrator.driver import remove_orphaned_sync_roots
+    def __init__(self, layout: SyncLayout, host: str, serve_store: bool) -> None:
+        from moe_grpo.orchestrator.run_dirs import make_owned_dir, remove_orphaned_sync_roots
         from moe_grpo.sync.layout import host_root
+        from moe_grpo.sync.transport import SharedMemoryTransport, secure_root
 
         self.layout, self.host = layout, host
-        remove_orphaned_sync_roots(host_root(layout.root))  # what SIGKILLed runs left on this host
-        # The directory appears with its owner file inside (made aside, renamed into place), so another run's sweep
-        # never sees it without one; on the driver's own host the driver may have made it already.
-        path = Path(layout.path())
-        secure_root(path.parent)
-        aside = path.with_name(f".{path.name}.{os.getpid()}")
-        _mkdir_private(aside)
-        _write_json(aside / OWNER_FILE, {"driver_host": driver_host, "agent_pid": os.getpid()})
-        try:
-            os.rename(aside, path)
-        except OSError:  # it exists (the driver's, not empty): say who owns it there too
-            os.replace(aside / OWNER_FILE, path / OWNER_FILE)
-            shutil.rmtree(aside, ignore_errors=True)
+        root = host_root(layout.root)
+        secure_root(root)
+        remove_orphaned_sync_roots(root)  # what SIGKILLed runs left on this host
+        # Held by this agent for as long as it lives (with the driver, on the driver's host): a sweep by another run
+        # here removes it only once both are gone (run_dirs.py).
+        path = Path(make_owned_dir(root, lambda: layout.run_name, existing_ok=True))
         self.transport = SharedMemoryTransport(str(path), layout.slots)  # checked private like any root
         self.server = None
         if serve_store:
@@ -121,8 +106,11 @@ class SyncHostAgent:
 
     def close(self) -> None:
         """Stop receiving and remove this host's buffers of the run."""
+        from moe_grpo.orchestrator.run_dirs import release
+
         self.stop.set()
         shutil.rmtree(self.transport.root, ignore_errors=True)
+        release(str(self.transport.root))
 
 
 def start_sync_hosts(layout: SyncLayout) -> tuple[SyncLayout, list[Any]]:
@@ -140,7 +128,7 @@ def start_sync_hosts(layout: SyncLayout) -> tuple[SyncLayout, list[Any]]:
 
     def on(host: str, serve: bool) -> Any:
         return agent_cls.options(num_cpus=0, max_concurrency=4, scheduling_strategy=NodeAffinitySchedulingStrategy(
-            host, soft=False)).remote(layout, host, socket.gethostname(), serve)
+            host, soft=False)).remote(layout, host, serve)
 
     agents = [on(layout.hosts[0], True)]
     layout = dataclasses.replace(layout, store=tuple(ray.get(agents[0].address.remote(), timeout=120)))

@@ -144,38 +144,6 @@ def test_a_resume_that_changes_what_the_checkpoint_means_is_refused():
         check_resumable(run(group_size=8), saved)
 
 
-def test_weight_slots_of_a_dead_driver_are_removed_and_a_live_ones_kept(tmp_path):
-    from moe_grpo.orchestrator.driver import remove_orphaned_sync_roots
-
-    dead = subprocess.Popen([sys.executable, "-c", "pass"])
-    dead.wait()
-    orphan = f"run-{dead.pid}-1795460000"
-    for name in (orphan, f"run-{os.getpid()}-1795460000", "other"):
-        (tmp_path / name).mkdir()
-    assert remove_orphaned_sync_roots(str(tmp_path)) == [orphan]
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([f"run-{os.getpid()}-1795460000", "other"])
-
-
-def test_a_relay_runs_slots_whose_driver_is_on_another_host_go_with_their_agent(tmp_path):
-    """Under the relay an agent makes the run's directory on each host; the name's pid is the driver's, on another
-    host, so the sweep here asks whether that agent (on this host) is alive."""
-    import json
-    import socket
-
-    from moe_grpo.orchestrator.driver import remove_orphaned_sync_roots
-    from moe_grpo.orchestrator.sync_hosts import OWNER_FILE
-
-    dead = subprocess.Popen([sys.executable, "-c", "pass"])
-    dead.wait()
-    kept, gone = f"run-{dead.pid}-1795460001", f"run-{dead.pid}-1795460002"
-    for name, agent in ((kept, os.getpid()), (gone, dead.pid)):
-        (tmp_path / name).mkdir()
-        (tmp_path / name / OWNER_FILE).write_text(json.dumps({"driver_host": socket.gethostname() + "-elsewhere",
-                                                               "agent_pid": agent}))
-    assert remove_orphaned_sync_roots(str(tmp_path)) == [gone]
-    assert [p.name for p in tmp_path.iterdir()] == [kept], "the driver's pid is dead here, but its agent lives"
-
-
 def test_the_run_record_writes_null_for_values_not_measured_and_strict_readers_accept_every_line(tmp_path):
     """NaN is not JSON: jq and JavaScript's JSON.parse refuse it. A value not measured is written as null."""
     import json
