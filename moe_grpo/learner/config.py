@@ -25,6 +25,12 @@ class LearnerConfig:
     Megatron's OptimizerParamScheduler computes it."""
     min_lr: float = 0.0
     """Where 'cosine' and 'linear' end."""
+    lr_decay_steps: int | None = None
+    """The RL step at which 'cosine' and 'linear' reach `min_lr` (counted from step 1, the warmup included); None =
+    the run's `steps`. A run checkpoint saves the schedule, and `resume=true` with another `steps` is refused unless
+    this is set: extending a run is a choice between keeping the saved schedule (the value it was saved with: the
+    added steps run at `min_lr`) and stretching it (a larger value: the learning rate rises again from where it
+    stood)."""
     weight_decay: float = 0.0
     """Decoupled weight decay."""
     adam_beta1: float = 0.9
@@ -51,6 +57,7 @@ class LearnerConfig:
             raise ValueError(f"learner.lr_decay={self.lr_decay!r}, expected one of {list(LR_DECAY_STYLES)}")
         between("learner.min_lr", self.min_lr, 0.0, self.lr)  # the schedule ends at or below its peak
         at_least("learner.lr_warmup_steps", self.lr_warmup_steps, 0)
+        optional_at_least("learner.lr_decay_steps", self.lr_decay_steps, self.lr_warmup_steps + 1)
         non_negative("learner.weight_decay", self.weight_decay)
         # Adam divides by (1 - beta^t): beta = 1 never forgets and divides by zero at the first step.
         between("learner.adam_beta1", self.adam_beta1, 0.0, 1.0, high_open=True)
@@ -60,3 +67,12 @@ class LearnerConfig:
         optional_at_least("learner.packed_seq_len", self.packed_seq_len, 1)
         at_least("learner.seed", self.seed, 0)  # numpy's generators refuse negative seeds
         at_least("learner.max_skipped_in_a_row", self.max_skipped_in_a_row, 1)
+
+    def decay_steps(self, run_steps: int) -> int:
+        """The step at which the schedule reaches `min_lr` in a run of `run_steps` steps."""
+        return self.lr_decay_steps if self.lr_decay_steps is not None else run_steps
+
+    def schedule(self, run_steps: int) -> dict[str, float | int | str]:
+        """The learning-rate schedule of a run of `run_steps` steps, as a run checkpoint saves it."""
+        return {"lr": self.lr, "lr_warmup_steps": self.lr_warmup_steps, "lr_decay": self.lr_decay,
+                "min_lr": self.min_lr, "lr_decay_steps": self.decay_steps(run_steps)}

@@ -99,16 +99,18 @@ def build_ddp_and_optimizer(module: Any, mconfig: Any, config: LearnerConfig,
 
 
 def lr_scheduler(optimizer: Any, config: LearnerConfig, total_steps: int) -> Any:
-    """Megatron's OptimizerParamScheduler for `config`'s schedule over a run of `total_steps` RL steps: linear
-    warmup from 0 over `lr_warmup_steps`, then `lr_decay` from `lr` to `min_lr` at the last step."""
+    """Megatron's OptimizerParamScheduler for `config`'s schedule in a run of `total_steps` RL steps: linear
+    warmup from 0 over `lr_warmup_steps`, then `lr_decay` from `lr` to `min_lr` at step `lr_decay_steps` (None: the
+    run's last step), `min_lr` after it."""
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-    if config.lr_warmup_steps >= max(total_steps, 1) and config.lr_warmup_steps > 0:
+    decay_steps = config.decay_steps(total_steps)
+    if config.lr_warmup_steps >= max(decay_steps, 1) and config.lr_warmup_steps > 0:
         raise ValueError(f"learner.lr_warmup_steps={config.lr_warmup_steps} must be below the run's steps "
                          f"({total_steps}): the learning rate would never reach learner.lr")
     return OptimizerParamScheduler(
         optimizer, init_lr=0.0, max_lr=config.lr, min_lr=config.min_lr, lr_warmup_steps=config.lr_warmup_steps,
-        lr_decay_steps=max(total_steps, config.lr_warmup_steps + 1), lr_decay_style=config.lr_decay,
+        lr_decay_steps=max(decay_steps, config.lr_warmup_steps + 1), lr_decay_style=config.lr_decay,
         start_wd=config.weight_decay, end_wd=config.weight_decay, wd_incr_steps=1, wd_incr_style="constant")
 
 
@@ -143,11 +145,12 @@ def current_lr(optimizer: Any, default: float) -> float:
 
 
 def set_lr(optimizer: Any, lr: float) -> None:
-    """Set the learning rate of every param group of every sub-optimizer (times the group's `lr_mult`)."""
+    """Set the learning rate of every param group of every sub-optimizer (times the group's `lr_mult`). 0 is a
+    learning rate a schedule reaches (a decay to `min_lr=0` at its last step), so a state saved there loads."""
     import math
 
-    if not (lr > 0 and math.isfinite(lr)):
-        raise ValueError(f"lr={lr}, expected a positive finite number")
+    if not (lr >= 0 and math.isfinite(lr)):
+        raise ValueError(f"lr={lr}, expected a finite number >= 0")
     for group in optimizer.param_groups:
         group["lr"] = lr * float(group.get("lr_mult", 1.0))
 

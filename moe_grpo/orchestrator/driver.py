@@ -40,8 +40,10 @@ from moe_grpo.orchestrator.state import RunState
 log = logging.getLogger("moe_grpo")
 
 RESUME_MUST_MATCH = ("model", "algo", "task", "data", "reward", "mode", "routing.replay", "rollout.max_tokens",
-                     "rollout.temperature", "rollout.top_p", "learner.seed", "init")
-"""Config a resumed run must share with its checkpoint (what the saved buffer, prompts and optimizer mean)."""
+                     "rollout.temperature", "rollout.top_p", "learner.seed", "init", "learner.lr",
+                     "learner.lr_warmup_steps", "learner.lr_decay", "learner.min_lr")
+"""Config a resumed run must share with its checkpoint (what the saved buffer, prompts and optimizer mean, and the
+learning-rate schedule the saved steps followed; its length, `learner.lr_decay_steps`, by `check_schedule`)."""
 
 
 class LearnerFailedError(RuntimeError):
@@ -416,7 +418,7 @@ class Driver:
         return {"run_state": self.state.state_dict(), "buffer": self.buffer.state_dict(),
                 "source": self.source.state_dict(), "engines": engines, "watch": self.watch.state_dict(),
                 "rng": {"python": random.getstate(), "numpy": np.random.get_state()},
-                "config": dataclasses.asdict(self.run)}
+                "config": dataclasses.asdict(self.run), "lr_schedule": self.run.learner.schedule(self.run.steps)}
 
     def load_state_dict(self, saved: dict[str, Any]) -> None:
         self.state.load_state_dict(saved["run_state"])
@@ -518,8 +520,9 @@ class Driver:
             self.stop_after_checkpoint = self.due
 
 
-def check_resumable(run: Any, saved_config: dict[str, Any]) -> None:
-    """Refuse a resume whose config changes what the checkpoint's buffer, prompts and optimizer mean."""
+def check_resumable(run: Any, saved_config: dict[str, Any], saved_schedule: dict[str, Any] | None = None) -> None:
+    """Refuse a resume whose config changes what the checkpoint's buffer, prompts and optimizer mean, or the
+    learning-rate schedule its steps followed (`saved_schedule`: the checkpoint's; older ones: from its config)."""
     now = dataclasses.asdict(run)
     changed = []
     for key in RESUME_MUST_MATCH:
@@ -531,7 +534,36 @@ def check_resumable(run: Any, saved_config: dict[str, Any]) -> None:
             changed.append(key)
     if changed:
         raise ValueError(f"resume=true: the config differs from the checkpoint's in {changed}; a resumed run must "
-                         f"keep {list(RESUME_MUST_MATCH)} (steps, timeouts, cluster and the learner layout may change)")
+                         f"keep {list(RESUME_MUST_MATCH)} (steps (see learner.lr_decay_steps), timeouts, cluster and the "
+                         "learner layout may change)")
+    check_schedule(run, saved_schedule if saved_schedule is not None else _schedule_of(saved_config))
+
+
+def _schedule_of(saved_config: dict[str, Any]) -> dict[str, Any]:
+    """The schedule a checkpoint written before checkpoints saved theirs followed: over its run's `steps`."""
+    learner = saved_config.get("learner") or {}
+    decay_steps = learner.get("lr_decay_steps")
+    return {**learner, "lr_decay_steps": decay_steps if decay_steps is not None else saved_config.get("steps")}
+
+
+def check_schedule(run: Any, saved: dict[str, Any]) -> None:
+    """A resumed run's learning rate continues the checkpoint's schedule. Its length follows `steps` unless
+    `learner.lr_decay_steps` is set, so a resume with another `steps` would change the learning rate of every step
+    still to run (of a finished run: from `min_lr`, 0 by default, back up); that is refused unless the config says
+    which schedule the run continues on."""
+    cfg = run.learner
+    want, now = saved.get("lr_decay_steps"), cfg.decay_steps(run.steps)
+    if cfg.lr_decay == "constant" or want is None or now == want:
+        return
+    if cfg.lr_decay_steps is None:
+        raise ValueError(
+            f"resume=true with steps={run.steps}: the checkpoint's learning rate decays ({cfg.lr_decay}) to "
+            f"learner.min_lr={cfg.min_lr:g} at step {want}, this run's would at step {now}, which changes the learning "
+            f"rate of every step still to run. Extending a run is a choice: learner.lr_decay_steps={want} keeps the "
+            f"saved schedule (steps after {want} run at learner.min_lr), learner.lr_decay_steps={now} stretches it over "
+            "the new steps (the learning rate rises to where that schedule stands)")
+    log.warning("resume: learner.lr_decay_steps=%d, the checkpoint's schedule reached learner.min_lr at step %d: the "
+                "learning rate follows the new schedule from here", now, want)
 
 
 def _warm_start(run: Any, learners: list[Any], infos: list[dict[str, Any]], tokenizer: Any, source: Any) -> list[float]:
@@ -617,13 +649,13 @@ def train(run: Any, run_dir: str | Path, *, learner_cls: type | None = None) -> 
     state = RunState(bad_rows=source.bad_rows)
     saved, resume_from = None, None
     if run.resume:
-        found = run_checkpoint.newest_valid(run_dir)
+        found = run_checkpoint.resume_point(run_dir)  # an earlier run's steps with no checkpoint to continue: refused
         if found is None:
-            log.info("resume=true: no complete checkpoint in %s; starting from the beginning", run_dir)
+            log.info("resume=true: %s holds no checkpoint and no recorded step; starting from the beginning", run_dir)
         else:
             resume_from = found[0]
             saved = run_checkpoint.load_driver_state(resume_from)
-            check_resumable(run, saved["config"])
+            check_resumable(run, saved["config"], saved.get("lr_schedule"))
             state.load_state_dict(saved["run_state"])  # step and lr_scale, for the learner ranks' start
             log.info("resume: continuing from %s (step %d of %d)", resume_from, state.step, run.steps)
     rewards = _rewards(run)

@@ -149,9 +149,53 @@ def complete_checkpoints(run_dir: str | Path) -> list[Path]:
 
 def newest_valid(run_dir: str | Path) -> tuple[Path, dict[str, Any]] | None:
     """The newest checkpoint that verifies (a damaged newer one is reported by name and skipped), or None."""
+    return _newest_valid(run_dir)[0]
+
+
+def _newest_valid(run_dir: str | Path) -> tuple[tuple[Path, dict[str, Any]] | None, list[str]]:
+    """(the newest checkpoint that verifies or None, why each newer one was refused)."""
+    refused = []
     for path in complete_checkpoints(run_dir):
         try:
-            return path, verify(path)
+            return (path, verify(path)), refused
         except CheckpointError as e:
             log.error("resume: %s; falling back to the previous checkpoint", e)
-    return None
+            refused.append(f"{path.name}: {e}")
+    return None, refused
+
+
+RECORD = "metrics.jsonl"
+"""The run record (run_record.py): one line per step a run took."""
+
+
+def recorded_steps(run_dir: str | Path) -> int:
+    """Lines in the run's record: steps an earlier process took here (0 without a record)."""
+    try:
+        with open(Path(run_dir) / RECORD, "rb") as f:
+            return sum(1 for line in f if line.strip())
+    except FileNotFoundError:
+        return 0
+
+
+def resume_point(run_dir: str | Path) -> tuple[Path, dict[str, Any]] | None:
+    """Where `resume=true` continues: the newest checkpoint that verifies (newer damaged ones named in the log).
+
+    None where the directory holds neither a checkpoint nor a recorded step: a requeued job's first start, which
+    starts from the beginning. Where an earlier process recorded steps or left checkpoints and none verifies,
+    starting over would record those steps a second time after the old ones: CheckpointError naming each
+    checkpoint and why it was refused (or that none was written)."""
+    found, refused = _newest_valid(run_dir)
+    if found is not None:
+        return found
+    root = checkpoints_dir(run_dir)
+    unfinished = sorted(p.name for p in root.glob("step_*.tmp") if p.is_dir())
+    refused += [f"{name}: its write did not finish" for name in unfinished]
+    steps = recorded_steps(run_dir)
+    if not refused and not steps:
+        return None
+    record = f"{Path(run_dir) / RECORD} records {steps} step(s)" if steps else f"{root} holds checkpoints"
+    why = ("; ".join(refused) if refused else
+           f"no checkpoint is in {root} (checkpoint.every=0 with checkpoint.at_end=false writes none)")
+    raise CheckpointError(f"resume=true: {record} of an earlier run, but no checkpoint to continue from verifies: "
+                          f"{why}. Starting from step 0 would record those steps again; start a new run in another "
+                          "directory (or remove the record and checkpoints/ to start this one over)")

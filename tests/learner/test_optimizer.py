@@ -81,3 +81,5 @@ def test_bad_schedules_are_refused_by_name():
         LearnerConfig(lr_decay="exp")
     with pytest.raises(ValueError, match="min_lr=0.1"):
         LearnerConfig(lr=1e-3, min_lr=0.1)
+    with pytest.raises(ValueError, match=r"learner.lr_decay_steps=3: expected an integer >= 4"):
+        LearnerConfig(lr_warmup_steps=3, lr_decay_steps=3)  # the decay would end before the warmup does

@@ -194,3 +194,28 @@ def test_a_state_saved_before_the_first_step_loads_as_a_fresh_optimizer(tmp_path
     assert again["loss"] == first["loss"] and again["grad_norm"] == first["grad_norm"]
     for a, b in zip(after_first, learner.logprobs(seqs)):
         np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.slow
+def test_a_state_saved_where_the_schedule_reached_zero_loads_and_an_extended_schedule_goes_on(tmp_path):
+    """Would have caught: a finished run (cosine decayed to learner.min_lr=0 at its last step) could not be extended:
+    `load_run_state` refused its saved learning rate (`ValueError: lr=0.0, expected a positive finite number`)."""
+    import math
+
+    from moe_grpo.learner.megatron_learner import LearnerConfig, MegatronLearner
+
+    spec = tiny_spec()
+    seqs = make_sequences(spec, n=2)
+    learner = MegatronLearner(spec, config=LearnerConfig(micro_batch_size=2, lr=1e-2))
+    for step in (1, 2):  # a 2-step run: the learning rate of its step 2 is min_lr
+        learner.schedule_lr(step, 2)
+        learner.train_step(seqs)
+    assert learner.lr == 0.0
+    learner.save_run_state(str(tmp_path / "end"))
+    for decay_steps, want in ((2, 0.0), (4, 1e-2 * 0.5 * (1 + math.cos(math.pi * 3 / 4)))):
+        again = MegatronLearner(spec, config=LearnerConfig(micro_batch_size=2, lr=1e-2, lr_decay_steps=decay_steps))
+        again.load_run_state(str(tmp_path / "end"))
+        assert again.step_count == 2 and again.lr == 0.0
+        # Extended to steps=4: lr_decay_steps keeps the saved schedule (2) or stretches it (4); never steps alone.
+        assert again.schedule_lr(3, 4) == pytest.approx(want, rel=1e-12, abs=0.0)
+        assert np.isfinite(again.train_step(seqs)["loss"]) and again.step_count == 3

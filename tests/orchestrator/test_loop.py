@@ -128,3 +128,41 @@ def test_a_run_killed_after_a_checkpoint_resumes_at_another_layout_and_repeats_t
     assert_repeats(want, got, (3, 4, 5))
     assert [s for s, _ in summary["evals"]] == [0, 2, 4, 5]
     check_clean_sync_rows(got[2:])
+
+
+def test_resume_never_records_a_step_twice_and_extending_a_finished_run_is_a_choice(sync_run, tmp_path):
+    """Would have caught: `resume=true` where the run left its record but no checkpoint started from step 0 again
+    and appended steps 1.. to the record (exit 0); `steps=7 resume=true` after the finished 5-step run stopped with
+    `ValueError: lr=0.0` (the cosine decay had reached 0 at step 5), and resumed mid-way it would have stretched the
+    decay over the new `steps`, the learning rate jumping. Extending is now refused until `learner.lr_decay_steps`
+    says which schedule the added steps follow; with it the run continues: each step recorded once, and its
+    learning rate the chosen schedule's."""
+    import shutil
+
+    from moe_grpo.orchestrator.driver import train
+    from moe_grpo.orchestrator.run_checkpoint import CheckpointError
+
+    run_dir, _ = sync_run
+    recorded = (run_dir / "metrics.jsonl").read_text()
+    bare = tmp_path / "no_checkpoint"
+    bare.mkdir()
+    (bare / "metrics.jsonl").write_text(recorded)
+    with pytest.raises(CheckpointError, match=r"records 5 step\(s\) of an earlier run, but no checkpoint"):
+        train(small_run(**SYNC, resume=True), bare)
+    assert (bare / "metrics.jsonl").read_text() == recorded and not (bare / "checkpoints").exists()
+
+    extended = tmp_path / "extended"
+    shutil.copytree(run_dir / "checkpoints", extended / "checkpoints")
+    (extended / "metrics.jsonl").write_text(recorded)
+    more = {**SYNC, "steps": 7}
+    with pytest.raises(ValueError, match=r"learner.lr_decay_steps=5 keeps .* learner.lr_decay_steps=7 stretches"):
+        train(small_run(**more, resume=True), extended)
+    summary = train(small_run(**more, resume=True, **{"learner.lr_decay_steps": 7}), extended)
+    rows = rows_of(extended)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6, 7] and summary["steps"] == 7
+    assert rows[5]["resume/from_step"] == 5
+    peak = small_run().learner.lr
+    assert rows[4]["learner/lr"] == pytest.approx(0.0, abs=1e-12), "the first run's cosine ended at min_lr=0"
+    assert [r["learner/lr"] for r in rows[5:]] == pytest.approx(
+        [peak * 0.5 * (1 + math.cos(math.pi * s / 7)) for s in (6, 7)], rel=1e-9, abs=1e-15)
+    check_clean_sync_rows(rows[5:])

@@ -76,6 +76,46 @@ def test_no_checkpoint_means_none(tmp_path):
     assert rc.newest_valid(tmp_path) is None
 
 
+def record(run_dir, steps):
+    (run_dir / "metrics.jsonl").write_text("".join(f'{{"step": {s}}}\n' for s in range(1, steps + 1)))
+
+
+def test_resume_starts_fresh_only_where_no_earlier_run_left_steps_or_checkpoints(tmp_path):
+    """Would have caught: `resume=true` after a run that wrote no checkpoint (checkpoint.every=0,
+    checkpoint.at_end=false) started again from step 0 and appended steps [1, 2] to the record's [1, 2]."""
+    assert rc.resume_point(tmp_path) is None, "a requeued job's first start: nothing here yet"
+    (tmp_path / "metrics.jsonl").write_text("")
+    assert rc.resume_point(tmp_path) is None, "a record with no step yet: nothing to repeat"
+    record(tmp_path, 2)
+    with pytest.raises(rc.CheckpointError) as err:
+        rc.resume_point(tmp_path)
+    assert "metrics.jsonl records 2 step(s)" in str(err.value)
+    assert "checkpoint.every=0 with checkpoint.at_end=false writes none" in str(err.value)
+    newest = write(tmp_path, 2)
+    assert rc.resume_point(tmp_path)[0] == newest
+
+
+def test_resume_with_every_checkpoint_damaged_stops_naming_each_and_why(tmp_path):
+    """Would have caught: where every checkpoint was damaged, `resume=true` logged a line and started from step 0,
+    appending a second step 1 to the record."""
+    record(tmp_path, 4)
+    first, second = write(tmp_path, 2), write(tmp_path, 4)
+    (first / "driver.pkl").unlink()
+    with open(second / "learner" / "shard.bin", "r+b") as f:
+        f.truncate(10)
+    rc.begin(tmp_path, 6)  # a write that never finished
+    with pytest.raises(rc.CheckpointError) as err:
+        rc.resume_point(tmp_path)
+    text = str(err.value)
+    assert "records 4 step(s)" in text
+    assert f"step_000004: {second / 'learner' / 'shard.bin'}: 10 bytes" in text
+    assert f"step_000002: {first / 'driver.pkl'}: missing" in text
+    assert "step_000006.tmp: its write did not finish" in text
+    (tmp_path / "metrics.jsonl").unlink()  # checkpoints without a record are an earlier run's too
+    with pytest.raises(rc.CheckpointError, match="holds checkpoints of an earlier run"):
+        rc.resume_point(tmp_path)
+
+
 def test_the_buffer_keeps_its_groups_with_versions_and_traces_and_refuses_what_does_not_fit():
     from moe_grpo.orchestrator.buffer import Group, RolloutBuffer
     from moe_grpo.routing.trace import RoutingTrace
@@ -139,9 +179,42 @@ def test_a_resume_that_changes_what_the_checkpoint_means_is_refused():
 
     saved = dataclasses.asdict(run(group_size=4))
     check_resumable(from_hydra({"model": saved["model"], "algo": {"group_size": 4}, "steps": 999,
-                                "parallel": {"expert_parallel": 2}}), saved)
+                                "learner": {"lr_decay_steps": 300}, "parallel": {"expert_parallel": 2}}), saved)
     with pytest.raises(ValueError, match=r"differs from the checkpoint's in \['algo'\]"):
         check_resumable(run(group_size=8), saved)
+
+
+def test_a_resume_keeps_the_saved_learning_rate_schedule_and_extending_it_is_a_choice(caplog):
+    """Would have caught: a resume with more `steps` stretched the cosine decay over the new length, so the learning
+    rate jumped (a finished run's from 0 back up; its learner then refused lr=0.0 at load), and a resume with another
+    `learner.lr`, warmup, decay style or `min_lr` was taken silently."""
+    import dataclasses
+
+    from moe_grpo.config import from_hydra, load_model_spec
+    from moe_grpo.orchestrator.driver import check_resumable
+
+    model = dataclasses.asdict(load_model_spec("deepseek_moe"))
+
+    def run(steps=4, **learner):
+        return from_hydra({"model": model, "steps": steps, "learner": learner})
+
+    first = run(steps=2)
+    saved, schedule = dataclasses.asdict(first), first.learner.schedule(first.steps)
+    assert schedule == {"lr": 1e-3, "lr_warmup_steps": 0, "lr_decay": "cosine", "min_lr": 0.0, "lr_decay_steps": 2}
+    check_resumable(run(steps=2), saved, schedule)
+    for key, value in (("lr", 2e-3), ("lr_warmup_steps", 1), ("lr_decay", "linear"), ("min_lr", 1e-4)):
+        with pytest.raises(ValueError, match=rf"differs from the checkpoint's in \['learner.{key}'\]"):
+            check_resumable(run(steps=2, **{key: value}), saved, schedule)
+    for saved_schedule in (schedule, None):  # a checkpoint written before checkpoints saved their schedule
+        with pytest.raises(ValueError, match=r"steps=4: the checkpoint's learning rate decays \(cosine\) to "
+                                             r"learner.min_lr=0 at step 2, this run's would at step 4.*"
+                                             r"learner.lr_decay_steps=2 keeps.*learner.lr_decay_steps=4 stretches"):
+            check_resumable(run(steps=4), saved, saved_schedule)
+    check_resumable(run(steps=4, lr_decay_steps=2), saved, schedule)  # keep the saved schedule
+    check_resumable(run(steps=4, lr_decay_steps=4), saved, schedule)  # stretch it, said so
+    assert "learner.lr_decay_steps=4, the checkpoint's schedule reached learner.min_lr at step 2" in caplog.text
+    constant = run(steps=2, lr_decay="constant")
+    check_resumable(run(steps=4, lr_decay="constant"), dataclasses.asdict(constant), constant.learner.schedule(2))
 
 
 def test_the_run_record_writes_null_for_values_not_measured_and_strict_readers_accept_every_line(tmp_path):
