@@ -21,6 +21,8 @@
 #   NET_IFNAME                             the network interface Ray's node addresses, NCCL (NCCL_SOCKET_IFNAME) and
 #                                          gloo (GLOO_SOCKET_IFNAME) use; unset = each library's own choice
 #   RAY_HEAD_IP                            the head's address; default: NET_IFNAME's, else `hostname --ip-address`
+#                                          (127.0.1.1 on a stock Debian/Ubuntu /etc/hosts: a job of several nodes
+#                                          refuses a loopback address for any node and says to set NET_IFNAME)
 #   SRUN, SCONTROL, RAY, PYTHON            the commands (tests put fakes there)
 # Ray's token authentication is on (RAY_AUTH_MODE=token) with a token made for this job (RAY_AUTH_TOKEN, exported
 # to every node through srun's environment) unless RAY_AUTH_MODE / RAY_AUTH_TOKEN are set already.
@@ -57,9 +59,21 @@ node_ip() {  # this node's address: NET_IFNAME's IPv4 address when it is set, el
   fi
 }
 
+is_loopback() { [[ "$1" == 127.* || "$1" == ::1 || "$1" == localhost ]]; }
+
+loopback_refusal() {  # $1 = the node, $2 = its address: why a job of several nodes cannot use it
+  echo "$1's address is $2, a loopback address (\`hostname --ip-address\` on a stock Debian/Ubuntu /etc/hosts): the" \
+    "other nodes cannot reach Ray there and would never join. Set NET_IFNAME to the interface the nodes share" \
+    "(e.g. NET_IFNAME=ib0 or eth0; \`ip -o -4 addr\` lists them), or RAY_HEAD_IP for the head"
+}
+
 ray_node_start() {  # runs on a node, under srun: $1 = head | worker
   local ip
   ip="$(node_ip)"
+  if (( ${RAY_NODE_COUNT:-1} > 1 )) && is_loopback "$ip"; then
+    echo "[ray_cluster] $(loopback_refusal "$(hostname)" "$ip")" >&2
+    exit 2
+  fi
   local args=(start --block --disable-usage-stats
     --node-manager-port="$RAY_NODE_MANAGER_PORT" --object-manager-port="$RAY_OBJECT_MANAGER_PORT"
     --min-worker-port="$RAY_MIN_WORKER_PORT" --max-worker-port="$RAY_MAX_WORKER_PORT"
@@ -124,7 +138,11 @@ ray_cluster_up() {
     export NCCL_SOCKET_IFNAME="$NET_IFNAME" GLOO_SOCKET_IFNAME="$NET_IFNAME"
   fi
   RAY_HEAD_IP="${RAY_HEAD_IP:-$(node_ip)}"
-  export RAY_HEAD_ADDRESS="$RAY_HEAD_IP:$RAY_PORT"
+  if (( ${#RAY_NODES[@]} > 1 )) && is_loopback "$RAY_HEAD_IP"; then
+    ray_log "$(loopback_refusal "the head (${RAY_NODES[0]})" "$RAY_HEAD_IP")"
+    return 1
+  fi
+  export RAY_HEAD_ADDRESS="$RAY_HEAD_IP:$RAY_PORT" RAY_NODE_COUNT="${#RAY_NODES[@]}"
   export RAY_AUTH_MODE="${RAY_AUTH_MODE:-token}"
   if [[ "$RAY_AUTH_MODE" == token && -z "${RAY_AUTH_TOKEN:-}" ]]; then
     export RAY_AUTH_TOKEN; RAY_AUTH_TOKEN="$(_ray_token)"
@@ -132,7 +150,7 @@ ray_cluster_up() {
   export RAY RAY_PORT RAY_NODE_MANAGER_PORT RAY_OBJECT_MANAGER_PORT RAY_CLIENT_SERVER_PORT RAY_RUNTIME_ENV_AGENT_PORT \
     RAY_DASHBOARD_AGENT_GRPC_PORT RAY_DASHBOARD_AGENT_LISTEN_PORT RAY_METRICS_EXPORT_PORT RAY_MIN_WORKER_PORT \
     RAY_MAX_WORKER_PORT
-  export -f ray_node_start node_ip
+  export -f ray_node_start node_ip is_loopback loopback_refusal
   ray_log "${#RAY_NODES[@]} node(s): ${RAY_NODES[*]}; head at $RAY_HEAD_ADDRESS"
   _ray_start_node 0 head
   _ray_wait_joined "${RAY_NODES[0]}" || return 1  # workers need the head's GCS up

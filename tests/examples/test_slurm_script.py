@@ -155,3 +155,58 @@ def test_sigterm_before_the_time_limit_reaches_the_driver(tmp_path):
     assert "SIGUSR1: forwarded to the driver" in err and "SIGTERM: forwarded to the driver" in err
     assert job.read("driver.log").splitlines()[-2:] == ["USR1", "TERM"]
     assert job.ray_alive() == []
+
+
+def test_sigint_reaches_the_driver_started_in_the_background(tmp_path):
+    """Would have caught: the driver, started with `&` from the batch script, inherited SIGINT ignored (bash's rule
+    for background commands without job control; Python keeps an ignored SIGINT), so a forwarded SIGINT did
+    nothing and the job ran on."""
+    job = Job(tmp_path, FAKE_DRIVER_S="120").start()
+    job.wait_for("driver.log", "started")
+    job.proc.send_signal(signal.SIGINT)
+    rc, out, err = job.finish(timeout=30)
+    assert "SIGINT: forwarded to the driver" in err
+    assert job.read("driver.log").splitlines()[-1] == "INT", job.read("driver.log")
+    assert rc == 130, err
+    assert job.ray_alive() == []
+
+
+def test_a_loopback_head_address_is_refused_on_several_nodes_saying_to_set_net_ifname(tmp_path):
+    """Would have caught: without NET_IFNAME the head's address came from `hostname --ip-address`, 127.0.1.1 on a
+    stock Debian/Ubuntu /etc/hosts; the workers were told to join 127.0.1.1:6379 and never did (the job waited
+    RAY_JOIN_TIMEOUT_S and failed naming the nodes, not the cause)."""
+    job = Job(tmp_path, NET_IFNAME="", RAY_JOIN_TIMEOUT_S="5").start()
+    rc, out, err = job.finish()
+    assert rc == 1, err
+    assert ("the head (node01)'s address is 127.0.1.1, a loopback address (`hostname --ip-address` on a stock "
+            "Debian/Ubuntu /etc/hosts): the other nodes cannot reach Ray there and would never join. Set NET_IFNAME "
+            "to the interface the nodes share") in err
+    assert job.read("srun.log") == "" and job.read("driver.log") == "", "nothing started"
+    assert job.seconds < 5
+
+
+def test_a_worker_with_a_loopback_address_fails_naming_it_and_a_one_node_job_may_use_loopback(tmp_path):
+    """RAY_HEAD_IP given by hand, NET_IFNAME not: each node's own Ray address (`--node-ip-address`) still comes
+    from `hostname --ip-address`; the node refuses it and its srun's end fails the job at once, naming it. A one-node
+    job has nobody to reach it: loopback is fine there."""
+    job = Job(tmp_path, NET_IFNAME="", RAY_HEAD_IP="10.0.0.1").start()
+    rc, out, err = job.finish()
+    assert rc == 1, err
+    assert "[ray_cluster] node01's address is 127.0.1.1, a loopback address" in err
+    assert "node node01: its srun (ray head) ended with status 2" in err
+    assert job.read("driver.log") == "" and job.seconds < 10
+    alone = Job(tmp_path / "one", NET_IFNAME="", SLURM_JOB_NODELIST="node01", FAKE_NODES="node01").start()
+    rc, out, err = alone.finish()
+    assert rc == 0, err
+    assert "cluster.ray_address=127.0.1.1:6379" in alone.read("driver.log")
+
+
+def test_the_driver_is_told_the_warning_time_of_the_signal(tmp_path):
+    """The placement plan compares a checkpoint's write time with it (MOE_GRPO_SIGNAL_S): this script's
+    `#SBATCH --signal=B:TERM@120`, or SBATCH_SIGNAL when sbatch was given another."""
+    job = Job(tmp_path).start()
+    assert job.finish()[0] == 0
+    assert "signal_s: 120" in job.read("driver.log")
+    other = Job(tmp_path / "other", SBATCH_SIGNAL="B:TERM@600").start()
+    assert other.finish()[0] == 0
+    assert "signal_s: 600" in other.read("driver.log")
