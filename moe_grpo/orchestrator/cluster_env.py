@@ -197,3 +197,24 @@ def local_gpus(environ: Mapping[str, str], proc_gpus: str = "/proc/driver/nvidia
 def local_facts(environ: Mapping[str, str]) -> NodeFacts:
     """This host alone (the run starts a Ray cluster of its own here)."""
     return NodeFacts((socket.gethostname(),), local_gpus(environ), len(os.sched_getaffinity(0)), "this host")
+
+
+SIGNAL_ENV = "MOE_GRPO_SIGNAL_S"
+"""Seconds between SLURM's warning signal (`#SBATCH --signal=B:TERM@<seconds>`) and the job's time limit;
+examples/slurm/train.sbatch exports it (from its own `--signal` line, or SBATCH_SIGNAL)."""
+
+
+def signal_warning_s(environ: Mapping[str, str], problems: list[str]) -> float | None:
+    """`MOE_GRPO_SIGNAL_S` as seconds; None when unset (a problem when it does not parse)."""
+    value = environ.get(SIGNAL_ENV, "").strip()
+    if not value:
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if not seconds > 0:
+        problems.append(f"{SIGNAL_ENV}={value!r}: expected the positive seconds of --signal's warning (e.g. 120 for "
+                        "--signal=B:TERM@120)")
+        return None
+    return seconds

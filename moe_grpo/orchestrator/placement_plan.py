@@ -10,6 +10,8 @@ host, orchestrator/cluster_env.py). It decides
   expert DP, in megatron-core 0.16.1's default order tp-cp-ep-dp-pp);
 - the bytes a weight sync moves per engine host (every engine host receives the whole model once per version, in
   the learner's parameter dtype), and each pool's memory estimate (orchestrator/memory_estimate.py);
+- under SLURM, a run checkpoint's size and write time beside `--signal`'s warning time, with a warning when it does
+  not fit (orchestrator/checkpoint_time.py);
 
 and refuses, with the reason and the numbers, a plan that cannot run: more GPUs than the nodes have, a learner
 world Megatron cannot split (world = TP x PP x DP, TP x EP x PP dividing the world, EP dividing the expert count,
@@ -24,10 +26,12 @@ import dataclasses
 import math
 import os
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from moe_grpo.models.param_count import param_counts
-from moe_grpo.orchestrator.cluster_env import NodeFacts, RunCommand, local_facts, run_command_stdout, slurm_facts
+from moe_grpo.orchestrator.checkpoint_time import CheckpointTime, checkpoint_bytes, measure_write_gbps
+from moe_grpo.orchestrator.cluster_env import (NodeFacts, RunCommand, local_facts, run_command_stdout,
+                                               signal_warning_s, slurm_facts)
 from moe_grpo.orchestrator.memory_estimate import (DTYPE_BYTES, GIB, RESERVED_GIB, EngineMemory, RankMemory,
                                                    TrainingShape, engine_memory, rank_memory)
 
@@ -119,6 +123,8 @@ class Plan:
     engine_memory: EngineMemory | None
     problems: tuple[str, ...]
     notes: tuple[str, ...] = field(default=())
+    checkpoint: CheckpointTime | None = None
+    """A run checkpoint's size and write time vs SLURM's warning time (slurm plans)."""
 
     @property
     def ok(self) -> bool:
@@ -188,6 +194,8 @@ class Plan:
         if self.engine_memory:
             lines.append(f"  memory per engine GPU: {self.engine_memory.line()}")
         lines.append(self._sync_line())
+        if self.checkpoint is not None:
+            lines.append(self.checkpoint.line())
         if self.unused_nodes:
             lines.append(f"unused nodes: {' '.join(self.unused_nodes)}")
         lines += [f"note: {note}" for note in self.notes]
@@ -238,11 +246,15 @@ def _bytes(n: float) -> str:
 
 
 def build_plan(run: Any, environ: Mapping[str, str] | None = None, *, seq_len: int | None = None,
-               run_command: RunCommand | None = run_command_stdout) -> Plan:
+               run_command: RunCommand | None = run_command_stdout, write_gbps: float | None = None,
+               measure_write: Callable[[str], float] | None = measure_write_gbps,
+               checkpoint_dir: str | None = None) -> Plan:
     """The plan for `run` (a RunConfig) in `environ` (default os.environ). `seq_len`: positions per sequence the
     learner trains on (the engines' context once the prompts were read); None = `rollout.max_model_len` when set,
     else `rollout.max_tokens` alone, said in a note. `run_command` runs `scontrol show hostnames` (None: the Python
-    expander only)."""
+    expander only). A slurm plan whose environment gives `--signal`'s warning time (MOE_GRPO_SIGNAL_S) measures the
+    write rate with `measure_write` in `checkpoint_dir` (default: the run directory under Hydra, else the current
+    directory) unless `write_gbps` gives it."""
     environ = os.environ if environ is None else environ
     c = run.cluster
     problems: list[str] = []
@@ -285,12 +297,50 @@ def build_plan(run: Any, environ: Mapping[str, str] | None = None, *, seq_len: i
     engines = tuple(EnginePlacement(f"engine{i}", pools.engine_nodes[i], engine_tp, engine_gpus, c.engine_cpus)
                     for i in range(c.num_engines))
     sync_dtype = run.megatron.params_dtype
+    checkpoint = None
+    if c.launcher == "slurm":
+        checkpoint = _checkpoint_time(run, counts.total, environ, write_gbps, measure_write, checkpoint_dir, notes)
+        if checkpoint.warning():
+            notes.append(f"WARNING: {checkpoint.warning()}")
     return Plan(launcher=c.launcher, facts=facts, gpus_per_node=gpus, cpus_per_node=cpus,
                 gpu_memory_gib=c.gpu_memory_gib, model=spec.name, total_params=counts.total,
                 routed_params=counts.routed, training_nodes=pools.training, inference_nodes=pools.inference,
                 unused_nodes=pools.unused, engines=engines, ranks=tuple(ranks), world=world, layout=layout,
                 rank_gpus=rank_gpus, sync_dtype=sync_dtype, sync_bytes=counts.total * DTYPE_BYTES[sync_dtype],
-                rank_memory=rank_mem, engine_memory=eng_mem, problems=tuple(problems), notes=tuple(notes))
+                rank_memory=rank_mem, engine_memory=eng_mem, problems=tuple(problems), notes=tuple(notes),
+                checkpoint=checkpoint)
+
+
+def _checkpoint_time(run: Any, total_params: int, environ: Mapping[str, str], write_gbps: float | None,
+                     measure_write: Callable[[str], float] | None, directory: str | None,
+                     notes: list[str]) -> CheckpointTime:
+    signal_s = signal_warning_s(environ, notes)
+    where = None
+    if write_gbps is None and signal_s is not None and measure_write is not None:
+        where = directory or _run_dir(run)
+        try:
+            write_gbps = measure_write(where)
+        except OSError as e:
+            notes.append(f"the checkpoint write rate could not be measured in {where}: {e}")
+    weights, optimizer = checkpoint_bytes(total_params, run.megatron.params_dtype)
+    return CheckpointTime(weights, optimizer, write_gbps, where, signal_s)
+
+
+def _run_dir(run: Any) -> str:
+    """Where the run's checkpoints go: Hydra's run directory (its nearest existing ancestor), else the current
+    directory (a dry run's Hydra directory is a temporary one)."""
+    path = os.getcwd()
+    if not run.cluster.dry_run:
+        try:
+            from hydra.core.hydra_config import HydraConfig
+
+            if HydraConfig.initialized():
+                path = os.path.abspath(HydraConfig.get().runtime.output_dir)
+        except (ImportError, ValueError):
+            pass
+    while not os.path.isdir(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    return path
 
 
 @dataclass(frozen=True)

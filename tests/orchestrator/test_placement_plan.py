@@ -329,3 +329,43 @@ def test_a_dry_run_prints_the_plan_and_exits_before_ray_starts(tmp_path):
     assert refused.stderr.startswith("[moe_grpo] the placement plan is refused: 16 learner rank(s) x 1 GPUs need 16 "
                                      "GPUs; the training pool's 1 node(s) x 8 GPUs have room for 8")
     assert "Traceback" not in refused.stderr
+
+
+def test_a_slurm_plan_prints_a_checkpoints_write_time_beside_the_signals_warning_and_warns_when_it_does_not_fit():
+    """Would have caught: nothing compared the time to write a checkpoint with `--signal`'s warning (120 s in
+    train.sbatch): Qwen3-30B-A3B's 427 GB (bf16 weights + Adam's fp32 main parameters and moments) at 0.5 GB/s
+    take 14 min, so at the time limit the job was killed mid-write and lost every step since the checkpoint
+    before, with no word before the run."""
+    env = {**QWEN_ENV, "MOE_GRPO_SIGNAL_S": "120"}
+    slow = plan_for(QWEN_2x8, env, write_gbps=0.5)
+    text = slow.render()
+    assert slow.checkpoint.total == 30_532_122_624 * (2 + 12)
+    assert ("checkpoint: 427.4 GB (weights 61.1 GB + Adam 366.4 GB, the whole model) ~ 14 min at 0.50 GB/s "
+            "(given); SLURM's warning comes 120 s before the time limit (--signal): DOES NOT FIT") in text
+    (warning,) = [n for n in slow.notes if n.startswith("WARNING")]
+    assert "takes ~14 min at 0.50 GB/s, longer than the 120 s between SLURM's warning signal" in warning
+    assert "#SBATCH --signal=B:TERM@1380" in warning
+    assert slow.ok, "a warning, not a refusal: the run itself can go"
+    fast = plan_for(QWEN_2x8, env, write_gbps=5.0)
+    assert "~ 85 s at 5.00 GB/s (given); SLURM's warning comes 120 s before the time limit (--signal): fits, 35 s " \
+           "left" in fast.render()
+    assert not [n for n in fast.notes if n.startswith("WARNING")]
+
+
+def test_the_write_rate_is_measured_where_the_checkpoints_go_only_when_the_warning_time_is_known(tmp_path):
+    from moe_grpo.orchestrator.checkpoint_time import measure_write_gbps
+
+    asked = []
+    plan = plan_for(QWEN_2x8, {**QWEN_ENV, "MOE_GRPO_SIGNAL_S": "600"}, checkpoint_dir=str(tmp_path),
+                    measure_write=lambda d: asked.append(d) or 1.0)
+    assert asked == [str(tmp_path)]
+    assert f"at 1.00 GB/s (one writer, measured in {tmp_path})" in plan.render()
+    unknown = plan_for(QWEN_2x8, QWEN_ENV, measure_write=lambda d: asked.append(d) or 1.0)
+    assert len(asked) == 1, "no warning time: nothing measured"
+    assert ("checkpoint: 427.4 GB (weights 61.1 GB + Adam 366.4 GB, the whole model); write time not measured "
+            "(MOE_GRPO_SIGNAL_S unset: --signal's time unknown)") in unknown.render()
+    bad = plan_for(QWEN_2x8, {**QWEN_ENV, "MOE_GRPO_SIGNAL_S": "2m"}, measure_write=None)
+    assert any("MOE_GRPO_SIGNAL_S='2m': expected the positive seconds" in n for n in bad.notes)
+    assert plan_for(["model=qwen3_moe_1b_64e"], {}).checkpoint is None  # a local run: no SLURM time limit
+    gbps = measure_write_gbps(str(tmp_path), 16 << 20)
+    assert gbps > 0.001 and list(tmp_path.iterdir()) == [], "the measurement leaves nothing behind"
