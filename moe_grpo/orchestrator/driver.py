@@ -369,8 +369,10 @@ class Driver:
     # ------------------------------------------------------------------ the collapse guard
     def guard(self, metrics: dict[str, float]) -> bool:
         """The jump watch on the step just trained, before its weights are published. With
-        `routing.on_jump=rollback`, a jump sustained for `jump_sustain` steps restores the last checkpoint (the
-        jumped weights are never published); returns whether it did."""
+        `routing.on_jump=rollback`, a jump sustained for `jump_sustain` steps restores the newest checkpoint written
+        before the jump began (`run_checkpoint.rollback_target`: not one of the jump's own steps) and writes a
+        checkpoint of the restored state at this step's end; the jumped weights are never published. Returns
+        whether it rolled back."""
         for message in self.watch.update({**metrics, "step": self.state.step}):
             log.warning(message)
         cfg = self.run.routing
@@ -382,18 +384,22 @@ class Driver:
         if self.state.rollbacks >= cfg.max_rollbacks:
             raise RuntimeError(f"collapse guard: {seen}, after {self.state.rollbacks} rollback(s) "
                                f"(routing.max_rollbacks={cfg.max_rollbacks}); stopping. {self._checkpoint_hint()}")
-        if self.last_checkpoint is None:
-            raise RuntimeError(f"collapse guard: {seen}, and there is no checkpoint to roll back to yet "
-                               "(checkpoint.every); stopping")
         from moe_grpo.orchestrator import run_checkpoint
 
+        jump_began = self.state.step - self.watch.in_a_row + 1
+        target = run_checkpoint.rollback_target(self.run_dir, jump_began)
+        if target is None:
+            ck = self.run.checkpoint
+            raise RuntimeError(f"collapse guard: {seen}, and no checkpoint written before the jump began (step "
+                               f"{jump_began}) is there to roll back to (checkpoint.every={ck.every}; "
+                               f"checkpoint.keep={ck.keep} may keep only checkpoints of the jump's steps); stopping. "
+                               f"{self._checkpoint_hint()}")
         t0 = time.perf_counter()
         self.state.rollbacks += 1
         self.state.lr_scale *= cfg.rollback_lr_factor
         lr = self.run.learner.lr * self.state.lr_scale
-        self.learners_call("load_run_state", str(self.last_checkpoint / "learner"), lr,
-                           what=f"rollback to {self.last_checkpoint.name}")
-        saved = run_checkpoint.load_driver_state(self.last_checkpoint)
+        self.learners_call("load_run_state", str(target / "learner"), lr, what=f"rollback to {target.name}")
+        saved = run_checkpoint.load_driver_state(target)
         jumps = self.watch.jumps
         self.watch.load_state_dict(saved["watch"])  # the running level from before the jump
         self.watch.jumps, self.watch.in_a_row = jumps, 0
@@ -405,8 +411,10 @@ class Driver:
         self.learners_call("publish", self.state.published, False, what=f"publishing {self.state.published}")
         self.engines.offer(self.state.published)
         self.engines.settle(block=True)
+        # `latest` names a checkpoint of the jump's steps: a resume from it would continue on the jumped weights.
+        self.due = self.due or "rollback"
         log.warning("collapse guard: %s; restored %s, learning rate now %.3g (x%g), continuing with fresh prompts "
-                    "(rollback %d of at most %d, %.1f s)", seen, self.last_checkpoint.name, lr,
+                    "(rollback %d of at most %d, %.1f s)", seen, target.name, lr,
                     cfg.rollback_lr_factor, self.state.rollbacks, cfg.max_rollbacks, time.perf_counter() - t0)
         return True
 
@@ -443,7 +451,8 @@ class Driver:
         tmp = run_checkpoint.begin(self.run_dir, self.state.step)
         self.learners_call("save_run_state", str(tmp / "learner"), what=f"checkpoint of step {self.state.step}")
         meta = {"step": self.state.step, "reason": reason, "learner_ranks": len(self.pools.learners),
-                "parallel": dataclasses.asdict(self.run.parallel), "written": time.strftime("%Y-%m-%dT%H:%M:%S")}
+                "parallel": dataclasses.asdict(self.run.parallel), "written": time.strftime("%Y-%m-%dT%H:%M:%S"),
+                "jump_in_a_row": self.watch.in_a_row}  # > 0: inside a jump window, never a rollback target
         self.last_checkpoint = run_checkpoint.finish(tmp, self.state_dict(), meta, self.run.checkpoint.keep)
         log.info("checkpoint of step %d written to %s (%.1f s%s)", self.state.step, self.last_checkpoint,
                  time.perf_counter() - t0, "" if reason == "every" else f", on {reason}")

@@ -164,6 +164,23 @@ def _newest_valid(run_dir: str | Path) -> tuple[tuple[Path, dict[str, Any]] | No
     return None, refused
 
 
+def rollback_target(run_dir: str | Path, jump_began: int) -> Path | None:
+    """The checkpoint the collapse guard restores for a jump first seen at step `jump_began`: the newest one that
+    verifies, of a step before `jump_began`, and not written inside a jump window (its manifest's `jump_in_a_row`
+    is 0). The guard acts only once a jump has lasted `routing.jump_sustain` steps, so checkpoints of the jump's
+    first steps are on disk by then: they hold weights trained on the jumped batches, and restoring one would spend
+    a rollback on the jump itself. None where no checkpoint qualifies."""
+    for path in sorted(complete_checkpoints(run_dir), key=lambda p: p.name, reverse=True):  # by step, not `latest`
+        try:
+            manifest = verify(path)
+        except CheckpointError as e:
+            log.error("collapse guard: %s; not restored", e)
+            continue
+        if int(manifest.get("step", jump_began)) < jump_began and not manifest.get("jump_in_a_row", 0):
+            return path
+    return None
+
+
 RECORD = "metrics.jsonl"
 """The run record (run_record.py): one line per step a run took."""
 

@@ -219,3 +219,57 @@ def test_a_state_saved_where_the_schedule_reached_zero_loads_and_an_extended_sch
         # Extended to steps=4: lr_decay_steps keeps the saved schedule (2) or stretches it (4); never steps alone.
         assert again.schedule_lr(3, 4) == pytest.approx(want, rel=1e-12, abs=0.0)
         assert np.isfinite(again.train_step(seqs)["loss"]) and again.step_count == 3
+
+
+def adam_moments(learner):
+    """Every parameter's Adam moments, in the optimizer's order."""
+    from moe_grpo.learner.optimizer import sub_optimizers
+
+    out = []
+    for opt in sub_optimizers(learner.optimizer):
+        for group in opt.optimizer.param_groups:
+            for p in group["params"]:
+                state = opt.optimizer.state.get(p, {})
+                out += [state[k].detach().clone() for k in ("exp_avg", "exp_avg_sq")]
+    return out
+
+
+@pytest.mark.slow
+def test_a_rollback_restores_the_checkpoint_from_before_the_jump_tensor_by_tensor(tmp_path):
+    """The collapse guard's restore on a real learner: a checkpoint after every step (as the driver writes them,
+    with the jump watch's count), a rollout-KL jump first seen at step 6 and acted on at step 7
+    (routing.jump_sustain=2). Would have caught: the guard restored the newest checkpoint, step 6's, written on the
+    jump's first step with weights trained on the jumped batch (and spent a rollback on it); the checkpoint from
+    before the jump (step 5) is the target, and every parameter and Adam moment comes back as saved."""
+    import torch
+
+    from moe_grpo.learner.megatron_learner import LearnerConfig, MegatronLearner
+    from moe_grpo.orchestrator import run_checkpoint as rc
+    from moe_grpo.orchestrator.watch import JumpWatch
+
+    spec = tiny_spec()
+    seqs = make_sequences(spec, n=2)
+    learner = MegatronLearner(spec, config=LearnerConfig(micro_batch_size=2, lr=1e-2))
+    watch = JumpWatch(5.0, 20)
+    saved = {}
+    for step, kl in enumerate([1e-3] * 5 + [0.5, 0.5], start=1):
+        learner.train_step(seqs)
+        watch.update({"step": step, "train/rollout_kl": kl})
+        if watch.in_a_row >= 2:
+            break  # the guard acts before this step's checkpoint
+        tmp = rc.begin(tmp_path, step)
+        learner.save_run_state(str(tmp / "learner"))
+        rc.finish(tmp, {"step": step}, {"step": step, "jump_in_a_row": watch.in_a_row}, keep=3)
+        saved[step] = ([p.detach().clone() for p in learner.module.parameters()], adam_moments(learner))
+    assert step == 7 and sorted(saved) == [1, 2, 3, 4, 5, 6]
+    target = rc.rollback_target(tmp_path, step - watch.in_a_row + 1)
+    assert target == tmp_path / "checkpoints" / "step_000005", "kept: 4, 5, 6; 6 is inside the jump"
+    learner.load_run_state(str(target / "learner"))
+    params, moments = saved[5]
+    restored_params, restored_moments = list(learner.module.parameters()), adam_moments(learner)
+    assert len(restored_params) == len(params) and len(restored_moments) == len(moments) > 0
+    for i, (want, got) in enumerate(zip(params + moments, restored_params + restored_moments)):
+        assert torch.equal(want, got.detach()), f"tensor {i} differs from the checkpoint's"
+    jumped_params, jumped_moments = saved[6]
+    assert any(not torch.equal(a, b) for a, b in zip(jumped_params + jumped_moments, params + moments)), \
+        "step 6's checkpoint differs from step 5's, so restoring the wrong one shows"

@@ -76,6 +76,27 @@ def test_no_checkpoint_means_none(tmp_path):
     assert rc.newest_valid(tmp_path) is None
 
 
+def test_the_rollback_target_is_the_newest_checkpoint_written_before_the_jump_began(tmp_path):
+    """Would have caught: the collapse guard restored the newest checkpoint, which for a jump seen at steps 9-10
+    (`routing.jump_sustain=2`) with a checkpoint every 3 steps is step 9's, written on the jump's first step from
+    weights trained on the jumped batch; and it spent one of `routing.max_rollbacks` on it."""
+    def checkpoint(step, in_a_row):
+        tmp = rc.begin(tmp_path, step)
+        (tmp / "learner" / "shard.bin").write_bytes(bytes([step]) * 100)
+        return rc.finish(tmp, {"step": step}, {"step": step, "jump_in_a_row": in_a_row}, keep=10)
+
+    three, six, nine = checkpoint(3, 0), checkpoint(6, 0), checkpoint(9, 1)
+    assert rc.rollback_target(tmp_path, jump_began=9) == six
+    assert rc.rollback_target(tmp_path, jump_began=4) == three
+    assert rc.rollback_target(tmp_path, jump_began=3) is None, "nothing written before step 3"
+    # After that rollback, step 10's checkpoint holds the restored weights; a later jump (steps 14-15) goes back to
+    # it, and never to step 9's, written inside the first jump's window.
+    ten = checkpoint(10, 0)
+    assert rc.rollback_target(tmp_path, jump_began=14) == ten
+    (ten / "driver.pkl").unlink()
+    assert rc.rollback_target(tmp_path, jump_began=14) == six, "a damaged checkpoint is no target either"
+
+
 def record(run_dir, steps):
     (run_dir / "metrics.jsonl").write_text("".join(f'{{"step": {s}}}\n' for s in range(1, steps + 1)))
 
