@@ -7,6 +7,14 @@ import os
 import time
 from typing import Any, Sequence
 
+LEFTOVER_TIMEOUT_S = 60.0
+"""Seconds a new engine actor waits for the processes of the engine's previous actor on its host to go before it
+gives up (an error naming them): vLLM's engine core and workers die with their actor (process_ties), so they are
+normally gone before the new actor's process has even started."""
+
+LEFTOVER_KILL_AFTER_S = 10.0
+"""Seconds after which the processes of a dead previous actor that are still there are SIGKILLed by the new one."""
+
 
 class EngineWorker:
     """Owns one `VllmEngine` (AsyncLLM) in its own process; many `generate` calls run at once."""
@@ -16,15 +24,39 @@ class EngineWorker:
         """`sync`: the run's `SyncLayout` (or a shared-memory root directory): where this host's versions arrive.
         `lora`, `lora_apply`: the run's `lora` section and `sync.lora_apply` (VllmEngine)."""
         from moe_grpo.orchestrator.logs import quiet_libraries, quiet_vllm
+        from moe_grpo.process_ties import owner_key, remove_previous_shm, tag_processes, wait_until_gone
+        from moe_grpo.sync.transports import make_receiver
 
+        # The engine's previous actor (killed, or dead) may have left processes holding memory this one needs (GPU
+        # memory, /dev/shm ring buffers): start only once they are gone, and remove the ring buffers they left
+        # (nothing of a SIGKILLed actor does). Then mark this actor's own processes.
+        self.owner = owner_key(os.path.realpath(run_dir), name)
+        self.transport = make_receiver(sync)
+        self.record_dir = str(self.transport.root)
+        """Where this host keeps the engine's record of its /dev/shm entries: the run's weight slots on this host,
+        which the run removes at its end."""
+        t0 = time.monotonic()
+        self.previous_processes = [p.pid for p in wait_until_gone(
+            self.owner, f"engine {name}", LEFTOVER_TIMEOUT_S, kill_after_s=LEFTOVER_KILL_AFTER_S)]
+        """Processes of the previous actor still there when this one started (it waited until they were gone)."""
+        self.previous_shm = remove_previous_shm(self.owner, self.record_dir)
+        """/dev/shm entries of the previous actor's engine this one removed before starting."""
+        self.waited_s = time.monotonic() - t0
+        tag_processes(self.owner)
         if cpus:
             os.sched_setaffinity(0, cpus)  # the engine's processes inherit it
             os.environ["OMP_NUM_THREADS"] = str(len(cpus))
         quiet_vllm(run_dir)
         quiet_libraries()
+        if self.previous_processes or self.previous_shm:
+            import logging
+
+            logging.getLogger("moe_grpo").warning(
+                "engine %s: waited %.1f s for %d process(es) of its previous actor (%s) to go before starting; "
+                "removed what its engine left in /dev/shm (%s)", name, self.waited_s, len(self.previous_processes),
+                ", ".join(map(str, self.previous_processes)) or "none left", ", ".join(self.previous_shm) or "nothing")
         from moe_grpo.rollout.context import context_length
         from moe_grpo.rollout.vllm_engine import VllmEngine
-        from moe_grpo.sync.transports import make_receiver
 
         self.name, self.rollout = name, rollout
         self.engine = VllmEngine(model_dir, spec, max_model_len=context_length(rollout, spec.max_position_embeddings),
@@ -32,11 +64,17 @@ class EngineWorker:
                                  dtype=rollout.dtype, on_update=rollout.on_update, seed=seed,
                                  request_timeout_s=rollout.request_timeout_s, name=name, lora=lora,
                                  lora_apply=lora_apply)
-        self.transport = make_receiver(sync)
+        self._record_shm()
         self._in_flight = 0
         self._busy_since = 0.0
         self._busy_total = 0.0
         self._restart_lock = asyncio.Lock()
+
+    def _record_shm(self) -> None:
+        """Note the engine's /dev/shm entries for the next actor of this engine (should this one be killed)."""
+        from moe_grpo.process_ties import record_shm
+
+        record_shm(self.owner, self.record_dir, self.engine.shm_inodes())
 
     def _enter(self) -> None:
         if self._in_flight == 0:
@@ -106,9 +144,16 @@ class EngineWorker:
         timeout_s = self.rollout.request_timeout_s if timeout_s is None else timeout_s
         async with self._restart_lock:
             loop = asyncio.get_running_loop()
-            return await loop.run_in_executor(None, lambda: self.engine.restart(timeout_s=timeout_s))
+            try:
+                return await loop.run_in_executor(None, lambda: self.engine.restart(timeout_s=timeout_s))
+            finally:
+                self._record_shm()  # the new processes' entries (none if they did not start)
 
     async def shutdown(self) -> dict[str, Any]:
+        from moe_grpo.process_ties import forget_shm
+
         out = self.engine.shutdown()
         self.transport.unpin(self.engine.engine_id)
+        if not out.get("processes_left"):
+            forget_shm(self.owner, self.record_dir)  # it removed them itself
         return out

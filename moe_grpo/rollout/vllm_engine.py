@@ -39,7 +39,10 @@ whose engine core died is orphaned, no longer below it). What they mapped in
 /dev/shm is removed: a killed vLLM 0.32 engine leaves its message queues'
 ring buffers (`psm_*`, hundreds of MiB) and its executor's lock
 (`sem.mp-*`) there until this process exits. Requests in flight fail with
-EngineError naming the engine; no call waits on a dead engine.
+EngineError naming the engine; no call waits on a dead engine. And when the
+process that owns the engine dies without a shutdown (a SIGKILLed engine
+actor), the kernel kills vLLM's processes with it: each is started with
+PR_SET_PDEATHSIG (`moe_grpo/process_ties.py`).
 """
 
 from __future__ import annotations
@@ -562,9 +565,16 @@ class VllmEngine:
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
+        from moe_grpo.process_ties import started_processes_die_with_this_thread
+
         self._updating = asyncio.Event()
         self._updating.set()
-        self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**self._engine_args))
+        # vLLM starts the engine core from this thread (the engine's loop thread, which lives as long as the
+        # engine), and the engine core its workers: all of them die with this process, however it ends (a
+        # SIGKILLed engine actor runs no cleanup; vLLM's own watch of its parent runs in threads a stopped
+        # process never runs).
+        with started_processes_die_with_this_thread():
+            self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**self._engine_args))
         self._record_processes()
         await self.llm.update_weight_version(str(self.policy_version))
         if not self.extension:
@@ -594,15 +604,19 @@ class VllmEngine:
 
     def shm_entries(self) -> list[str]:
         """The /dev/shm entries of this engine (recorded at start and from its live processes) that exist now."""
+        return sorted(self.shm_inodes())
+
+    def shm_inodes(self) -> dict[str, int]:
+        """`shm_entries` with each one's inode (what identifies it, as its name may be reused once removed)."""
         known = {**self._shm, **_mapped_shm(list(self.processes()))}
-        out = []
+        out = {}
         for name, inode in known.items():
             try:
                 if os.stat(os.path.join(SHM_DIR, name), follow_symlinks=False).st_ino == inode:
-                    out.append(name)
+                    out[name] = inode
             except OSError:
                 pass
-        return sorted(out)
+        return out
 
     def restart(self, *, timeout_s: float | None = 120.0) -> dict[str, Any]:
         """Replace the engine's vLLM processes (dead, hung or alive) by new ones serving the version served before.
