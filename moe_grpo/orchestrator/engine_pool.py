@@ -221,7 +221,11 @@ class EnginePool:
             slot.pending = ("restart", slot.handle.restart.remote(), time.monotonic())
 
     def _replace(self, slot: EngineSlot) -> None:
-        """A new engine actor in the dead one's placement bundle (it starts from the run's model directory)."""
+        """A new engine actor in the dead one's placement bundle (it starts from the run's model directory).
+
+        The old actor's vLLM processes die with it (process_ties); the new actor starts its vLLM only once nothing
+        of the old one is left on its host, and fails naming the pids left if they stay (EngineWorker,
+        `LEFTOVER_TIMEOUT_S`): that failure counts as the engine's next one."""
         import ray
 
         try:
