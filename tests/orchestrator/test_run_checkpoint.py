@@ -53,6 +53,65 @@ def test_a_damaged_checkpoint_is_named_and_the_previous_one_is_used(tmp_path, da
     assert str(target) in caplog.text
 
 
+def test_a_file_over_256_mib_changed_in_place_is_caught(tmp_path):
+    """Would have caught: files over 256 MiB (a real model's shards) were checked by size only, so bytes changed
+    in place (same size) passed the check and were loaded."""
+    tmp = rc.begin(tmp_path, 2)
+    big = tmp / "learner" / "__0_0.distcp"
+    with open(big, "wb") as f:
+        f.truncate(257 * 2**20)  # sparse: the test writes no 257 MiB
+    path = rc.finish(tmp, {"step": 2}, {"step": 2}, keep=2)
+    manifest = rc.verify(path)
+    assert len(manifest["files"]["learner/__0_0.distcp"]["sha256"]) == 64
+    with open(path / "learner" / "__0_0.distcp", "r+b") as f:
+        f.seek(200 * 2**20)
+        f.write(b"\1")
+    with pytest.raises(rc.CheckpointError, match=r"__0_0.distcp: content differs from the manifest's sha256"):
+        rc.verify(path)
+
+
+def test_every_file_and_directory_is_on_disk_before_latest_names_the_checkpoint(tmp_path, monkeypatch):
+    """Would have caught: the renamed directory (and the learner's files and directories) were not fsynced, so
+    after a power loss `latest` could name a checkpoint whose entries never reached the disk. Also: the driver's
+    state is hashed as it is written, not read back."""
+    write(tmp_path, 2)
+    events, hashed = [], []
+    fsync, replace, sha256 = os.fsync, os.replace, rc._sha256
+
+    def recording_fsync(fd):
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        fsync(fd)
+
+    def recording_replace(src, dst):
+        events.append(("replace", str(src), str(dst)))
+        replace(src, dst)
+
+    def recording_sha256(path, **kw):
+        hashed.append(path.name)
+        return sha256(path, **kw)
+
+    monkeypatch.setattr(os, "fsync", recording_fsync)
+    monkeypatch.setattr(os, "replace", recording_replace)
+    monkeypatch.setattr(rc, "_sha256", recording_sha256)
+    tmp = rc.begin(tmp_path, 4)
+    (tmp / "learner" / "dist").mkdir()
+    (tmp / "learner" / "dist" / "__0_0.distcp").write_bytes(b"w" * 1000)
+    (tmp / "learner" / "learner_meta.json").write_text("{}")
+    final = rc.finish(tmp, {"step": 4}, {"step": 4}, keep=2)
+    root = tmp_path / "checkpoints"
+    rename = events.index(("replace", str(tmp), str(final)))
+    latest = next(i for i, e in enumerate(events) if e[0] == "replace" and e[2] == str(root / "latest"))
+    synced_before_rename = {e[1] for e in events[:rename] if e[0] == "fsync"}
+    synced_before_rename |= {p.removesuffix(".tmp") for p in synced_before_rename if p.endswith(".json.tmp")}
+    written = {str(p) for p in tmp_path.rglob("*") if p.is_relative_to(final)}
+    want = {p.replace(str(final), str(tmp)) for p in written} | {str(tmp)}
+    assert want <= synced_before_rename, sorted(want - synced_before_rename)
+    assert ("fsync", str(root)) in events[rename:latest], "the rename itself is durable before latest moves"
+    assert ("fsync", str(root)) in events[latest:], "and so is latest"
+    assert "driver.pkl" not in hashed and {"__0_0.distcp", "learner_meta.json"} <= set(hashed)
+    assert rc.verify(final)["files"]["driver.pkl"]["sha256"]
+
+
 def test_a_crash_mid_write_leaves_the_previous_checkpoint_latest(tmp_path):
     """A writer SIGKILLed while its checkpoint is half written: `latest` and the previous checkpoint are untouched."""
     write(tmp_path, 2)
