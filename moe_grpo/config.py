@@ -82,7 +82,9 @@ class RunConfig:
     """Score the held-out set greedily every this many steps (and at step 0 and the last step); 0 = never."""
     resume: bool = False
     """Continue from the newest complete checkpoint in the run directory (`hydra.run.dir=<the run's directory>`);
-    the run's config must match the checkpoint's except for `steps`, timeouts and the learner layout."""
+    the run's config must match the checkpoint's except for `steps` (with a decaying learning rate, another `steps`
+    needs `learner.lr_decay_steps`), timeouts and the learner layout. Where the directory records steps but no
+    checkpoint verifies, the run stops."""
 
     def __post_init__(self) -> None:
         if self.routing.replay != "off" and not self.megatron.routing_replay:
