@@ -22,6 +22,7 @@ The two decisions a schedule makes:
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import logging
 import os
@@ -34,13 +35,17 @@ from typing import Any
 import numpy as np
 
 from moe_grpo.orchestrator.engine_pool import EngineFailedError, EnginePool, EngineSlot, Request
+from moe_grpo.orchestrator.groups import Scoring, drop_failed, score_group, shape_group
 from moe_grpo.orchestrator.probe import MismatchProbe, probe_due
 from moe_grpo.orchestrator.state import RunState
 
 log = logging.getLogger("moe_grpo")
 
-RESUME_MUST_MATCH = ("model", "algo", "task", "data", "reward", "mode", "routing.replay", "rollout.max_tokens",
-                     "rollout.temperature", "rollout.top_p", "learner.seed", "init", "learner.lr",
+SCORING_POLL_S = 0.02
+"""While groups are being scored, the loop waits at most this long for engines or rewards before it looks again."""
+
+RESUME_MUST_MATCH = ("model", "algo", "task", "data", "reward.fn", "reward.weights", "mode", "routing.replay",
+                     "rollout.max_tokens", "rollout.temperature", "rollout.top_p", "learner.seed", "init", "learner.lr",
                      "learner.lr_warmup_steps", "learner.lr_decay", "learner.min_lr")
 """Config a resumed run must share with its checkpoint (what the saved buffer, prompts and optimizer mean, and the
 learning-rate schedule the saved steps followed; its length, `learner.lr_decay_steps`, by `check_schedule`)."""
@@ -82,6 +87,8 @@ class Driver:
         self.train_batch: list[Any] = []
         self.train_started = 0.0
         self.eval_results: dict[int, Any] = {}
+        self.scoring: list[Scoring] = []
+        """Train groups back from the engines whose rewards are being computed (off this loop), in arrival order."""
         self.last_checkpoint: Path | None = None
         self.due: str | None = None
         """Why a checkpoint is owed at the next step boundary ('SIGTERM', 'SIGUSR1'), or None."""
@@ -104,8 +111,10 @@ class Driver:
             self.probe.submit(self.engines)
             self.admit()
             self.start_step()
-            ready, _ = ray.wait(self.engines.refs() + self.train_refs + self.probe.refs(), num_returns=1, timeout=1.0)
+            ready, _ = ray.wait(self.engines.refs() + self.train_refs + self.probe.refs(), num_returns=1,
+                                timeout=SCORING_POLL_S if self.scoring else 1.0)
             self.collect(ready)
+            self.take_scored()
             self.engines.check_hung()
             self.engines.settle(block=False)
             self.advance_probe()
@@ -130,7 +139,7 @@ class Driver:
         if not self.engines.up():
             return
         per_step = self.run.algo.prompts_per_step
-        in_flight = self.engines.in_flight_count("train")
+        in_flight = self.engines.in_flight_count("train") + len(self.scoring)  # scoring groups are still on the way
         if self.is_async:
             # AReaL's admission rule: a group started now samples at version >= the engines' oldest, and is
             # trainable up to version (that + max_staleness), i.e. by the first (that + max_staleness + 1)
@@ -173,7 +182,7 @@ class Driver:
 
     def collect(self, ready: list[Any]) -> None:
         """Score finished groups into the buffer; hand weight loads, restarts and failures to the engine pool."""
-        from moe_grpo.orchestrator.groups import score_group, shape_group
+        from moe_grpo.reward.scoring import submit_group
 
         for ref in ready:
             if ref in self.train_refs or ref in self.probe.refs():
@@ -194,13 +203,36 @@ class Driver:
                 self.eval_results[request.index] = completions[0]
                 continue
             self.state.generated_tokens += sum(len(c.token_ids) for c in completions)
-            group = score_group(self.run, self.tokenizer, request.example, completions, self.state, engine,
-                                self.rewards)
+            scoring = Scoring(request, engine, completions)
+            if not drop_failed(completions, request.example, engine, self.state):  # nothing to score
+                scoring.scores = submit_group(self.rewards, self.tokenizer, request.example, completions)
+            self.scoring.append(scoring)
+
+    def take_scored(self) -> None:
+        """Groups whose rewards are in go to the buffer (shaped, DAPO); the rest keep scoring. A hung reward call
+        holds its own group until `reward.timeout_s`, never this loop (its engine's requests keep being collected)."""
+        if not self.scoring:
+            return
+        pending = [g.scores for g in self.scoring if g.scores is not None]
+        if pending:  # most rewards take milliseconds: give them a moment before the loop moves on
+            concurrent.futures.wait(pending, timeout=SCORING_POLL_S)
+        still: list[Scoring] = []
+        for g in self.scoring:
+            if g.scores is not None and not g.scores.done():
+                still.append(g)
+                continue
+            if g.request.epoch != self.epoch:  # sampled by weights a rollback threw away while it was scored
+                self.state.discarded_groups += 1
+                continue
+            group = None if g.scores is None else score_group(self.run, g.request.example, g.completions,
+                                                              self.state, g.engine, self.rewards,
+                                                              g.scores.result())
             group = shape_group(self.run, group, self.state)
             if group is not None:
                 self.buffer.put(group)
             else:
                 self.state.lost_groups += 1
+        self.scoring = still
 
     def start_step(self) -> None:
         """Hand the learner ranks the next batch, if none is training and the buffer holds one."""
@@ -303,6 +335,7 @@ class Driver:
             refs = self.engines.refs()
             ready = ray.wait(refs, num_returns=1, timeout=1.0)[0] if refs else []
             self.collect(ready)
+            self.take_scored()
             self.engines.check_hung()
             self.engines.settle(block=False)
         outs = [self.eval_results[i] for i in range(len(examples))]
@@ -422,7 +455,8 @@ class Driver:
     def state_dict(self) -> dict[str, Any]:
         """The driver's part of a run checkpoint (the learner ranks write theirs alongside)."""
         engines = self.engines.state_dict()
-        engines["requests"] = [r for r in engines["requests"] if r.kind == "train" and r.epoch == self.epoch]
+        engines["requests"] = [r for r in engines["requests"] + [g.request for g in self.scoring]
+                               if r.kind == "train" and r.epoch == self.epoch]  # scoring groups are sampled again
         return {"run_state": self.state.state_dict(), "buffer": self.buffer.state_dict(),
                 "source": self.source.state_dict(), "engines": engines, "watch": self.watch.state_dict(),
                 "rng": {"python": random.getstate(), "numpy": np.random.get_state()},
@@ -783,7 +817,7 @@ class SignalRelay:
 def _rewards(run: Any) -> Any:
     from moe_grpo.reward.functions import Rewards
 
-    return Rewards(*run.reward.resolved(run.task.name), timeout_s=run.reward.timeout_s)
+    return Rewards(*run.reward.resolved(run.task.name), timeout_s=run.reward.timeout_s, workers=run.reward.workers)
 
 
 def export_policy(driver: Driver) -> str:

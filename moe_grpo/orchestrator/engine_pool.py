@@ -183,12 +183,20 @@ class EnginePool:
             return None
 
     def check_hung(self) -> None:
-        """An actor that has not answered a request well past the engine's own timeout is hung itself: replace it."""
+        """An actor that has not answered a request well past the engine's own timeout is hung itself: replace it.
+
+        Only a request whose answer has not arrived counts: one the engine answered that the driver has not
+        collected yet (it was busy elsewhere) is the driver's delay, not the engine's."""
+        import ray
+
         now = time.monotonic()
         limit = self.rollout.request_timeout_s + 30.0
-        for flight in list(self.in_flight.values()):
+        overdue = [ref for ref, flight in self.in_flight.items() if now - flight.submitted > limit]
+        answered = set(ray.wait(overdue, num_returns=len(overdue), timeout=0)[0]) if overdue else set()
+        for ref in overdue:
+            flight = self.in_flight[ref]
             slot = self.slots[flight.engine]
-            if flight.generation == slot.generation and slot.status == "up" and now - flight.submitted > limit:
+            if ref not in answered and flight.generation == slot.generation and slot.status == "up":
                 self._fail(slot, f"a rollout has not returned after {now - flight.submitted:.0f} s "
                                  f"(rollout.request_timeout_s={self.rollout.request_timeout_s:.0f}); the engine actor "
                                  "is hung", actor_dead=True)

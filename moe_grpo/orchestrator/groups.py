@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -41,26 +42,43 @@ def learner_sequences(groups: list[Any]) -> list[Any]:
             for g in groups for c, a in zip(g.completions, g.advantages)]
 
 
-def score_group(run: Any, tokenizer: Any, example: Any, completions: list[Any], state: Any, engine: str,
-                rewards: Any) -> Any:
-    """Rewards and advantages of one group, or None when it cannot be trained on (counted in `state`)."""
-    from moe_grpo.algo.advantages import group_relative_advantages
-    from moe_grpo.orchestrator.buffer import Group
-    from moe_grpo.reward.scoring import score_group as score_samples
+@dataclass
+class Scoring:
+    """One train group back from its engine, its rewards being computed off the driver's loop."""
 
+    request: Any
+    """The engine pool's Request (sent again if a checkpoint is taken before the group is scored)."""
+    engine: str
+    completions: list[Any]
+    scores: Any = None
+    """Future of the group's reward `Scores`; None when the group was dropped before scoring (a failed sample)."""
+
+
+def drop_failed(completions: list[Any], example: Any, engine: str, state: Any) -> bool:
+    """Whether a group must be dropped unscored: a sample failed in the engine or is empty (counted in `state`)."""
     bad = [c for c in completions if not c.ok or len(c.token_ids) == 0]
     if bad:
         state.requests_lost += len(bad)
         log.warning("%s: %d completion(s) of prompt %r failed (%s); group dropped", engine, len(bad), example.prompt,
                     bad[0].error or bad[0].finish_reason)
-        return None
+    return bool(bad)
+
+
+def score_group(run: Any, example: Any, completions: list[Any], state: Any, engine: str, rewards: Any,
+                scores: Any) -> Any:
+    """The group of `completions` with rewards (their `Scores`) and advantages, or None when it cannot be trained
+    on (counted in `state`)."""
+    from moe_grpo.algo.advantages import group_relative_advantages
+    from moe_grpo.orchestrator.buffer import Group
+    from moe_grpo.reward.scoring import group_scored
+
     # Samples whose reward raised, timed out or was NaN are counted and left out; the rest of the group trains.
-    kept, scores, failed = score_samples(rewards, tokenizer, example, completions)
+    kept, values, failed = group_scored(rewards, example, scores)
     state.reward_failed += failed
     if len(kept) < 2:  # a group-relative advantage needs at least two samples
         return None
-    adv = group_relative_advantages(scores[None, :], normalize_std=run.algo.normalize_std)[0]
-    return Group(example, [completions[i] for i in kept], scores.astype(np.float32), adv, engine)
+    adv = group_relative_advantages(values[None, :], normalize_std=run.algo.normalize_std)[0]
+    return Group(example, [completions[i] for i in kept], values.astype(np.float32), adv, engine)
 
 
 def shape_group(run: Any, group: Any, state: Any) -> Any:

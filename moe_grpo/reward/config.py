@@ -42,6 +42,11 @@ class RewardConfig:
     """A call not back within this many seconds marks its samples failed (`reward/failed`); the run goes on. Each
     function runs in a worker process of its own: a call that times out has its worker killed (a fresh one serves the
     next call), so a hung function holds nothing and never keeps the run from exiting."""
+    workers: int = 4
+    """Worker processes per function: how many groups are scored at once, off the driver's loop. A hung call holds
+    one worker (and costs its own group) until `timeout_s`; the other groups are scored on the others meanwhile, so
+    a step waits on a hanging function for about `timeout_s`, not `timeout_s` per hung call. Each worker is a
+    Python process that imports the function (about 30-150 MB, more with math-verify's sympy)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "fn", tuple(str(f) for f in _as_tuple(self.fn)))
@@ -55,6 +60,8 @@ class RewardConfig:
         if any(not math.isfinite(w) for w in self.weights):
             raise ValueError(f"reward.weights={list(self.weights)}, expected finite numbers")
         positive("reward.timeout_s", self.timeout_s)
+        if isinstance(self.workers, bool) or not isinstance(self.workers, int) or self.workers < 1:
+            raise ValueError(f"reward.workers={self.workers!r}, expected an integer >= 1")
 
     def resolved(self, task_name: str) -> tuple[tuple[str, ...], tuple[float, ...]]:
         """(functions, weights) with the task's default filled in."""

@@ -6,9 +6,10 @@ NaN, the caller counts them (`reward/failed`) and leaves them out of training.
 A function that cannot be imported is a configuration error and fails the run
 at start, naming it.
 
-Each function runs in a worker process of its own (a fresh interpreter, so it
+Each function runs in worker processes of its own (a fresh interpreter, so it
 inherits none of the driver's Ray or torch state), started once and serving
-calls over a socket pair. A call not back within `reward.timeout_s` has its
+calls over a socket pair: `workers` of them per function, so that many batches
+are scored at once (`Rewards.submit` runs them off the caller's thread). A call not back within `reward.timeout_s` has its
 worker killed (with anything the worker started), so a hung function holds
 nothing: the next call gets a fresh worker, and the run ends without waiting on
 it. A worker that dies during a call (a segfault, `os._exit`) fails that call's
@@ -31,7 +32,9 @@ import sys
 import threading
 import time
 import weakref
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from queue import LifoQueue
 from multiprocessing import Pipe
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
@@ -101,30 +104,52 @@ class Scores:
 class Rewards:
     """The run's reward functions (`reward.fn` / `reward.weights`), called with one timeout each.
 
-    The functions are imported here too (a bad path fails at construction, naming it), but each is called in its
-    own worker process: all of them are sent the batch at once and each answers within `timeout_s` of its request
-    or is killed. `close()` kills the workers without waiting on any call."""
+    The functions are imported here too (a bad path fails at construction, naming it), but each is called in worker
+    processes of its own, `workers` per function: a call takes one worker of each function (a "lane"), sends them
+    the batch at once, and each answers within `timeout_s` of its request or is killed. `score` calls and waits;
+    `submit` calls on a thread of the pool and returns a Future, so the caller's loop never waits on a reward.
+    `close()` kills the workers without waiting on any call."""
 
-    def __init__(self, paths: Sequence[str], weights: Sequence[float], timeout_s: float = 30.0) -> None:
+    def __init__(self, paths: Sequence[str], weights: Sequence[float], timeout_s: float = 30.0,
+                 workers: int = 1) -> None:
+        if workers < 1:
+            raise ValueError(f"workers={workers}, expected >= 1")
         self.functions = [RewardFunction.load(p, w) for p, w in zip(paths, weights)]
         self.timeout_s = timeout_s
         self.failures_reported = 0
         """Calls whose failure was logged (reward/scoring.py logs the first few of a run)."""
-        self._workers = [_Worker(rf.name) for rf in self.functions]
-        self._lock = threading.Lock()  # a worker serves one call at a time
+        self._lanes = [[_Worker(rf.name) for rf in self.functions] for _ in range(workers)]
+        # Lanes free to take a call (a worker serves one call at a time), the most recently used first: a steady
+        # stream of calls keeps to the fewest warm workers, and a function that hangs every n-th call of a worker
+        # does not hang on every lane at once.
+        self._idle: LifoQueue[int] = LifoQueue()
+        for lane in range(workers):
+            self._idle.put(lane)
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="reward")
         self._closed = False
         # Workers of a Rewards dropped without close() (or alive at interpreter exit) are killed all the same.
-        self._finalizer = weakref.finalize(self, _kill_all, self._workers)
-        for w in self._workers:  # they start while the run sets up; the first call waits for them if need be
+        self._finalizer = weakref.finalize(self, _close, [w for lane in self._lanes for w in lane], self._pool)
+        for w in (w for lane in self._lanes for w in lane):  # they start while the run sets up
             try:
                 w.start()
             except OSError as e:  # out of processes or memory, say: the first call tries again and fails by name
                 log.warning("reward.fn=%r: could not start its worker process yet (%s)", w.path, e)
 
+    @property
+    def workers(self) -> int:
+        """Worker processes per function (calls scored at once)."""
+        return len(self._lanes)
+
     def close(self) -> None:
         """Kills the workers (never waits on a call; safe to call twice, or from another thread mid-call)."""
         self._closed = True
         self._finalizer()
+
+    def submit(self, prompts: Sequence[str], completions: Sequence[str],
+               fields: Mapping[str, Sequence[Any]] | None = None) -> "Future[Scores]":
+        """`score` on a thread of the pool; the Future holds its Scores (never an exception: failures are NaN)."""
+        return self._pool.submit(self.score, list(prompts), list(completions),
+                                 {k: list(v) for k, v in (fields or {}).items()})
 
     def score(self, prompts: Sequence[str], completions: Sequence[str],
               fields: Mapping[str, Sequence[Any]] | None = None) -> Scores:
@@ -137,9 +162,11 @@ class Rewards:
         prompts, completions = list(prompts), list(completions)
         errors: list[str | None] = [None] * len(self.functions)
         values: list[list[float] | None] = [None] * len(self.functions)
-        with self._lock:
+        lane = self._idle.get()
+        workers = self._lanes[lane]
+        try:
             deadlines: dict[int, float] = {}
-            for i, (rf, w) in enumerate(zip(self.functions, self._workers)):
+            for i, (rf, w) in enumerate(zip(self.functions, workers)):
                 kwargs = cols if rf.accepts is None else {k: v for k, v in cols.items() if k in rf.accepts}
                 try:
                     if self._closed:
@@ -150,9 +177,11 @@ class Rewards:
                     errors[i] = _describe(rf, e)
             for i, deadline in deadlines.items():
                 try:
-                    values[i] = self._workers[i].receive(deadline, self.timeout_s)
+                    values[i] = workers[i].receive(deadline, self.timeout_s)
                 except Exception as e:  # noqa: BLE001
                     errors[i] = _describe(self.functions[i], e)
+        finally:
+            self._idle.put(lane)
         for i, rf in enumerate(self.functions):
             if errors[i] is not None:
                 total[:] = np.nan
@@ -309,9 +338,11 @@ def _readable(poller: Any, timeout_s: float) -> bool:
     return bool(poller.poll(max(0, math.ceil(timeout_s * 1000))))
 
 
-def _kill_all(workers: list[_Worker]) -> None:
+def _close(workers: list[_Worker], pool: ThreadPoolExecutor) -> None:
+    """Kill every worker (a call in flight then fails at once) and let the pool's threads go; waits on nothing."""
     for w in workers:
         w.kill(close=True)
+    pool.shutdown(wait=False, cancel_futures=True)
 
 
 _WORKER_MAIN = ("import json, sys; sys.path[:] = json.loads(sys.argv[1]); "

@@ -26,11 +26,23 @@ def _report(rewards: Any, where: str, failed: int, total: int, errors: list[str]
 def score_group(rewards: Any, tokenizer: Any, example: Any, completions: Sequence[Any]) -> tuple[list[int], np.ndarray, int]:
     """(indices of the samples scored, their rewards, how many failed) for the completions of one prompt."""
     texts = [tokenizer.completion_text(c.token_ids) for c in completions]
-    scores = rewards.score([example.prompt] * len(texts), texts, group_fields(example, len(texts)))
+    return group_scored(rewards, example, rewards.score([example.prompt] * len(texts), texts,
+                                                        group_fields(example, len(texts))))
+
+
+def submit_group(rewards: Any, tokenizer: Any, example: Any, completions: Sequence[Any]) -> Any:
+    """Start scoring one prompt's completions off the caller's thread; a Future of their `Scores`
+    (`group_scored` turns it into what `score_group` returns)."""
+    texts = [tokenizer.completion_text(c.token_ids) for c in completions]
+    return rewards.submit([example.prompt] * len(texts), texts, group_fields(example, len(texts)))
+
+
+def group_scored(rewards: Any, example: Any, scores: Any) -> tuple[list[int], np.ndarray, int]:
+    """(indices of the samples scored, their rewards, how many failed) from one group's `Scores`; failures logged."""
     failed = scores.failed
     if failed.any():
-        _report(rewards, example.where or repr(example.prompt[:60]), int(failed.sum()), len(texts), scores.errors)
-    kept = [i for i in range(len(texts)) if not failed[i]]
+        _report(rewards, example.where or repr(example.prompt[:60]), int(failed.sum()), len(failed), scores.errors)
+    kept = [i for i in range(len(failed)) if not failed[i]]
     return kept, scores.rewards[kept], int(failed.sum())
 
 

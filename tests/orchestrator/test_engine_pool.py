@@ -144,3 +144,29 @@ def test_a_slow_weight_load_holds_up_no_other_engine_and_no_request():
     assert time.monotonic() - t0 < 2.5 and p.slots["engine1"].served == 0, "the fast engine did not wait"
     pump(p, lambda out: p.all_current())
     assert p.slots["engine1"].served == 1
+
+
+def test_an_answer_the_driver_has_not_collected_yet_is_not_a_hung_engine():
+    """Requests past the hang limit: the one the engine answered (the driver was busy, e.g. scoring) leaves the
+    engine up; only one with no answer makes it hung.
+
+    Would have caught: the hang check timing requests from their submission only, so a driver that collected late
+    (a reward scored on its loop, hung until its timeout) declared an idle engine hung and restarted it."""
+    a = FakeEngine.remote()
+    p = pool(a)
+    p.offer(1)
+    pump(p, lambda out: p.all_current())
+    assert p.submit(Request("train", example(1)), None)
+    ref = next(iter(p.in_flight))
+    ray.wait([ref], timeout=30)  # answered, not collected
+    p.in_flight[ref].submitted -= 10 * p.rollout.request_timeout_s  # as if the driver had been away that long
+    p.check_hung()
+    assert p.slots["engine0"].status == "up" and p.restarts == 0
+    assert p.result(ref) is not None, "the answer is collected as usual"
+    ray.get(a.set.remote(load_s=60.0))
+    p.offer(2)  # the engine is busy loading for a minute: a request sent now gets no answer
+    assert p.submit(Request("train", example(2)), None)
+    ref = next(iter(p.in_flight))
+    p.in_flight[ref].submitted -= 10 * p.rollout.request_timeout_s
+    p.check_hung()
+    assert p.restarts == 1 and p.slots["engine0"].status == "restarting"

@@ -60,3 +60,10 @@ def pid_and_mark(prompts, completions, **fields):
 async def async_length(prompts, completions, **fields):
     await asyncio.sleep(0)
     return [float(len(c)) for c in completions]
+
+
+def hangs_if_asked(prompts, completions, hang=None, **fields):
+    """Hangs (for HANG_S) when any row's `hang` field is true; otherwise the length of each completion."""
+    if any(hang or ()):
+        time.sleep(HANG_S)
+    return [float(len(c)) for c in completions]

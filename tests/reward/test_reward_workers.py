@@ -80,7 +80,7 @@ def test_a_reward_that_kills_its_worker_fails_that_call_by_name_and_the_next_cal
         assert s.failed.all() and "killed by signal SIGSEGV (exit code -11) during the call" in s.errors[0], s.errors
         assert r.score(["p"], ["a"]).rewards.tolist() == [1.0]
         # A worker that dies between calls (killed from outside) costs nothing: the call goes to a fresh one.
-        os.kill(r._workers[0].proc.pid, 9)
+        os.kill(r._lanes[0][0].proc.pid, 9)
         time.sleep(0.2)
         s = r.score(["p"], ["a"])
         assert s.errors == [] and s.rewards.tolist() == [1.0]
@@ -96,7 +96,7 @@ def test_workers_are_fresh_interpreters():
     r = Rewards([f"{HELPERS}:pid_and_mark"], [1.0])
     try:
         pid, mark = r.score(["p", "p"], ["a", "b"]).rewards.tolist()
-        assert pid != os.getpid() and pid == r._workers[0].proc.pid and mark == 0.0
+        assert pid != os.getpid() and pid == r._lanes[0][0].proc.pid and mark == 0.0
     finally:
         r.close()
         helpers.MARK = None
@@ -207,12 +207,49 @@ def test_an_unpicklable_row_field_fails_that_call_only_and_a_closed_rewards_fail
     r = Rewards([fn], [1.0], timeout_s=10)
     try:
         assert r.score(["p"], ["a"]).rewards.tolist() == [1.0]
-        pid = r._workers[0].proc.pid
+        pid = r._lanes[0][0].proc.pid
         s = r.score(["p"], ["a"], {"extra": [lambda: 0]})
         assert s.failed.all() and s.errors[0].startswith(f"{fn}: ") and "pickle" in s.errors[0], s.errors
-        assert r.score(["p"], ["a"]).rewards.tolist() == [1.0] and r._workers[0].proc.pid == pid  # same worker
+        assert r.score(["p"], ["a"]).rewards.tolist() == [1.0] and r._lanes[0][0].proc.pid == pid  # same worker
     finally:
         r.close()
     s = r.score(["p"], ["a"])
     assert s.failed.all() and s.errors == [f"{fn}: RuntimeError: the reward functions were closed"]
     assert _workers_of(os.getpid(), fn) == []
+
+
+@pytest.mark.parametrize("workers", [1, 3])
+def test_other_batches_are_scored_while_a_call_hangs(workers):
+    """A hung call holds one worker until its timeout; with `reward.workers` > 1 the batches submitted after it are
+    scored meanwhile, each within a fraction of the timeout. With one worker they wait behind it (what every call
+    did before scoring moved off the driver's loop: a run's steps took 83-98 s with a reward hanging every third
+    call, and the driver declared an idle engine hung)."""
+    timeout = 4.0
+    r = Rewards([f"{HELPERS}:hangs_if_asked"], [1.0], timeout_s=timeout, workers=workers)
+    try:
+        r.score(["p"], ["warm"])  # every worker started and ready
+        t0 = time.perf_counter()
+        hung = r.submit(["p"], ["x"], {"hang": [True]})
+        assert time.perf_counter() - t0 < 0.5, "submit returns at once"
+        time.sleep(0.2)  # the hung call has its worker
+        others = [r.submit(["p", "p"], ["a" * n, "b"], {"hang": [False, False]}) for n in (1, 2, 3, 4)]
+        done = [f.result(timeout=3 * timeout) for f in others]
+        others_s = time.perf_counter() - t0
+        assert [s.rewards.tolist() for s in done] == [[1.0, 1.0], [2.0, 1.0], [3.0, 1.0], [4.0, 1.0]]
+        s = hung.result(timeout=3 * timeout)
+        assert s.failed.all() and "did not return within reward.timeout_s=4" in s.errors[0], s.errors
+        if workers == 1:  # the one worker was the hung one: everything waited for its timeout
+            assert others_s >= timeout and not hung.running()
+        else:
+            assert others_s < timeout / 2, f"the other batches took {others_s:.2f} s behind a hung call"
+    finally:
+        r.close()
+
+
+def test_reward_workers_is_checked():
+    from moe_grpo.reward.config import RewardConfig
+
+    assert RewardConfig().workers >= 2, "a hung call must not hold every group by default"
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match=r"reward.workers=.*expected an integer >= 1"):
+            RewardConfig(workers=bad)
