@@ -28,6 +28,7 @@ def main(cfg: DictConfig) -> None:
     from moe_grpo.config import from_hydra
     from moe_grpo.orchestrator.driver import train
     from moe_grpo.orchestrator.placement_plan import PlanRefused
+    from moe_grpo.orchestrator.run_checkpoint import ResumeRefused
     from moe_grpo.orchestrator.run_dirs import check_run_dir
 
     global _exit_code
@@ -48,7 +49,7 @@ def main(cfg: DictConfig) -> None:
         f.write(OmegaConf.to_yaml(cfg, resolve=True))
     try:
         summary = train(run, run_dir)
-    except PlanRefused as e:  # the plan was printed above it; the reasons name the numbers
+    except (PlanRefused, ResumeRefused) as e:  # the reasons name the numbers, checkpoints or keys
         _exit_code = 2
         print(f"[moe_grpo] {e}", file=sys.stderr)
         return

@@ -150,3 +150,19 @@ def test_the_command_line_refuses_a_bad_value_at_once_naming_it(override, messag
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2, out.stderr
     assert out.stderr.strip() == f"[moe_grpo] config error: {message}"
+
+
+def test_a_refused_resume_is_one_line_exit_2_before_anything_starts(tmp_path):
+    """`resume=true` in a directory whose record holds steps but no checkpoint: the reason in one line, exit 2 (as
+    a bad value), no traceback, the record untouched.
+
+    Would have caught: the refusal (run_checkpoint.resume_point, check_resumable) ending in a traceback, exit 1."""
+    record = tmp_path / "metrics.jsonl"
+    record.write_text('{"step": 1}\n{"step": 2}\n')
+    out = subprocess.run([sys.executable, "-m", "moe_grpo.train", "model=deepseek_moe", "resume=true",
+                          f"hydra.run.dir={tmp_path}"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert "Traceback" not in out.stderr, out.stderr[-3000:]
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith("[moe_grpo] resume=true:") and "records 2 step(s)" in last, last
+    assert record.read_text() == '{"step": 1}\n{"step": 2}\n'

@@ -38,6 +38,11 @@ class CheckpointError(RuntimeError):
     """A checkpoint is missing, incomplete or corrupt; names the file."""
 
 
+class ResumeRefused(CheckpointError, ValueError):
+    """`resume=true` cannot continue this run as configured (no checkpoint verifies where steps were recorded, or
+    the config changes what the checkpoint means); raised before anything starts, and reported in one line."""
+
+
 def checkpoints_dir(run_dir: str | Path) -> Path:
     return Path(run_dir) / "checkpoints"
 
@@ -265,6 +270,6 @@ def resume_point(run_dir: str | Path) -> tuple[Path, dict[str, Any]] | None:
     record = f"{Path(run_dir) / RECORD} records {steps} step(s)" if steps else f"{root} holds checkpoints"
     why = ("; ".join(refused) if refused else
            f"no checkpoint is in {root} (checkpoint.every=0 with checkpoint.at_end=false writes none)")
-    raise CheckpointError(f"resume=true: {record} of an earlier run, but no checkpoint to continue from verifies: "
+    raise ResumeRefused(f"resume=true: {record} of an earlier run, but no checkpoint to continue from verifies: "
                           f"{why}. Starting from step 0 would record those steps again; start a new run in another "
                           "directory (or remove the record and checkpoints/ to start this one over)")
