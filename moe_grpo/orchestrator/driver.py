@@ -37,6 +37,7 @@ import numpy as np
 from moe_grpo.orchestrator.engine_pool import EngineFailedError, EnginePool, EngineSlot, Request
 from moe_grpo.orchestrator.groups import Scoring, drop_failed, score_group, shape_group
 from moe_grpo.orchestrator.probe import MismatchProbe, probe_due
+from moe_grpo.orchestrator.run_checkpoint import ResumeRefused
 from moe_grpo.orchestrator.state import RunState
 
 log = logging.getLogger("moe_grpo")
@@ -576,9 +577,9 @@ def check_resumable(run: Any, saved_config: dict[str, Any], saved_schedule: dict
         if a != b:
             changed.append(key)
     if changed:
-        raise ValueError(f"resume=true: the config differs from the checkpoint's in {changed}; a resumed run must "
-                         f"keep {list(RESUME_MUST_MATCH)} (steps (see learner.lr_decay_steps), timeouts, cluster and the "
-                         "learner layout may change)")
+        raise ResumeRefused(f"resume=true: the config differs from the checkpoint's in {changed}; a resumed run must "
+                            f"keep {list(RESUME_MUST_MATCH)} (steps (see learner.lr_decay_steps), timeouts, cluster and "
+                            "the learner layout may change)")
     check_schedule(run, saved_schedule if saved_schedule is not None else _schedule_of(saved_config))
 
 
@@ -599,7 +600,7 @@ def check_schedule(run: Any, saved: dict[str, Any]) -> None:
     if cfg.lr_decay == "constant" or want is None or now == want:
         return
     if cfg.lr_decay_steps is None:
-        raise ValueError(
+        raise ResumeRefused(
             f"resume=true with steps={run.steps}: the checkpoint's learning rate decays ({cfg.lr_decay}) to "
             f"learner.min_lr={cfg.min_lr:g} at step {want}, this run's would at step {now}, which changes the learning "
             f"rate of every step still to run. Extending a run is a choice: learner.lr_decay_steps={want} keeps the "
