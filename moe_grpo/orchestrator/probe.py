@@ -10,9 +10,18 @@ weights, routing replayed (R3) and free. Every engine is probed, so each sync
 is also checked end to end (a wrong shard shows up as a large KL).
 
 The probe never blocks the schedule: requests and learner calls are collected
-as they finish, a row carries the newest finished probe, and a probe still
-sampling when the next version is published is dropped (`mismatch/probe_dropped`;
-one already handed to the learner ranks finishes).
+as they finish, and a row carries the newest finished probe. A round still
+sampling when the next version is published goes on: its completions sampled
+wholly at its version still count (with served adapters, `sync.lora_apply=serve`,
+every request finishes on the adapter it started on, so all of them do; with
+merged weights those the update caught mid-sequence are left out). The learner
+ranks keep the weights of the newest `MAX_ROUNDS` probed versions, so a round
+still sampling when a version `MAX_ROUNDS` newer is published is dropped
+(`mismatch/probe_dropped`), as is one where no completion came back wholly at
+its version. Before 2026-11-26 every round still sampling at the next publish
+was dropped: in short async runs with served adapters, whose steps (~0.3 s)
+were shorter than a probe's sampling (~0.4 s), every probe of an adapter
+version was.
 """
 
 from __future__ import annotations
@@ -33,6 +42,11 @@ def probe_due(run: Any, version: int) -> bool:
     publish, every later one and the driver's first round."""
     every = run.routing.probe_every
     return run.routing.probe_prompts > 0 and every > 0 and version % (every * run.algo.sync_every) == 0
+
+
+MAX_ROUNDS = 2
+"""Probe rounds sampling at once: the learner ranks keep the weights of that many probed versions
+(`learner.megatron_learner.MAX_SNAPSHOTS`, the oldest dropped first), so an older round could not be scored."""
 
 
 @dataclass
@@ -57,8 +71,8 @@ class MismatchProbe:
         self.examples = examples
         self.sampling = sampling
         """`sampling(seed)` -> the engines' sampling settings for one probe sample."""
-        self.round: ProbeRound | None = None
-        """The round still sampling (the newest published version's)."""
+        self.rounds: list[ProbeRound] = []
+        """Rounds still sampling, oldest first (at most `MAX_ROUNDS`)."""
         self.scoring: list[ProbeRound] = []
         """Rounds handed to the learner ranks, oldest first."""
         self.latest: dict[str, float] = {}
@@ -68,24 +82,37 @@ class MismatchProbe:
     def enabled(self) -> bool:
         return bool(self.examples)
 
+    @property
+    def round(self) -> ProbeRound | None:
+        """The newest round still sampling."""
+        return self.rounds[-1] if self.rounds else None
+
+    def _round_of(self, version: int) -> ProbeRound | None:
+        return next((r for r in self.rounds if r.version == version), None)
+
     def start(self, version: int, engines: list[str]) -> None:
         """`version` was published (with a weight snapshot on the learner ranks): probe it on every engine."""
         if not self.enabled:
             return
         # A learner call queued before the publish has run by now (an actor runs its calls in order): take it.
         self.collect()
-        if self.round is not None:
+        while len(self.rounds) >= MAX_ROUNDS:  # the learner ranks no longer hold its weights
+            old = self.rounds.pop(0)
             self.dropped += 1
-            log.debug("probe of version %d dropped: version %d was published first", self.round.version, version)
-        self.round = ProbeRound(version, set(engines))
+            log.debug("probe of version %d dropped: versions %s were published before it came back", old.version,
+                      [r.version for r in self.rounds] + [version])
+        self.rounds.append(ProbeRound(version, set(engines)))
 
     def submit(self, pool: Any) -> None:
-        """Ask each engine that now serves the round's version to sample the probe prompts; an engine already past
-        it (it skipped the version) or restarting is left out of this round."""
+        """Ask each engine that now serves a round's version to sample the probe prompts; an engine already past
+        it (it skipped the version) or restarting is left out of that round."""
+        for r in self.rounds:
+            self._submit(r, pool)
+
+    def _submit(self, r: ProbeRound, pool: Any) -> None:
         from moe_grpo.orchestrator.engine_pool import Request
 
-        r = self.round
-        if r is None or not r.waiting:
+        if not r.waiting:
             return
         for name in sorted(r.waiting):
             slot = pool.slots[name]
@@ -102,8 +129,8 @@ class MismatchProbe:
                     del r.outstanding[name]
 
     def on_completion(self, request: Any, engine: str, completion: Any) -> None:
-        r = self.round
-        if r is None or request.version != r.version or engine not in r.outstanding:
+        r = self._round_of(request.version)
+        if r is None or engine not in r.outstanding:
             return
         r.outstanding[engine] -= 1
         # Only a completion sampled wholly at the probed version compares like with like.
@@ -117,29 +144,27 @@ class MismatchProbe:
 
     def on_failure(self, request: Any, engine: str) -> None:
         """A probe request failed with its engine (never sent again: the engine restarts on another version)."""
-        r = self.round
-        if r is not None and request.version == r.version and engine in r.outstanding:
+        r = self._round_of(request.version)
+        if r is not None and engine in r.outstanding:
             del r.outstanding[engine]
 
     def score(self, learners: list[Any], pool: Any) -> None:
-        """Hand the round's completions to the learner ranks once every engine has answered or dropped out."""
-        r = self.round
-        if r is None or r.outstanding or r.waiting:
-            return
-        if not r.completions:
-            self.dropped += 1
-            self.round = None
-            return
-        import numpy as np
+        """Hand each round's completions to the learner ranks once every engine has answered or dropped out."""
+        for r in [r for r in self.rounds if not r.outstanding and not r.waiting]:
+            self.rounds.remove(r)
+            if not r.completions:
+                self.dropped += 1
+                log.debug("probe of version %d dropped: no completion came back wholly at that version", r.version)
+                continue
+            import numpy as np
 
-        from moe_grpo.learner.batch import LearnerSequence
+            from moe_grpo.learner.batch import LearnerSequence
 
-        seqs = [LearnerSequence(np.concatenate([c.prompt_ids, c.token_ids]), prompt_len=len(c.prompt_ids),
-                                routing=c.routing, advantage=0.0, old_logprobs=c.logprobs, versions=c.versions)
-                for c in r.completions]
-        r.learner_refs = [a.probe.remote(seqs, r.version) for a in learners]
-        self.scoring.append(r)
-        self.round = None
+            seqs = [LearnerSequence(np.concatenate([c.prompt_ids, c.token_ids]), prompt_len=len(c.prompt_ids),
+                                    routing=c.routing, advantage=0.0, old_logprobs=c.logprobs, versions=c.versions)
+                    for c in r.completions]
+            r.learner_refs = [a.probe.remote(seqs, r.version) for a in learners]
+            self.scoring.append(r)
 
     def refs(self) -> list[Any]:
         return [ref for r in self.scoring for ref in r.learner_refs]
@@ -165,6 +190,8 @@ class MismatchProbe:
             if result is None:  # the learner no longer holds that version's weights
                 self.dropped += 1
                 continue
+            if self.latest and r.version < self.latest["version"]:
+                continue  # a newer version's probe finished first: rows report the newest
             self.latest = {**result, "version": float(r.version), "engines": float(len(r.engines)),
                            "sequences": float(len(r.completions))}
 

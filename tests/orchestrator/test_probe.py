@@ -63,7 +63,7 @@ def test_each_engine_samples_the_fixed_prompts_once_it_serves_the_version_and_th
     assert probe.refs() == ["ref-5", "ref-5"] and probe.dropped == 0
 
 
-def test_a_completion_sampled_partly_by_other_weights_is_left_out_and_a_round_still_sampling_is_dropped():
+def test_a_completion_sampled_partly_by_other_weights_is_left_out_and_a_round_two_versions_behind_is_dropped():
     probe = MismatchProbe(["p0"], sampling=lambda seed: {})
     pool = Pool({"engine0": Slot("engine0", served=2)})
     probe.start(2, ["engine0"])
@@ -76,8 +76,53 @@ def test_a_completion_sampled_partly_by_other_weights_is_left_out_and_a_round_st
     probe.score(learners, pool)
     assert learners[0].calls == [] and probe.dropped == 1, "nothing comparable came back: the round is dropped"
     probe.start(3, ["engine0"])
-    probe.start(4, ["engine0"])  # version 3 was never sampled before 4 came
-    assert probe.dropped == 2 and probe.round.version == 4
+    probe.start(4, ["engine0"])  # version 3 still sampling: it goes on beside 4
+    assert probe.dropped == 1 and [r.version for r in probe.rounds] == [3, 4]
+    probe.start(5, ["engine0"])  # the learner ranks keep MAX_ROUNDS versions' weights: 3's are gone
+    assert probe.dropped == 2 and [r.version for r in probe.rounds] == [4, 5]
+
+
+def test_a_round_still_sampling_when_the_next_version_is_published_is_scored_at_its_version():
+    """What a short async run with served adapters did (traced 2026-11-26): steps of ~0.3 s, a probe's sampling
+    ~0.4 s, so version v+1 was published while v's probe was in flight; its completions came back wholly at v (each
+    request stays on the adapter it started on) and were thrown away with the round. Would have caught: every probe
+    of an adapter version dropped in 2 of 3 such runs."""
+    probe = MismatchProbe(["p0", "p1"], sampling=lambda seed: {})
+    pool = Pool({"engine0": Slot("engine0", served=1)})
+    probe.start(1, ["engine0"])
+    probe.submit(pool)
+    first = [r for _, r, _ in pool.sent]
+    probe.start(2, ["engine0"])  # published before version 1's probe came back
+    pool.slots["engine0"].served = 2
+    probe.submit(pool)
+    second = [r for _, r, _ in pool.sent[2:]]
+    assert [r.version for r in second] == [2, 2]
+    learners = [Learner()]
+    for request in first:
+        probe.on_completion(request, "engine0", completion(1))
+    probe.score(learners, pool)
+    assert learners[0].calls == [(2, 1)], "version 1's round, whose completions all came back at 1, is scored"
+    for request in second:
+        probe.on_completion(request, "engine0", completion(2))
+    probe.score(learners, pool)
+    assert learners[0].calls == [(2, 1), (2, 2)] and probe.dropped == 0
+
+
+def test_rows_report_the_newest_version_probed_when_an_older_round_finishes_later(monkeypatch):
+    """Rounds now overlap, so an older version's answer can come back after a newer one's: `mismatch/probe_version`
+    must not go backwards."""
+    import ray
+
+    from moe_grpo.orchestrator.probe import ProbeRound
+
+    probe = MismatchProbe(["p0"], sampling=lambda seed: {})
+    probe.latest = {"kl_replay_on": 1e-14, "kl_replay_off": 1e-3, "router_disagreement": 0.0, "version": 6.0}
+    probe.scoring.append(ProbeRound(5, set(), learner_refs=["ref-5"]))
+    monkeypatch.setattr(ray, "wait", lambda refs, num_returns, timeout: (list(refs), []))
+    monkeypatch.setattr(ray, "get", lambda ref: {"kl_replay_on": 2e-14, "kl_replay_off": 2e-3,
+                                                 "router_disagreement": 0.0})
+    probe.collect()
+    assert probe.latest["version"] == 6.0 and probe.row("r3")["mismatch/kl"] == 1e-14 and probe.scoring == []
 
 
 def test_a_failed_probe_request_ends_that_engines_part_and_rows_carry_nan_before_the_first_result():
@@ -94,3 +139,14 @@ def test_a_failed_probe_request_ends_that_engines_part_and_rows_carry_nan_before
     assert learners[0].calls == [(1, 1)]
     probe.latest = {"kl_replay_on": 1e-9, "kl_replay_off": 2e-3, "router_disagreement": 0.1, "version": 1.0}
     assert probe.row("r3")["mismatch/kl"] == 1e-9 and probe.row("off")["mismatch/kl"] == 2e-3
+
+
+def test_the_probe_keeps_as_many_rounds_as_the_learner_keeps_versions_weights():
+    """A round the learner ranks hold no weights for could only be dropped when it came back."""
+    import pytest
+
+    pytest.importorskip("megatron.core")
+    from moe_grpo.learner.megatron_learner import MAX_SNAPSHOTS
+    from moe_grpo.orchestrator.probe import MAX_ROUNDS
+
+    assert MAX_ROUNDS == MAX_SNAPSHOTS
