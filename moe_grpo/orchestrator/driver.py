@@ -98,6 +98,8 @@ class Driver:
         self.t_last = time.perf_counter()
         self.busy_last: dict[str, float] = {}
         self.tokens_at_last = 0
+        self.process_record: Any = None
+        """The run's `ProcessRecord` (processes.json), brought up to date each step (`write_processes`)."""
 
     # ------------------------------------------------------------------ the schedule
     def run_schedule(self) -> None:
@@ -386,19 +388,16 @@ class Driver:
         return row
 
     def write_processes(self) -> None:
-        """`processes.json` in the run directory: which process is which (rewritten when an engine restarts), for
-        whoever operates the run (and the fault tests, which signal them)."""
-        import json
-
-        if not self.engines.changed:
+        """`processes.json` in the run directory (process_record.py): which process is which (rewritten when an
+        engine restarts) and every process and /dev/shm entry the run has had, for whoever operates the run (and the
+        fault tests, which signal them and check what the run left)."""
+        if self.process_record is None:
             return
-        self.engines.changed = False
-        info = {"driver": os.getpid(), "learners": [i.get("pid") for i in self.pools.infos],
-                "engines": {n: s.pid for n, s in self.engines.slots.items()}}
-        path = Path(self.run_dir) / "processes.json"
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps(info, indent=1))
-        tmp.replace(path)
+        if self.engines.changed:
+            self.engines.changed = False
+            self.process_record.set_roles([i.get("pid") for i in self.pools.infos],
+                                          {n: s.pid for n, s in self.engines.slots.items()})
+        self.process_record.update()
 
     # ------------------------------------------------------------------ the collapse guard
     def guard(self, metrics: dict[str, float]) -> bool:
@@ -677,13 +676,14 @@ def train(run: Any, run_dir: str | Path, *, learner_cls: type | None = None) -> 
     from moe_grpo.orchestrator import run_checkpoint
     from moe_grpo.orchestrator.pools import start_pools, start_ray, stop_pools
     from moe_grpo.orchestrator.run_dirs import make_sync_root, release_private_dir
+    from moe_grpo.orchestrator.process_record import ProcessRecord
     from moe_grpo.orchestrator.run_record import RunRecord
+    from moe_grpo.orchestrator.session import SignalRelay, Teardown, keep_handlers_through_ray_shutdown
     from moe_grpo.orchestrator.trackers import check_installed
-    from moe_grpo.orchestrator.sync_hosts import relay_report, stop_sync_hosts
     from moe_grpo.sync.layout import host_root
 
     check_installed(run.logger)  # a missing tracker package fails now, not after the pools took minutes to start
-    t_start = time.perf_counter()
+    t_start, started_at = time.perf_counter(), time.time()  # started_at: the run's processes are those started after
     run_dir = str(Path(run_dir).resolve())
     tokenizer = load_tokenizer(run.model, run.init.hf)
     source = prompt_source(run, tokenizer, np.random.default_rng(run.seed), run_dir)  # bad rows reported here
@@ -707,13 +707,17 @@ def train(run: Any, run_dir: str | Path, *, learner_cls: type | None = None) -> 
     # The run's weight buffers on this host, private and held by this process (run_dirs.py) before any actor opens
     # them; what SIGKILLed runs left under the root is swept first.
     sync_name, sync_root = make_sync_root(host_root(run.sync.root))
-    pools, driver, private_dir = None, None, None
+    pools, driver, private_dir, record = None, None, None, None
     sync_report: dict[str, Any] = {}
-    signals = SignalRelay()
+    signals = SignalRelay()  # made before Ray: it gives back the handlers from before Ray's
+    processes = ProcessRecord(run_dir, sync_root=sync_root, since=started_at)
     stopped = None
     try:
+        processes.update()
+        keep_handlers_through_ray_shutdown()  # before Ray: its shutdown would reset SIGTERM under Python's feet
         private_dir = start_ray(run.cluster, run_dir)
         signals.install()  # after Ray, whose own SIGTERM handler would exit without cleaning up
+        processes.update()
         t0 = time.perf_counter()
         initial = InitialWeights(run, run_dir, tokenizer, source, state, resume_from)
         pools = start_pools(run, run_dir, sync_name, initial, learner_cls,
@@ -722,6 +726,7 @@ def train(run: Any, run_dir: str | Path, *, learner_cls: type | None = None) -> 
                  time.perf_counter() - t0, len(pools.engines), len(pools.learners), pools.infos[0]["parameters"] / 1e6)
         driver = signals.driver = Driver(run, run_dir, pools, tokenizer, source, rewards, state)
         driver.last_checkpoint = resume_from
+        driver.process_record = processes
         driver.write_processes()
         if saved is not None:
             driver.load_state_dict(saved)
@@ -735,33 +740,23 @@ def train(run: Any, run_dir: str | Path, *, learner_cls: type | None = None) -> 
             log.info("no held-out set (data.eval_path is not set): no evaluation")
         if run.eval_every and source.held_out and resume_from is None:
             driver.evaluate()
-        driver.record = RunRecord(run_dir, run.steps, resume_step=state.step if resume_from is not None else None,
-                                  logger=run.logger, config=dataclasses.asdict(run))
-        try:
-            driver.run_schedule()
-        except Stopped as e:
-            stopped = str(e)
-        if stopped is None:
-            if run.checkpoint.at_end and (driver.last_checkpoint is None
-                                          or driver.last_checkpoint.name != run_checkpoint.step_name(state.step)):
-                driver.checkpoint("end")
-            policy_dir = export_policy(driver)
-            log.info("final policy (version %d) exported to %s", state.step, policy_dir)
+        driver.record = record = RunRecord(run_dir, run.steps,
+                                           resume_step=state.step if resume_from is not None else None,
+                                           logger=run.logger, config=dataclasses.asdict(run))
+        stopped = run_to_end(driver)
     except EngineFailedError as e:
         raise EngineFailedError(f"{e}; {driver._checkpoint_hint() if driver else 'no run checkpoint was written'}") from e
     finally:
-        signals.restore()
-        rewards.close()
-        if driver is not None and driver.record is not None:
-            png = driver.record.close()
-            if png:
-                log.info("plots: %s", png)
-        if pools is not None:
-            sync_report = relay_report(pools.sync, pools.sync_agents or [])
-            stop_sync_hosts(pools.sync_agents or [])  # each host's buffers under the relay
-        stop_pools(pools, list(driver.engines.handles().values()) if driver is not None else None)
-        release_private_dir(private_dir, run_dir)
-        shutil.rmtree(sync_root, ignore_errors=True)
+        # Each step runs whatever the ones before did, with signals held: a second SIGTERM cannot cut it short.
+        teardown = Teardown(signals, after_each=lambda: processes.update(full=True))
+        teardown.add("the reward workers", rewards.close)
+        teardown.add("the run record", lambda: _close_record(record))
+        teardown.add("the sync hosts", lambda: _stop_sync_hosts(pools, sync_report))
+        teardown.add("the pools", lambda: stop_pools(pools, list(driver.engines.handles().values())
+                                                     if driver is not None else None))
+        teardown.add("the private directory", lambda: release_private_dir(private_dir, run_dir))
+        teardown.add("the weight slots", lambda: shutil.rmtree(sync_root, ignore_errors=True))
+        teardown.run()
     engines = driver.engines
     return {"steps": state.step, "eval_start": state.evals[0][1] if state.evals else float("nan"),
             "eval_end": state.evals[-1][1] if state.evals else float("nan"), "evals": state.evals,
@@ -772,6 +767,40 @@ def train(run: Any, run_dir: str | Path, *, learner_cls: type | None = None) -> 
             "faults": {"requests_lost": state.requests_lost, "steps_skipped": state.steps_skipped,
                        "sync_failures": engines.sync_failures, "engine_restarts": engines.restarts,
                        "requests_resubmitted": engines.requests_resubmitted, "rollbacks": state.rollbacks}}
+
+
+def run_to_end(driver: Driver) -> str | None:
+    """The schedule, the final checkpoint and the policy's export. Returns the signal that stopped the run once its
+    checkpoint was written (a SIGTERM that lands after the last step stops it at the final checkpoint, the export
+    left to the resumed run), or None when the run finished."""
+    from moe_grpo.orchestrator import run_checkpoint
+
+    try:
+        driver.run_schedule()
+        last, step = driver.last_checkpoint, driver.state.step
+        if driver.run.checkpoint.at_end and (last is None or last.name != run_checkpoint.step_name(step)):
+            driver.checkpoint("end")
+    except Stopped as e:
+        return str(e)
+    policy_dir = export_policy(driver)
+    log.info("final policy (version %d) exported to %s", driver.state.step, policy_dir)
+    return None
+
+
+def _close_record(record: Any) -> None:
+    if record is not None:
+        png = record.close()
+        if png:
+            log.info("plots: %s", png)
+
+
+def _stop_sync_hosts(pools: Any, report: dict[str, Any]) -> None:
+    """Each host's buffers under the relay removed; what each received goes into `report` (the run's summary)."""
+    from moe_grpo.orchestrator.sync_hosts import relay_report, stop_sync_hosts
+
+    if pools is not None:
+        report.update(relay_report(pools.sync, pools.sync_agents or []))
+        stop_sync_hosts(pools.sync_agents or [])
 
 
 def checked_plan(run: Any) -> tuple[Any, Any]:
@@ -788,31 +817,6 @@ def checked_plan(run: Any) -> tuple[Any, Any]:
     if limits:
         raise PlanRefused("this build cannot run the plan yet: " + "; ".join(limits))
     return dataclasses.replace(run, cluster=plan.cluster_for_run(run.cluster)), plan
-
-
-class SignalRelay:
-    """SIGTERM / SIGUSR1 (what SLURM sends before preemption) -> the driver's checkpoint at the next step boundary.
-    Before the schedule runs there is nothing to checkpoint: SIGTERM then stops the start-up at once (cleanly)."""
-
-    SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
-
-    def __init__(self) -> None:
-        self.driver: Driver | None = None
-        self.previous: dict[int, Any] = {}
-
-    def install(self) -> None:
-        for signum in self.SIGNALS:
-            self.previous[signum] = signal.signal(signum, self.handle)
-
-    def handle(self, signum: int, frame: Any) -> None:
-        if self.driver is not None and self.driver.record is not None:
-            self.driver.on_signal(signum)
-        elif signum == signal.SIGTERM:
-            raise KeyboardInterrupt(f"{signal.Signals(signum).name} during start-up")
-
-    def restore(self) -> None:
-        for signum, handler in self.previous.items():
-            signal.signal(signum, handler)
 
 
 def _rewards(run: Any) -> Any:

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import psutil
 
+from moe_grpo.orchestrator.process_record import left_behind
+
 ROOT = Path(__file__).resolve().parents[2]
 
 SMALL = ["model=deepseek_moe", "warm_start_steps=2", "eval_every=0", "algo.prompts_per_step=4", "algo.group_size=4",
@@ -99,20 +101,27 @@ class Run:
         self.proc.wait(timeout=60)
 
     def leftovers(self, timeout_s: float = 30) -> list[str]:
-        """Processes of this run still alive `timeout_s` after it ended (waiting: Ray reaps its workers late)."""
+        """Processes of this run still alive `timeout_s` after it ended (waiting: Ray reaps its workers late): those
+        the run recorded in processes.json (every process it had, through the end of its cleanup) and those this test
+        saw below the driver while it waited (a run killed before it wrote the record)."""
         deadline = time.monotonic() + timeout_s
         while True:
-            alive = []
+            alive = {line.split()[0]: line for line in left_behind(self.processes())["processes"]}
             for pid in sorted(self.seen_pids):
                 try:
                     p = psutil.Process(pid)
                     if p.status() != psutil.STATUS_ZOMBIE:
-                        alive.append(f"{pid} {' '.join(p.cmdline())[:120]}")
+                        alive.setdefault(str(pid), f"{pid} {' '.join(p.cmdline())[:120]}")
                 except psutil.NoSuchProcess:
                     pass
             if not alive or time.monotonic() > deadline:
-                return alive
+                return sorted(alive.values())
             time.sleep(1)
+
+    def shm_left(self) -> list[str]:
+        """The /dev/shm entries and weight slots the run recorded as its own that are still there, held by a live
+        process or not (`shm_left_behind` cannot see those a leaked live process holds)."""
+        return left_behind(self.processes())["shm"]
 
 
 def shm_in_use() -> set[str]:
@@ -133,7 +142,8 @@ def shm_in_use() -> set[str]:
 
 
 def shm_left_behind(before: set[str]) -> set[str]:
-    """Entries added to /dev/shm since `before` that no live process holds."""
+    """Entries added to /dev/shm since `before` that no live process holds (another job's are held). Blind to an entry
+    a leaked live process of the run holds: `Run.shm_left` checks those, against the run's own record."""
     return shm_entries() - before - shm_in_use()
 
 

@@ -77,6 +77,7 @@ def test_nothing_of_the_run_is_left_behind(faulted_run):
     for pid in (first, second):
         assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z"
     assert shm_left_behind(shm_before) == set()
+    assert run.shm_left() == [], "the run's own entries, the killed and the hung engine's included"
 
 
 def test_a_hanging_reward_costs_its_samples_and_never_the_run(faulted_run):

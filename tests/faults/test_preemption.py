@@ -2,7 +2,9 @@
 training the slower phase so the buffer holds groups sampled ahead):
 
 1. a learner rank is SIGKILLed after step 3: the run stops naming the rank and the last checkpoint (step 2);
-2. `resume=true` continues; SIGTERM after step 5: a checkpoint is written, the run exits 143, nothing is left;
+2. `resume=true` continues; SIGTERM after step 5, then again every 0.5 s until the run has cleaned up (SLURM signals
+   again at the time limit, a user presses on): a checkpoint is written, the cleanup runs to its end whatever lands
+   in it, the run exits 143, nothing is left;
 3. the newest checkpoint is damaged on disk; `resume=true` names the damaged file, falls back to the one before,
    and finishes the run: every step logged once, the buffered groups trained on, none staler than allowed.
 """
@@ -42,8 +44,14 @@ def chain(tmp_path_factory):
                                                                 for r in second.rows()), 600)
         t0 = time.monotonic()
         second.signal(signal.SIGTERM)
+        repeats = 0
+        while second.proc.poll() is None and "cleanup done" not in second.output and time.monotonic() - t0 < 300:
+            time.sleep(0.5)
+            if second.proc.poll() is None and "cleanup done" not in second.output:
+                second.signal(signal.SIGTERM)
+                repeats += 1
         code = second.finish(300)
-        out["terminated"] = (second, code, time.monotonic() - t0)
+        out["terminated"] = (second, code, time.monotonic() - t0, repeats)
     except BaseException:
         second.kill()
         raise
@@ -67,19 +75,23 @@ def test_a_dead_learner_rank_stops_the_run_naming_the_rank_and_the_last_checkpoi
     assert code != 0
     assert f"learner rank 0 (pid {pid}) died" in run.output, run.output[-4000:]
     assert "step_000002" in run.output and "resume=true" in run.output
-    assert not run.leftovers()
+    assert not run.leftovers(), run.leftovers()
+    assert run.shm_left() == [], "a run that failed releases what it created"
 
 
 def test_sigterm_writes_a_checkpoint_and_exits_cleanly(chain):
-    run, code, seconds = chain["terminated"]
+    run, code, seconds, repeats = chain["terminated"]
     assert code == 143, run.output[-4000:]
     assert seconds < 120
     assert "stopped by SIGTERM" in run.output
+    # Before, the cleanup gave the handlers back first: a second SIGTERM in it reached Ray's handler, which exits.
+    assert repeats >= 2 and "SIGTERM" in run.output and "arrived during it and did not cut it short" in run.output
     last = int(max(r["step"] for r in run.rows()))
     latest = (chain["run_dir"] / "checkpoints" / "latest").read_text()
     assert latest == f"step_{last:06d}", "the checkpoint holds the last step logged"
     assert not run.leftovers(), run.leftovers()
     assert shm_left_behind(chain["shm_before"]) == set()
+    assert run.shm_left() == []
 
 
 def test_a_damaged_checkpoint_is_named_and_the_previous_one_resumes(chain):

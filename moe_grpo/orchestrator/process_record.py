@@ -1,0 +1,169 @@
+"""`processes.json` in the run directory: which process is which, and every process and /dev/shm entry the run has
+had, kept current from start-up through the end of its cleanup.
+
+Whoever checks a run after it ended (an operator, the fault tests) compares this record with what is still there:
+a process of the run still alive, or an entry it created still in /dev/shm, was left behind, whether or not some
+live process still holds it. Processes are recorded with their start time (a pid reused by an unrelated process is
+not the run's); /dev/shm entries by inode, as created after the run began and mapped or open in one of its processes
+(a multiprocessing semaphore is mapped under the temporary name it was created with, so only the inode finds it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any, Iterable
+
+SHM_DIR = "/dev/shm"
+FULL_SCAN_S = 30.0
+"""How often every process's /dev/shm entries are looked at again (new processes' are at once)."""
+CLOCK_SLACK_S = 1.0
+"""Start times come from /proc in whole clock ticks: a process started just after the run began may read as a little
+before it."""
+
+
+class ProcessRecord:
+    """The run's processes and /dev/shm entries, sampled (`sample`) and written (`write`) to `processes.json`."""
+
+    def __init__(self, run_dir: str | Path, *, sync_root: str | None = None, since: float | None = None) -> None:
+        """`since`: when the run began (wall clock; default now): only processes and entries created after it are the
+        run's, which matters where the driver is a process that existed before the run (a test calling `train`)."""
+        self.path = Path(run_dir) / "processes.json"
+        self.since = time.time() if since is None else since
+        self.driver = os.getpid()
+        self.learners: list[int | None] = []
+        self.engines: dict[str, int] = {}
+        self.pids: dict[int, float] = {}
+        """pid -> start time of every process the run has had."""
+        self.shm: dict[str, int] = {}
+        """/dev/shm entry name -> inode, of every entry the run created."""
+        self.sync_root = sync_root
+        self._written: str | None = None
+        self._full_scan = float("-inf")
+
+    def set_roles(self, learners: Iterable[int | None], engines: dict[str, int]) -> None:
+        """The learner ranks' and engines' processes (rewritten when an engine restarts)."""
+        self.learners = list(learners)
+        self.engines = dict(engines)
+
+    def sample(self, *, full: bool = False) -> None:
+        """Add the run's processes alive now (the driver's descendants started since the run began, the learner ranks'
+        and engines' processes and theirs: on a cluster joined by address they are not the driver's) and the
+        /dev/shm entries they map or hold open."""
+        import psutil
+
+        roots = [self.driver] + [p for p in self.learners if isinstance(p, int)] + [p for p in self.engines.values() if p]
+        found: dict[int, float] = {}
+        for root in roots:
+            try:
+                top = psutil.Process(root)
+                procs = [top] + top.children(recursive=True)
+            except psutil.Error:
+                continue
+            for p in procs:
+                try:
+                    started = p.create_time()
+                except psutil.Error:
+                    continue
+                if p.pid == self.driver or p.pid in roots or started >= self.since - CLOCK_SLACK_S:
+                    found[p.pid] = started
+        # Reading every process's memory map takes ~1 ms per thousand lines (a vLLM process has thousands): the
+        # processes new since the last look each time, all of them every `FULL_SCAN_S` and whenever asked to.
+        now = time.monotonic()
+        if full or now - self._full_scan >= FULL_SCAN_S:
+            scan, self._full_scan = found, now
+        else:
+            scan = {pid: t for pid, t in found.items() if self.pids.get(pid) != t}
+        self.pids.update(found)
+        self.shm.update(shm_held_by(scan, created_after=self.since - CLOCK_SLACK_S))
+
+    def write(self) -> None:
+        """Write `processes.json` (atomically, and only when it changed)."""
+        info = {"driver": self.driver, "learners": self.learners, "engines": self.engines,
+                "pids": {str(pid): started for pid, started in sorted(self.pids.items())},
+                "shm": dict(sorted(self.shm.items())), "sync_root": self.sync_root}
+        text = json.dumps(info, indent=1)
+        if text == self._written:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text(text)
+        tmp.replace(self.path)
+        self._written = text
+
+    def update(self, *, full: bool = False) -> None:
+        """Sample and write: what the driver calls each step, and (`full`) after each step of its cleanup."""
+        self.sample(full=full)
+        self.write()
+
+
+def shm_held_by(pids: Iterable[int], *, created_after: float = 0.0) -> dict[str, int]:
+    """/dev/shm entries (top level) that these processes map or hold open and that were created after `created_after`
+    (wall clock): name -> inode."""
+    if not os.path.isdir(SHM_DIR):
+        return {}
+    held: set[tuple[int, int]] = set()
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/maps") as f:
+                for line in f:
+                    parts = line.split(maxsplit=5)
+                    if len(parts) == 6 and parts[5].startswith(SHM_DIR + "/"):
+                        major, minor = parts[3].split(":")
+                        held.add((os.makedev(int(major, 16), int(minor, 16)), int(parts[4])))
+        except (OSError, ValueError):
+            pass
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                if os.readlink(f"/proc/{pid}/fd/{fd}").startswith(SHM_DIR + "/"):
+                    st = os.stat(f"/proc/{pid}/fd/{fd}")
+                    held.add((st.st_dev, st.st_ino))
+            except OSError:
+                continue
+    out: dict[str, int] = {}
+    if not held:
+        return out
+    for name in os.listdir(SHM_DIR):
+        try:
+            st = os.stat(os.path.join(SHM_DIR, name), follow_symlinks=False)
+        except OSError:
+            continue
+        if (st.st_dev, st.st_ino) in held and st.st_ctime >= created_after:
+            out[name] = st.st_ino
+    return out
+
+
+def left_behind(record: dict[str, Any]) -> dict[str, list[str]]:
+    """What a finished run's `processes.json` (`record`, as read back) names that is still there: its processes alive
+    (a zombie is not; nor the process asking, which is the driver of a run it called in-process) and its /dev/shm
+    entries (the same inode) and weight slots; empty lists when nothing is."""
+    import psutil
+
+    procs = []
+    for pid, started in (record.get("pids") or {}).items():
+        if int(pid) == os.getpid():
+            continue
+        try:
+            p = psutil.Process(int(pid))
+            if abs(p.create_time() - float(started)) > 1e-3 or p.status() in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD):
+                continue
+            procs.append(f"{pid} {' '.join(p.cmdline())[:120]}")
+        except psutil.Error:
+            continue
+    shm = []
+    for name, inode in (record.get("shm") or {}).items():
+        try:
+            if os.stat(os.path.join(SHM_DIR, name), follow_symlinks=False).st_ino == inode:
+                shm.append(name)
+        except OSError:
+            continue
+    root = record.get("sync_root")
+    if root and os.path.exists(root):
+        shm.append(root)
+    return {"processes": procs, "shm": shm}

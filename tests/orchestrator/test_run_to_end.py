@@ -1,0 +1,76 @@
+"""How a run that has taken its last step ends when a SIGTERM lands then: at the final checkpoint, cleanly. Fast: the
+driver's schedule, checkpoint and export are stand-ins that keep the real ones' contract (a checkpoint written while
+a SIGTERM is pending raises `Stopped`); `Driver.on_signal` is the real one."""
+
+import signal
+from pathlib import Path
+from types import SimpleNamespace
+
+from moe_grpo.orchestrator import run_checkpoint
+from moe_grpo.orchestrator.driver import Driver, Stopped, run_to_end
+from moe_grpo.orchestrator.state import RunState
+
+STEPS = 3
+
+
+class EndingDriver:
+    """The driver's end of a run: the schedule takes its last step, then `signal_after_last` (if any) arrives."""
+
+    on_signal = Driver.on_signal
+
+    def __init__(self, signal_after_last=None, every=0):
+        self.run = SimpleNamespace(steps=STEPS, checkpoint=SimpleNamespace(at_end=True, every=every))
+        self.state = RunState()
+        self.last_checkpoint = None
+        self.due = self.stop_after_checkpoint = None
+        self.signal_after_last = signal_after_last
+        self.run_dir = "/nonexistent"
+        self.written, self.calls = [], []
+
+    def run_schedule(self):
+        self.state.step = self.state.published = STEPS
+        if self.run.checkpoint.every:
+            self.last_checkpoint = Path(run_checkpoint.step_name(STEPS))
+        if self.signal_after_last is not None:
+            self.on_signal(self.signal_after_last)
+
+    def checkpoint(self, reason):
+        self.written.append((self.state.step, reason))
+        self.last_checkpoint = Path(run_checkpoint.step_name(self.state.step))
+        self.due = None
+        if self.stop_after_checkpoint:
+            raise Stopped(self.stop_after_checkpoint)
+        return self.last_checkpoint
+
+    def learners_call(self, method, *args, what, ranks=None):
+        self.calls.append(method)
+        return ["policy"]
+
+
+def test_a_sigterm_after_the_last_step_stops_at_the_final_checkpoint():
+    """The final checkpoint was written outside the `except Stopped` of `train`: a SIGTERM that landed after the last
+    step (SLURM's time limit, a run that just made it) made it raise `Stopped` out of `train`: a traceback, exit 1,
+    and no policy. Now the run stops there like any SIGTERM'd run: checkpoint written, the signal returned (exit 143),
+    the export left to the resumed run (which finds every step done and exports)."""
+    driver = EndingDriver(signal_after_last=signal.SIGTERM)
+    assert run_to_end(driver) == "SIGTERM"
+    assert driver.written == [(STEPS, "end")] and "export_version" not in driver.calls
+
+
+def test_a_run_that_finishes_writes_its_checkpoint_and_exports():
+    driver = EndingDriver()
+    assert run_to_end(driver) is None
+    assert driver.written == [(STEPS, "end")] and driver.calls == ["export_version"]
+
+
+def test_sigusr1_after_the_last_step_checkpoints_and_the_run_still_finishes():
+    driver = EndingDriver(signal_after_last=signal.SIGUSR1)
+    assert run_to_end(driver) is None
+    assert driver.written == [(STEPS, "end")] and driver.calls == ["export_version"] and driver.due is None
+
+
+def test_a_sigterm_after_the_last_step_with_its_checkpoint_already_written_still_exports():
+    """checkpoint.every divides steps: the last step's checkpoint exists, nothing is owed; the export goes on."""
+    driver = EndingDriver(signal_after_last=signal.SIGTERM, every=STEPS)
+    assert run_to_end(driver) is None
+    assert driver.written == [] and driver.calls == ["export_version"]
