@@ -679,7 +679,7 @@ def train(run: Any, run_dir: str | Path, *, learner_cls: type | None = None) -> 
     from moe_grpo.orchestrator.process_record import ProcessRecord
     from moe_grpo.orchestrator.run_record import RunRecord
     from moe_grpo.orchestrator.session import SignalRelay, Teardown, keep_handlers_through_ray_shutdown
-    from moe_grpo.orchestrator.trackers import check_installed
+    from moe_grpo.orchestrator.trackers import check_installed, close_trackers, open_trackers
     from moe_grpo.sync.layout import host_root
 
     check_installed(run.logger)  # a missing tracker package fails now, not after the pools took minutes to start
@@ -711,9 +711,13 @@ def train(run: Any, run_dir: str | Path, *, learner_cls: type | None = None) -> 
     sync_report: dict[str, Any] = {}
     signals = SignalRelay()  # made before Ray: it gives back the handlers from before Ray's
     processes = ProcessRecord(run_dir, sync_root=sync_root, since=started_at)
-    stopped = None
+    stopped, trackers, outcome = None, [], "FAILED"
     try:
         processes.update()
+        # Before the pools: a bad key or an unreachable server fails the run now, not minutes in. A resumed run goes
+        # on in its checkpoint's tracker runs; their ids go into every checkpoint from here.
+        trackers = open_trackers(run.logger, run_dir, dataclasses.asdict(run), resume=state.tracker_runs)
+        state.tracker_runs = {t.key: t.run_id for t in trackers}
         keep_handlers_through_ray_shutdown()  # before Ray: its shutdown would reset SIGTERM under Python's feet
         private_dir = start_ray(run.cluster, run_dir)
         signals.install()  # after Ray, whose own SIGTERM handler would exit without cleaning up
@@ -742,8 +746,12 @@ def train(run: Any, run_dir: str | Path, *, learner_cls: type | None = None) -> 
             driver.evaluate()
         driver.record = record = RunRecord(run_dir, run.steps,
                                            resume_step=state.step if resume_from is not None else None,
-                                           logger=run.logger, config=dataclasses.asdict(run))
+                                           trackers=trackers)
         stopped = run_to_end(driver)
+        outcome = "KILLED" if stopped else "FINISHED"
+    except KeyboardInterrupt:  # SIGTERM during start-up, Ctrl-C
+        outcome = "KILLED"
+        raise
     except EngineFailedError as e:
         raise EngineFailedError(f"{e}; {driver._checkpoint_hint() if driver else 'no run checkpoint was written'}") from e
     finally:
@@ -751,6 +759,7 @@ def train(run: Any, run_dir: str | Path, *, learner_cls: type | None = None) -> 
         teardown = Teardown(signals, after_each=lambda: processes.update(full=True))
         teardown.add("the reward workers", rewards.close)
         teardown.add("the run record", lambda: _close_record(record))
+        teardown.add("the trackers", lambda: close_trackers(trackers, outcome))
         teardown.add("the sync hosts", lambda: _stop_sync_hosts(pools, sync_report))
         teardown.add("the pools", lambda: stop_pools(pools, list(driver.engines.handles().values())
                                                      if driver is not None else None))

@@ -33,11 +33,13 @@ class RunRecord:
     """Writes one step at a time; `close()` draws the PNG."""
 
     def __init__(self, run_dir: str | Path, total_steps: int, *, progress: bool = True,
-                 resume_step: int | None = None, logger: Any = None, config: Mapping[str, Any] | None = None) -> None:
+                 resume_step: int | None = None, trackers: list[Any] | None = None) -> None:
         """`resume_step`: continue the record of a run resumed from the checkpoint of that step (rows written after
         it, by the process that was interrupted, are dropped: the resumed run writes those steps again).
-        `logger`: a `LoggerConfig` whose trackers get each row from now on, started with `config` (the resolved run
-        config, nested); a resumed run starts new tracker runs that begin after the checkpoint's step."""
+        `trackers`: the run's experiment trackers (trackers.open_trackers), which get each row from now on; whoever
+        opened them ends them (as the run ended: `trackers.close_trackers`). A resumed run's go on in the tracker runs
+        of its checkpoint and get the steps after it again (W&B drops a step it already has: it keeps the
+        interrupted process's values of those steps; MLflow keeps both)."""
         self.dir = Path(run_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.path = self.dir / "metrics.jsonl"
@@ -61,11 +63,7 @@ class RunRecord:
             self._tb = SummaryWriter(str(self.dir / "tensorboard"))
         except ImportError:  # tensorboard is a declared dependency; a broken install only loses the events
             print("[run] tensorboard is not importable; no event files will be written", file=sys.stderr)
-        self._trackers: list[Any] = []
-        if logger is not None:
-            from moe_grpo.orchestrator.trackers import open_trackers
-
-            self._trackers = open_trackers(logger, self.dir, config or {})
+        self._trackers: list[Any] = list(trackers or [])
         self._bar: Any = None
         if progress:
             from tqdm import tqdm
@@ -100,8 +98,6 @@ class RunRecord:
             self._bar.close()
         if self._tb is not None:
             self._tb.close()
-        for tracker in self._trackers:
-            tracker.close()
         return plot(self.rows, self.dir / "metrics.png") if self.rows else None
 
 

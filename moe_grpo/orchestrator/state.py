@@ -49,6 +49,8 @@ class RunState:
     last_eval_version: int = -1
     evals: list[tuple[int, float]] = field(default_factory=list)
     warm_start_loss: list[float] = field(default_factory=list)
+    tracker_runs: dict[str, str] = field(default_factory=dict)
+    """Tracker key ('wandb', 'mlflow') -> the id of this run's tracker run: a resumed run goes on in it."""
 
     def state_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

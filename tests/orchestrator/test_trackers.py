@@ -38,14 +38,18 @@ def rows(n=3):
     return out
 
 
-def write_record(tmp_path, run):
-    record = RunRecord(tmp_path / "run", total_steps=3, progress=False, logger=run.logger,
-                       config=dataclasses.asdict(run))
-    written = rows()
+def write_record(tmp_path, run, status="FINISHED", resume=None, steps=(1, 2, 3)):
+    """What `train` does with the trackers: open them (going on in `resume`'s runs), feed them the record's rows,
+    end them as the run ended. Returns the rows written and the tracker runs' ids (what the checkpoint saves)."""
+    opened = trackers.open_trackers(run.logger, tmp_path / "run", dataclasses.asdict(run), resume=resume)
+    record = RunRecord(tmp_path / "run", total_steps=3, progress=False, trackers=opened,
+                       resume_step=steps[0] - 1 if resume else None)
+    written = [r for r in rows(max(steps)) if r["step"] in steps]
     for row in written:
         record.log(row)
     record.close()
-    return written
+    trackers.close_trackers(opened, status)
+    return written, {t.key: t.run_id for t in opened}
 
 
 def require(module):
@@ -121,7 +125,7 @@ def test_a_missing_extra_fails_at_start_with_the_install_line(monkeypatch):
 
 def test_wandb_offline_run_holds_every_row_and_the_config(tmp_path, wandb_offline):
     run = run_config(wandb=WandbConfig(mode="offline", project="moe-test", name="offline-check"))
-    written = write_record(tmp_path, run)
+    written, _ = write_record(tmp_path, run)
     files = glob.glob(str(tmp_path / "run" / "wandb" / "offline-run-*" / "run-*.wandb"))
     assert len(files) == 1, f"expected one offline W&B run under {tmp_path / 'run' / 'wandb'}, found {files}"
     history, config, meta = {}, {}, None
@@ -152,7 +156,7 @@ def test_mlflow_file_store_records_metrics_and_params(tmp_path):
 
     uri = (tmp_path / "mlruns").as_uri()
     run = run_config(mlflow=MlflowConfig(tracking_uri=uri, experiment="moe-test", run_name="file-store"))
-    written = write_record(tmp_path, run)
+    written, _ = write_record(tmp_path, run)
     client = MlflowClient(tracking_uri=uri)
     experiment = client.get_experiment_by_name("moe-test")
     (found,) = client.search_runs([experiment.experiment_id])
@@ -177,12 +181,13 @@ def test_a_failing_tracker_is_reported_once_and_the_run_goes_on(tmp_path, caplog
         if step >= 2:
             raise ConnectionError("tracking server unreachable")
 
-    record = RunRecord(tmp_path, total_steps=4, progress=False)
-    record._trackers = [trackers.Guarded("Flaky", flaky, lambda: None)]
+    flaky_tracker = trackers.Guarded("Flaky", flaky, lambda status: None)
+    record = RunRecord(tmp_path, total_steps=4, progress=False, trackers=[flaky_tracker])
     with caplog.at_level(logging.WARNING, logger="moe_grpo"):
         for row in rows(4):
             record.log(row)
         record.close()
+        trackers.close_trackers([flaky_tracker], "FINISHED")
     assert calls == [1, 2, 3, 4]  # it was tried on every row
     warnings = [r.getMessage() for r in caplog.records if "Flaky tracker failed" in r.getMessage()]
     assert len(warnings) == 1 and "ConnectionError: tracking server unreachable" in warnings[0]
@@ -193,13 +198,99 @@ def test_a_stuck_tracker_does_not_hold_up_training_or_the_end_of_the_run(tmp_pat
     def stuck(metrics, step):
         time.sleep(30)
 
-    tracker = trackers.Guarded("Stuck", stuck, lambda: None, close_timeout_s=0.5)
-    record = RunRecord(tmp_path, total_steps=3, progress=False)
-    record._trackers = [tracker]
+    tracker = trackers.Guarded("Stuck", stuck, lambda status: None, close_timeout_s=0.5)
+    record = RunRecord(tmp_path, total_steps=3, progress=False, trackers=[tracker])
     t0 = time.perf_counter()
     with caplog.at_level(logging.WARNING, logger="moe_grpo"):
         for row in rows(3):
             record.log(row)
         record.close()
+        trackers.close_trackers([tracker], "FINISHED")
     assert time.perf_counter() - t0 < 10
     assert any("Stuck tracker: rows still unsent" in r.getMessage() for r in caplog.records)
+
+
+def mlflow_run(tmp_path, **kw):
+    require("mlflow")
+    uri = (tmp_path / "mlruns").as_uri()
+    return uri, run_config(mlflow=MlflowConfig(tracking_uri=uri, experiment="moe-test", **kw))
+
+
+@pytest.mark.parametrize("status", ["FAILED", "KILLED"])
+def test_mlflow_marks_a_failed_or_stopped_run_as_it_ended(tmp_path, status):
+    """Every run was marked FINISHED, a failed or SIGTERMed one too."""
+    from mlflow.tracking import MlflowClient
+
+    uri, run = mlflow_run(tmp_path)
+    _, ids = write_record(tmp_path, run, status=status)
+    assert MlflowClient(tracking_uri=uri).get_run(ids["mlflow"]).info.status == status
+
+
+def test_a_resumed_run_goes_on_in_the_same_mlflow_run(tmp_path):
+    """Each resume opened a new tracker run, so a preempted run's curve was split over several. Stopped after step 2
+    (KILLED), resumed from its checkpoint of step 1 with the saved id: one run, RUNNING again then FINISHED, holding
+    every step (the redone step 2 twice: MLflow keeps both values), its first parameters kept."""
+    from mlflow.tracking import MlflowClient
+
+    uri, run = mlflow_run(tmp_path, run_name="preempted")
+    _, ids = write_record(tmp_path, run, status="KILLED", steps=(1, 2))
+    resumed = dataclasses.replace(run, resume=True, steps=run.steps + 1)
+    _, again = write_record(tmp_path, resumed, resume=ids, steps=(2, 3))
+    assert again == ids
+    client = MlflowClient(tracking_uri=uri)
+    (found,) = client.search_runs([client.get_experiment_by_name("moe-test").experiment_id])
+    assert found.info.run_id == ids["mlflow"] and found.info.status == "FINISHED"
+    assert [m.step for m in client.get_metric_history(found.info.run_id, "reward/mean")] == [1, 2, 2, 3]
+    assert found.data.params["resume"] == "False" and found.data.params["steps"] == str(run.steps)
+
+
+def test_a_resumed_run_goes_on_in_the_same_wandb_run(tmp_path, wandb_offline):
+    """The same for W&B (offline: each process writes its part under the same run id, `wandb sync` joins them), each
+    part ended with how it ended (143: stopped by SIGTERM)."""
+    run = run_config(wandb=WandbConfig(mode="offline", project="moe-test"))
+    _, ids = write_record(tmp_path, run, status="KILLED", steps=(1, 2))
+    _, again = write_record(tmp_path, dataclasses.replace(run, resume=True), resume=ids, steps=(2, 3))
+    assert again == ids
+    parts = sorted(glob.glob(str(tmp_path / "run" / "wandb" / "offline-run-*" / "run-*.wandb")))
+    assert len(parts) == 2 and all(p.endswith(f"run-{ids['wandb']}.wandb") for p in parts), parts
+    exits = []
+    for part in parts:
+        exits += [r.exit.exit_code for r in wandb_records(part) if r.WhichOneof("record_type") == "exit"]
+    assert exits == [143, 0]
+
+
+def test_trackers_start_before_the_pools_and_end_as_the_run_ended(tmp_path, monkeypatch):
+    """The tracker runs were created with the run record, after the pools and the first evaluation were up: an
+    MLflow store that cannot be written failed the run minutes in. Now it fails before Ray starts; and a run that
+    fails (here: Ray cannot start) or is stopped (SIGTERM during start-up) ends its tracker run FAILED / KILLED."""
+    from mlflow.tracking import MlflowClient
+
+    from moe_grpo.orchestrator import pools
+    from moe_grpo.orchestrator.driver import train
+
+    started = []
+
+    def start_ray(cluster, run_dir):
+        started.append(run_dir)
+        raise started_error.pop(0)
+
+    monkeypatch.setattr(pools, "start_ray", start_ray)
+    base = dict(steps=2, warm_start_steps=0, eval_every=0, **{"sync.root": str(tmp_path / "sync")})
+    bad = from_hydra(compose([f"{k}={v}" for k, v in base.items()] + ["model=deepseek_moe",
+                             "logger.mlflow.tracking_uri=file:///proc/no-such-store/mlruns"]))
+    started_error = [AssertionError("the pools started")]
+    with pytest.raises(Exception) as e:
+        train(bad, tmp_path / "bad")
+    assert started == [] and "the pools started" not in str(e.value), e.value
+
+    require("mlflow")
+    uri = (tmp_path / "mlruns").as_uri()
+    good = [f"{k}={v}" for k, v in base.items()] + ["model=deepseek_moe", f"logger.mlflow.tracking_uri={uri}"]
+    client = MlflowClient(tracking_uri=uri)
+    for error, status in ((RuntimeError("no cluster"), "FAILED"), (KeyboardInterrupt("SIGTERM during start-up"), "KILLED")):
+        started_error = [error]
+        with pytest.raises(type(error)):
+            train(from_hydra(compose(good)), tmp_path / status)
+        (found,) = client.search_runs([client.get_experiment_by_name("moe_grpo").experiment_id],
+                                      filter_string=f"tags.`moe_grpo.run_dir` = '{tmp_path / status}'")
+        assert found.info.status == status
