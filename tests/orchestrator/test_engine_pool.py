@@ -170,3 +170,46 @@ def test_an_answer_the_driver_has_not_collected_yet_is_not_a_hung_engine():
     p.in_flight[ref].submitted -= 10 * p.rollout.request_timeout_s
     p.check_hung()
     assert p.restarts == 1 and p.slots["engine0"].status == "restarting"
+
+
+@ray.remote
+class ReplacementFindingLeftovers:
+    """What an EngineWorker does first: wait for the previous actor's processes on its host to go (here 1 s)."""
+
+    def __init__(self, owner):
+        from moe_grpo.process_ties import wait_until_gone
+
+        wait_until_gone(owner, "engine engine0", timeout_s=1.0)
+
+    def pid(self):
+        return 7
+
+
+def test_a_replacement_that_finds_the_old_actors_processes_still_there_fails_naming_them():
+    """The user sees which engine could not be replaced and which processes stood in its way (their memory still
+    taken), instead of a second engine started beside them."""
+    import os
+    import subprocess
+
+    from moe_grpo.process_ties import TAG_ENV, owner_key
+
+    owner = owner_key("test_engine_pool", str(os.getpid()))
+    with open(f"/proc/{os.getpid()}/stat") as f:
+        ticks = f.read().rsplit(")", 1)[1].split()[19]
+    # A process of an actor still alive (this one stands in for it): the replacement waits, kills nothing.
+    left = subprocess.Popen(["sleep", "120"], env={**os.environ, TAG_ENV: f"{owner}/{os.getpid()}/{ticks}"})
+    try:
+        a = FakeEngine.remote()
+        rollout = SimpleNamespace(request_timeout_s=30.0, max_restarts=1, restart_window_s=600.0)
+        p = EnginePool([EngineSlot("engine0", 0, a)], rollout, lambda bundle: ReplacementFindingLeftovers.remote(owner),
+                       60.0)
+        ray.kill(a)
+        p.submit(Request("train", example(0)), None)
+        with pytest.raises(EngineFailedError) as e:
+            pump(p, lambda out: False)
+        message = str(e.value)
+        assert "engine0" in message and "processes of its previous actor still there" in message, message
+        assert f"{left.pid} (sleep 120)" in message, message
+        assert left.poll() is None, "a process of a live actor was killed"
+    finally:
+        left.kill()
