@@ -66,9 +66,11 @@ def start_ray(cluster: Any, run_dir: str) -> str | None:
     private directory (Ray's temp dir and vLLM's RPC sockets, 0700) that `stop_pools` removes, or None when joining.
 
     A local cluster is started with `address="local"`, so neither RAY_ADDRESS nor a `ray_current_cluster` file in
-    the shared /tmp/ray attaches the run to another job's cluster."""
+    the shared /tmp/ray attaches the run to another job's cluster, and on loopback (its node's address 127.0.0.1,
+    ray_loopback.py): it is this host alone, and its servers listen where only this host reaches them."""
     import ray
 
+    from moe_grpo.orchestrator.ray_loopback import loopback_node
     from moe_grpo.orchestrator.run_dirs import make_private_dir, remove_orphaned_private_dirs
 
     if ray.is_initialized():
@@ -83,8 +85,9 @@ def start_ray(cluster: Any, run_dir: str) -> str | None:
         rpc = os.path.join(private, "vllm")
         os.mkdir(rpc, 0o700)
         try:
-            ray.init(address="local", num_cpus=os.cpu_count() or 2, _temp_dir=os.path.join(private, "ray"),
-                     runtime_env={"env_vars": {"VLLM_RPC_BASE_PATH": rpc}}, **kwargs)
+            with loopback_node():
+                ray.init(address="local", num_cpus=os.cpu_count() or 2, _temp_dir=os.path.join(private, "ray"),
+                         runtime_env={"env_vars": {"VLLM_RPC_BASE_PATH": rpc}}, **kwargs)
         except BaseException:
             shutil.rmtree(private, ignore_errors=True)
             raise

@@ -61,11 +61,16 @@ SYNC = dict(mode="sync", steps=5, eval_every=2, **{"checkpoint.every": 2, "check
 
 @pytest.fixture(scope="module")
 def sync_run(tmp_path_factory):
-    """An uninterrupted sync run (the resume tests below continue it from its step-2 checkpoint)."""
+    """An uninterrupted sync run (the resume tests below continue it from its step-2 checkpoint), with every port its
+    processes listened on (`summary["listening"]`)."""
+    from listeners import Listeners
+
     from moe_grpo.orchestrator.driver import train
 
     run_dir = tmp_path_factory.mktemp("sync")
-    return run_dir, train(small_run(**SYNC), run_dir)
+    with Listeners() as listening:
+        summary = train(small_run(**SYNC), run_dir)
+    return run_dir, {**summary, "listening": listening}
 
 
 def test_sync_mode_trains_on_policy_and_records_what_it_did(sync_run):
@@ -80,6 +85,16 @@ def test_sync_mode_trains_on_policy_and_records_what_it_did(sync_run):
     assert any(p.name.startswith("events.out.tfevents") for p in (run_dir / "tensorboard").iterdir())
     kept = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
     assert kept == ["latest", "step_000002", "step_000004", "step_000005"], "every 2 steps and at the end, 3 kept"
+
+
+def test_a_one_host_run_opens_no_port_another_host_can_reach(sync_run):
+    """Would have caught: in a run on one host, Ray's GCS, raylet and workers' gRPC ports listened on all interfaces,
+    its runtime-env agent on the host's address and its autoscaler's metrics (plain HTTP, no token) on
+    0.0.0.0:44217 (README, "Ports and files a run opens")."""
+    listening = sync_run[1]["listening"]
+    names = {name for _, name in listening.ports}
+    assert "gcs_server" in names and "raylet" in names and any("VLLM" in n for n in names), names
+    assert listening.reachable_from_outside() == []
 
 
 def resume_from_step_2(sync_run, new_dir):

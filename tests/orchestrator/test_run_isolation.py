@@ -33,6 +33,11 @@ def test_a_stray_ray_current_cluster_file_changes_nothing_and_the_run_keeps_its_
     assert lines, out.stderr[-3000:]
     info = json.loads(lines[0][len("RESULT "):])
     assert info["nodes"] == 1 and info["mode"] == "0o700"
+    # A one-host run's Ray is on loopback (ray_loopback.py): before, the GCS, raylet and workers' gRPC ports listened
+    # on all interfaces, the runtime-env agent on the host's address, the autoscaler's metrics on 0.0.0.0:44217.
+    assert info["node_addresses"] == ["127.0.0.1"]
+    assert info["outside"] == [], f"reachable from other hosts: {info['outside']} (all: {info['listening']})"
+    assert any("gcs_server" in line for line in info["listening"]), "the sample saw Ray's servers"
     assert info["session"].startswith(os.path.join(info["private"], "ray"))  # not the shared /tmp/ray
     assert info["worker_rpc"] == os.path.join(info["private"], "vllm")  # vLLM's sockets go there too
     assert not info["private_after"]  # removed when the run ends
