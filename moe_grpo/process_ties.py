@@ -9,8 +9,8 @@ started beside them would find their memory (GPU memory, `/dev/shm` ring buffers
   them when their parent goes, however it goes. PR_SET_PDEATHSIG is cleared by fork, so it is set in each child:
   after a fork by an at-fork hook; in a spawned child (a fresh interpreter: no at-fork hook runs) by a wrapper
   around the Process's target, put there when the process is started (a patch of CPython's
-  `multiprocessing.context.SpawnProcess._Popen`, checked against 3.11 and 3.12, which have the same one-line
-  method). A child whose parent died before it set the signal (a race the kernel cannot see) ends itself.
+  `multiprocessing.context.SpawnProcess._Popen`, checked against CPython 3.11, the project's Python; the
+  spawn tests in tests/test_process_ties.py fail if a newer one changes it). A child whose parent died before it set the signal (a race the kernel cannot see) ends itself.
 - `tag_processes(owner)` marks this process's environment, which every process it starts inherits (spawn and fork
   alike); `leftovers(owner)` finds, on this host, the processes of an earlier holder of the same owner name (an
   actor of the same engine that died) that are still there, and `wait_until_gone` waits for them with a timeout
