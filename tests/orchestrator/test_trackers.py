@@ -249,6 +249,9 @@ def test_a_resumed_run_goes_on_in_the_same_wandb_run(tmp_path, wandb_offline):
     part ended with how it ended (143: stopped by SIGTERM)."""
     run = run_config(wandb=WandbConfig(mode="offline", project="moe-test"))
     _, ids = write_record(tmp_path, run, status="KILLED", steps=(1, 2))
+    # W&B names an offline part by the second it started in (the parts are ordered by name below); a part started in
+    # the same second gets a suffixed name that may sort first. A real resume starts minutes later.
+    time.sleep(1.1)
     _, again = write_record(tmp_path, dataclasses.replace(run, resume=True), resume=ids, steps=(2, 3))
     assert again == ids
     parts = sorted(glob.glob(str(tmp_path / "run" / "wandb" / "offline-run-*" / "run-*.wandb")))
