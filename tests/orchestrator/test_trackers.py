@@ -297,3 +297,35 @@ def test_trackers_start_before_the_pools_and_end_as_the_run_ended(tmp_path, monk
         (found,) = client.search_runs([client.get_experiment_by_name("moe_grpo").experiment_id],
                                       filter_string=f"tags.`moe_grpo.run_dir` = '{tmp_path / status}'")
         assert found.info.status == status
+
+
+def test_train_resumed_from_a_checkpoint_goes_on_in_its_tracker_run(tmp_path, monkeypatch):
+    """`train` with resume=true opens the tracker run whose id the checkpoint's run state holds (not a new one), and
+    ends it as this process ended (here: Ray cannot start, FAILED)."""
+    require("mlflow")
+    from mlflow.tracking import MlflowClient
+
+    from moe_grpo.orchestrator import pools, run_checkpoint
+    from moe_grpo.orchestrator.driver import train
+    from moe_grpo.orchestrator.state import RunState
+
+    def start_ray(cluster, run_dir):
+        raise RuntimeError("no cluster")
+
+    monkeypatch.setattr(pools, "start_ray", start_ray)
+    uri = (tmp_path / "mlruns").as_uri()
+    overrides = ["model=deepseek_moe", "steps=2", "warm_start_steps=0", "eval_every=0",
+                 f"sync.root={tmp_path / 'sync'}", f"logger.mlflow.tracking_uri={uri}"]
+    first = from_hydra(compose(overrides))
+    run_dir = tmp_path / "run"
+    (opened,) = trackers.open_trackers(first.logger, run_dir, dataclasses.asdict(first))
+    trackers.close_trackers([opened], "KILLED")  # the interrupted process, stopped after its checkpoint of step 1
+    saved = {"run_state": RunState(step=1, tracker_runs={"mlflow": opened.run_id}).state_dict(),
+             "config": dataclasses.asdict(first), "lr_schedule": first.learner.schedule(first.steps)}
+    run_checkpoint.finish(run_checkpoint.begin(run_dir, 1), saved, {"step": 1}, keep=2)
+
+    with pytest.raises(RuntimeError, match="no cluster"):
+        train(from_hydra(compose(overrides + ["resume=true"])), run_dir)
+    client = MlflowClient(tracking_uri=uri)
+    (found,) = client.search_runs([client.get_experiment_by_name("moe_grpo").experiment_id])
+    assert found.info.run_id == opened.run_id and found.info.status == "FAILED"
