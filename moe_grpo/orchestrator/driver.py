@@ -576,9 +576,9 @@ def check_resumable(run: Any, saved_config: dict[str, Any], saved_schedule: dict
         if a != b:
             changed.append(key)
     if changed:
-        raise ResumeRefused(f"resume=true: the config differs from the checkpoint's in {changed}; a resumed run must "
-                            f"keep {list(RESUME_MUST_MATCH)} (steps (see learner.lr_decay_steps), timeouts, cluster and "
-                            "the learner layout may change)")
+        raise ResumeRefused(f"resume=true: the config differs from the checkpoint's in {changed}; a resumed run "
+                            f"must keep {list(RESUME_MUST_MATCH)} (steps (see learner.lr_decay_steps), timeouts, "
+                            "cluster and the learner layout may change)")
     check_schedule(run, saved_schedule if saved_schedule is not None else _schedule_of(saved_config))
 
 

@@ -9,10 +9,10 @@ at start, naming it.
 Each function runs in worker processes of its own (a fresh interpreter, so it
 inherits none of the driver's Ray or torch state), started once and serving
 calls over a socket pair: `workers` of them per function, so that many batches
-are scored at once (`Rewards.submit` runs them off the caller's thread). A call not back within `reward.timeout_s` has its
-worker killed (with anything the worker started), so a hung function holds
-nothing: the next call gets a fresh worker, and the run ends without waiting on
-it. A worker that dies during a call (a segfault, `os._exit`) fails that call's
+are scored at once (`Rewards.submit` runs them off the caller's thread). A call
+not back within `reward.timeout_s` has its worker killed (with anything the
+worker started), so a hung function holds nothing: the next call gets a fresh
+worker, and the run ends without waiting on it. A worker that dies during a call (a segfault, `os._exit`) fails that call's
 samples, naming its exit code, and is replaced the same way.
 """
 
@@ -34,9 +34,9 @@ import time
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from queue import LifoQueue
 from multiprocessing import Pipe
 from multiprocessing.connection import Connection
+from queue import LifoQueue
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 if TYPE_CHECKING:
