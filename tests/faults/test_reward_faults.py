@@ -48,9 +48,9 @@ def test_a_hanging_reward_restarts_no_engine_and_costs_only_its_samples(hanging_
 
 
 def test_a_step_waits_on_a_hanging_reward_for_about_one_timeout(hanging_reward_run, record_property):
-    """Steps after the first (which includes start-up): the median is under two timeouts. Scored one call at a
-    time, each step waited ~3 hung calls x 3 s."""
+    """Steps after the first (which includes start-up): the median is under 2.5 timeouts (3.7 s measured here; 0.45 s
+    with a reward that never hangs). Scored one call at a time, each step waited ~3 hung calls x 3 s (13.2 s)."""
     run, _ = hanging_reward_run
     step_s = [r["time/step_seconds"] for r in run.rows()[1:]]
     record_property("step_seconds", step_s)
-    assert statistics.median(step_s) < 2 * TIMEOUT_S, step_s
+    assert statistics.median(step_s) < 2.5 * TIMEOUT_S, step_s

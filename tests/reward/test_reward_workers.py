@@ -227,7 +227,10 @@ def test_other_batches_are_scored_while_a_call_hangs(workers):
     timeout = 4.0
     r = Rewards([f"{HELPERS}:hangs_if_asked"], [1.0], timeout_s=timeout, workers=workers)
     try:
-        r.score(["p"], ["warm"])  # every worker started and ready
+        for lane in r._lanes:  # every worker started and ready (a fresh interpreter takes a while on a slow machine)
+            for w in lane:
+                w.send((["p"], ["warm"], {"hang": [False]}, 1))
+                w.receive(time.monotonic() + 120, 120)
         t0 = time.perf_counter()
         hung = r.submit(["p"], ["x"], {"hang": [True]})
         assert time.perf_counter() - t0 < 0.5, "submit returns at once"
