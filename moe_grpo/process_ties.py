@@ -28,6 +28,8 @@ import time
 from dataclasses import dataclass
 from typing import Iterator
 
+from moe_grpo.processes import SHM_DIR
+
 TAG_ENV = "MOE_GRPO_OWNER"
 """The environment variable that marks the processes of an owner: `<owner>/<owner pid>/<owner start time>`."""
 
@@ -244,7 +246,6 @@ def wait_until_gone(owner: str, what: str, timeout_s: float, kill_after_s: float
 
 
 # ---------------------------------------------------------------------- what a holder leaves in /dev/shm
-SHM_DIR = "/dev/shm"
 
 
 def _record_path(owner: str, directory: str) -> str:

@@ -16,7 +16,8 @@ import time
 from pathlib import Path
 from typing import Any, Iterable
 
-SHM_DIR = "/dev/shm"
+from moe_grpo.processes import SHM_DIR, shm_entries_held
+
 FULL_SCAN_S = 30.0
 """How often every process's /dev/shm entries are looked at again (new processes' are at once)."""
 CLOCK_SLACK_S = 1.0
@@ -102,41 +103,7 @@ class ProcessRecord:
 def shm_held_by(pids: Iterable[int], *, created_after: float = 0.0) -> dict[str, int]:
     """/dev/shm entries (top level) that these processes map or hold open and that were created after `created_after`
     (wall clock): name -> inode."""
-    if not os.path.isdir(SHM_DIR):
-        return {}
-    held: set[tuple[int, int]] = set()
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/maps") as f:
-                for line in f:
-                    parts = line.split(maxsplit=5)
-                    if len(parts) == 6 and parts[5].startswith(SHM_DIR + "/"):
-                        major, minor = parts[3].split(":")
-                        held.add((os.makedev(int(major, 16), int(minor, 16)), int(parts[4])))
-        except (OSError, ValueError):
-            pass
-        try:
-            fds = os.listdir(f"/proc/{pid}/fd")
-        except OSError:
-            continue
-        for fd in fds:
-            try:
-                if os.readlink(f"/proc/{pid}/fd/{fd}").startswith(SHM_DIR + "/"):
-                    st = os.stat(f"/proc/{pid}/fd/{fd}")
-                    held.add((st.st_dev, st.st_ino))
-            except OSError:
-                continue
-    out: dict[str, int] = {}
-    if not held:
-        return out
-    for name in os.listdir(SHM_DIR):
-        try:
-            st = os.stat(os.path.join(SHM_DIR, name), follow_symlinks=False)
-        except OSError:
-            continue
-        if (st.st_dev, st.st_ino) in held and st.st_ctime >= created_after:
-            out[name] = st.st_ino
-    return out
+    return shm_entries_held(pids, open_files=True, created_after=created_after)
 
 
 def left_behind(record: dict[str, Any]) -> dict[str, list[str]]:

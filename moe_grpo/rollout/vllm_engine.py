@@ -61,7 +61,7 @@ import numpy as np
 
 from moe_grpo.models.hf_names import hf_names
 from moe_grpo.models.spec import MoEModelSpec
-from moe_grpo.processes import process_alive
+from moe_grpo.processes import SHM_DIR, process_alive, shm_entries_held
 from moe_grpo.rollout.types import Completion, SamplingSettings
 from moe_grpo.routing.trace import RoutingTrace
 
@@ -76,7 +76,6 @@ class EngineError(RuntimeError):
     """The vLLM engine failed (start, generation, weight load, dead or hung); names the engine and the step."""
 
 
-SHM_DIR = "/dev/shm"
 SHM_KINDS = ("psm_", "sem.mp-")
 """What a vLLM 0.32 engine leaves in /dev/shm when its processes are killed: the ring buffers of the message
 queues between engine core and workers (multiprocessing SharedMemory, `psm_<8 hex>`: about 240 and 160 MiB on
@@ -121,35 +120,8 @@ def _gone(state: str | None) -> bool:
 
 
 def _mapped_shm(pids: Sequence[int]) -> dict[str, int]:
-    """/dev/shm entries of vLLM's kinds (`SHM_KINDS`) that these processes map: name -> inode.
-
-    Matched by inode: a semaphore is mapped under the temporary name glibc created it with, then linked to its
-    final name, so its mapping reads `/dev/shm/sem.XXXXXX (deleted)`; a segment is mapped under its own name."""
-    if not os.path.isdir(SHM_DIR):
-        return {}
-    mapped: set[tuple[int, int]] = set()
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/maps") as f:
-                for line in f:
-                    parts = line.split(maxsplit=5)
-                    if len(parts) == 6 and parts[5].startswith(SHM_DIR + "/"):
-                        major, minor = parts[3].split(":")
-                        mapped.add((os.makedev(int(major, 16), int(minor, 16)), int(parts[4])))
-        except (OSError, ValueError):
-            continue
-    out: dict[str, int] = {}
-    if not mapped:
-        return out
-    for name in os.listdir(SHM_DIR):
-        if name.startswith(SHM_KINDS):
-            try:
-                st = os.stat(os.path.join(SHM_DIR, name), follow_symlinks=False)
-            except OSError:
-                continue
-            if (st.st_dev, st.st_ino) in mapped:
-                out[name] = st.st_ino
-    return out
+    """/dev/shm entries of vLLM's kinds (`SHM_KINDS`) that these processes map: name -> inode."""
+    return shm_entries_held(pids, prefixes=SHM_KINDS)
 
 
 def _unlink_shm(entries: dict[str, int]) -> list[str]:
