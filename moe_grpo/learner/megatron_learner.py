@@ -21,6 +21,7 @@ import torch
 
 from moe_grpo.algo.corrections import Correction
 from moe_grpo.algo.losses import PolicyLoss, TokenLoss
+from moe_grpo.learner import megatron_write_digests
 from moe_grpo.learner.batch import LearnerSequence, Microbatch, make_microbatches
 from moe_grpo.learner.config import LearnerConfig
 from moe_grpo.learner.lora_config import LoraConfig
@@ -860,15 +861,17 @@ class MegatronLearner:
                                    "optimizer": optimizer_sharded_state_dict(self.optimizer, model, is_loading=False)}
         if self._reference is not None:
             sharded["reference"] = self._reference_sharded_state_dict(model, self._reference)
-        self._write_dist(sharded, os.path.join(directory, RUN_STATE_DIST))
+        with megatron_write_digests.recording(os.path.join(directory, RUN_STATE_DIST)):  # no second read to hash
+            self._write_dist(sharded, os.path.join(directory, RUN_STATE_DIST))
         torch.save(self._rng_state(), os.path.join(directory, rng_file(rank)))
         step = adam_step(self.optimizer)
         torch.distributed.barrier()
         if rank == 0:
             files = {rng_file(r): 0 for r in range(torch.distributed.get_world_size())}
             for root, _, names in os.walk(os.path.join(directory, RUN_STATE_DIST)):
-                for name in names:
-                    files[os.path.relpath(os.path.join(root, name), directory)] = 0
+                for name in names:  # (a shard's digest file is the run checkpoint's to take, not part of the state)
+                    if not name.endswith(megatron_write_digests.DIGEST_SUFFIX):
+                        files[os.path.relpath(os.path.join(root, name), directory)] = 0
             meta = {
                 "format": RUN_STATE_FORMAT,
                 "layout": self._layout_record(),

@@ -92,14 +92,16 @@ def init_distributed(layout: ParallelLayout, *, timeout_s: float = 300.0) -> Non
     Reads RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT and the run's secret (`MOE_GRPO_STORE_SECRET`) from the
     environment (Ray actors and our test launcher set them). Rank 0 serves the rendezvous store on
     MASTER_ADDR:MASTER_PORT and only processes holding the secret get in (learner/rendezvous.py); under torchrun,
-    without a secret, torchrun's own store is used. Applies the megatron-core CPU patches first when CUDA is absent.
+    without a secret, torchrun's own store is used. Applies the megatron-core CPU patches first when CUDA is absent,
+    and the shard-digest patch (megatron_write_digests) everywhere.
     """
     import torch
 
-    from moe_grpo.learner import megatron_cpu
+    from moe_grpo.learner import megatron_cpu, megatron_write_digests
 
     global _groups_world
     megatron_cpu.apply()
+    megatron_write_digests.apply()
     import torch.distributed as dist
     from megatron.core import parallel_state
 

@@ -28,6 +28,8 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from moe_grpo.learner.megatron_write_digests import DIGEST_SUFFIX, Digest, read_digest
+
 log = logging.getLogger("moe_grpo")
 
 MANIFEST = "manifest.json"
@@ -98,6 +100,26 @@ class _HashingWriter:
         return self.file.write(data)
 
 
+def _take_write_digests(tmp: Path) -> dict[Path, Digest]:
+    """The digests Megatron's writer left beside the shards it wrote under `tmp` (whose size still matches),
+    by shard; every digest file is removed, so the checkpoint holds only what was saved."""
+    taken = {}
+    for digest_file in sorted(tmp.rglob("*" + DIGEST_SUFFIX)):
+        shard = digest_file.with_name(digest_file.name[: -len(DIGEST_SUFFIX)])
+        digest = read_digest(digest_file)
+        digest_file.unlink()
+        if digest is not None and shard.is_file() and shard.stat().st_size == digest.size:
+            taken[shard] = digest
+        else:
+            log.warning("checkpoint: %s does not describe %s; hashing the file instead", digest_file, shard)
+    return taken
+
+
+def _fsync_file(path: Path) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
 def _fsync_dir(path: Path) -> None:
     """Make a directory's entries (files created, renamed or removed in it) durable."""
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
@@ -111,16 +133,24 @@ def finish(tmp: Path, driver_state: dict[str, Any], meta: dict[str, Any], keep: 
     """Write the driver's state and the manifest into `tmp`, make everything in it durable, rename it into place,
     move `latest`, prune.
 
-    The driver's state is hashed as it is pickled. The learner ranks' files (Megatron's writer, in the learner
-    processes) are hashed here in the same pass that fsyncs them, while they are still in the page cache."""
+    The driver's state is hashed as it is pickled. The learner ranks' shard files were hashed as Megatron's writer
+    wrote them (learner/megatron_write_digests.py): their digests are taken from the digest files left beside them
+    (which are removed) and the shards are only fsynced, never read. Any other file, or a shard whose digest file
+    is missing or names another size, is hashed here in the same pass that fsyncs it."""
     with open(tmp / DRIVER_STATE, "wb") as f:
         writer = _HashingWriter(f)
         pickle.dump(driver_state, writer, protocol=pickle.HIGHEST_PROTOCOL)
         f.flush()
         os.fsync(f.fileno())
     files = {DRIVER_STATE: {"size": writer.size, "sha256": writer.hash.hexdigest()}}
+    written = _take_write_digests(tmp)
     others = [p for p in sorted(tmp.rglob("*")) if p.is_file() and str(p.relative_to(tmp)) not in files]
-    for path, digest in zip(others, _sha256_all(others, fsync=True)):
+    for path in others:
+        if path in written:
+            _fsync_file(path)
+            files[str(path.relative_to(tmp))] = {"size": written[path].size, "sha256": written[path].sha256}
+    unhashed = [p for p in others if p not in written]
+    for path, digest in zip(unhashed, _sha256_all(unhashed, fsync=True)):
         files[str(path.relative_to(tmp))] = {"size": path.stat().st_size, "sha256": digest}
     _write_atomic(tmp / MANIFEST, json.dumps({**meta, "files": files}, indent=1, sort_keys=True))
     for directory in sorted((p for p in tmp.rglob("*") if p.is_dir()), key=lambda p: len(p.parts), reverse=True):

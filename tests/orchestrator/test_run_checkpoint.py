@@ -112,6 +112,37 @@ def test_every_file_and_directory_is_on_disk_before_latest_names_the_checkpoint(
     assert rc.verify(final)["files"]["driver.pkl"]["sha256"]
 
 
+def test_learner_shards_hashed_as_they_were_written_are_not_read_back(tmp_path, monkeypatch):
+    """Would have caught: finish() reading every learner shard a second time to hash it, though the writer had
+    hashed it on the way out (learner/megatron_write_digests.py). A digest file that names another size is not
+    trusted (the shard is hashed), and no digest file is left in the checkpoint."""
+    import hashlib
+
+    from moe_grpo.learner import megatron_write_digests as digests
+
+    hashed, fsynced = [], []
+    sha256, fsync_file = rc._sha256, rc._fsync_file
+    monkeypatch.setattr(rc, "_sha256", lambda path, **kw: hashed.append(path.name) or sha256(path, **kw))
+    monkeypatch.setattr(rc, "_fsync_file", lambda path: fsynced.append(path.name) or fsync_file(path))
+    tmp = rc.begin(tmp_path, 4)
+    dist = tmp / "learner" / "dist"
+    dist.mkdir()
+    for name, payload in (("__0_0.distcp", b"a" * 1000), ("__0_1.distcp", b"b" * 1000)):
+        (dist / name).write_bytes(payload)
+        digests._write_digest(str(dist / name), digests.Digest(1000, hashlib.sha256(payload).hexdigest()))
+    (dist / "__1_0.distcp").write_bytes(b"c" * 10)
+    digests._write_digest(str(dist / "__1_0.distcp"), digests.Digest(11, "0" * 64))  # another size: not trusted
+    (dist / ".metadata").write_bytes(b"m")  # written by torch, not by the shard writer: no digest file
+    final = rc.finish(tmp, {"step": 4}, {"step": 4}, keep=2)
+    assert "__0_0.distcp" not in hashed and "__0_1.distcp" not in hashed
+    assert {"__0_0.distcp", "__0_1.distcp"} <= set(fsynced), "not read, but still made durable"
+    assert {"__1_0.distcp", ".metadata"} <= set(hashed)
+    assert not list(final.rglob("*" + digests.DIGEST_SUFFIX))
+    files = rc.verify(final)["files"]  # (verify reads every byte, as a load does)
+    assert files["learner/dist/__0_1.distcp"]["sha256"] == hashlib.sha256(b"b" * 1000).hexdigest()
+    assert not [f for f in files if f.endswith(digests.DIGEST_SUFFIX)]
+
+
 def test_a_crash_mid_write_leaves_the_previous_checkpoint_latest(tmp_path):
     """A writer SIGKILLed while its checkpoint is half written: `latest` and the previous checkpoint are untouched."""
     write(tmp_path, 2)
