@@ -1,88 +1,263 @@
-"""An engine dies or hangs mid-rollout: the run restarts it, sends its prompts again, and finishes its steps.
+"""A hanging reward, then an engine's Ray actor killed, its vLLM process killed, and its vLLM process hung: one run of
+`python -m moe_grpo.train` (async, one engine, 8 prompts a step, generation the slower phase so the engine always has
+requests in flight, and a reward function that hangs on every third call throughout), each fault in its own phase
+and each phase's effect read from what the run logged and wrote up to the next fault:
 
-One run of `python -m moe_grpo.train` (async, one engine, generation the slower
-phase so the engine always has requests in flight, and a reward function that
-hangs on every third call throughout): its vLLM process is SIGKILLed after step
-2, and the restarted one is SIGSTOPped two steps after it is back.
-Expected: exit 0, every step logged, two restarts counted, the resubmitted
-prompts bounded by what the engine can have in flight (the buffer's capacity),
-no completion lost, both failures named in the log, and after the run nothing of
-it left in /dev/shm or as a process (the SIGSTOPped one included).
+1. steps 1-6, the hanging reward alone (`reward.timeout_s=3`, `reward.workers=4`): no engine restarted or named hung
+   (the engine was never late: the driver only collected late when it scored on its own loop), the hung calls'
+   samples counted as failed, and each step bounded by about one reward timeout, not by a timeout per hung call.
+   Would have caught scoring one call at a time on the driver's loop: tried with the default run and
+   `reward.timeout_s=5`, steps took 83-98 s instead of ~0.6 s, and twice in 4 steps the driver declared the idle
+   engine hung and restarted it; with 8 groups a step and a 3 s timeout, about 3 hung calls a step cost ~9 s a step.
+2. the engine's Ray actor is SIGKILLed (not its vLLM engine core), its vLLM processes SIGSTOPped first (so vLLM's own
+   watch of its parent, threads in those processes, cannot act: only the kernel's tie to the actor can end them),
+   beside a stand-in for a process of the old actor that nothing ties to it (a `sleep` carrying the actor's mark).
+   The engine core and its worker die with the actor, and the replacement actor starts its vLLM only once nothing
+   of the old actor is left on the host. Would have caught: vLLM's processes outliving their actor (they relied on
+   vLLM's watch, which a stopped or wedged process never runs), and a replacement started in the same bundle while
+   the old processes (their GPU memory, their /dev/shm ring buffers) were still there.
+3. two steps after the replacement serves, its vLLM process is SIGKILLed: named dead, restarted, its prompts sent
+   again;
+4. two steps after that, the restarted vLLM process is SIGSTOPped: named hung within `rollout.request_timeout_s`,
+   restarted.
+Expected at the end: exit 0, every step logged once, three restarts, the resubmitted prompts bounded by what the
+engine can have in flight (the buffer's capacity) per fault, no completion lost, and nothing of the run left in
+/dev/shm or as a process (the killed and the stopped ones included).
+
+(Until 2026-11-26 these were three runs: tests/faults/test_engine_faults.py (phases 3-4, a 1 s reward timeout),
+test_engine_actor_faults.py (phase 2) and test_reward_faults.py (phase 1); each start and end of a run costs about a
+minute on the suite's 2-core machine.)
 """
 
+from __future__ import annotations
+
+import dataclasses
 import os
 import signal
+import statistics
+import subprocess
+import time
 
+import psutil
 import pytest
 
+from old_processes import environ_of, gone, shm_mapped, shm_there
 from runs import Run, shm_entries, shm_left_behind
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.multiprocess]
 
-STEPS = 12
-TIMEOUT_S = 20  # rollout.request_timeout_s: a SIGSTOPped engine is named hung within this
+STEPS = 18  # a restart lets at most ~2 steps go on from the buffer: each fault lands 3+ steps before the end
+REWARD_ONLY_STEPS = 6  # phase 1: the hanging reward alone
+PROMPTS_PER_STEP = 8
+MAX_STALENESS = 1  # the default
+REWARD_TIMEOUT_S = 3
+REQUEST_TIMEOUT_S = 20  # rollout.request_timeout_s: a SIGSTOPped engine is named hung within this
+TAG_ENV = "MOE_GRPO_OWNER"  # moe_grpo.process_ties.TAG_ENV: read from the engine core's environment, as a user would
+
+
+@dataclasses.dataclass
+class ActorKill:
+    """Phase 2: when the actor was SIGKILLed, when the test saw each of the old actor's things go, the replacement."""
+
+    killed_at: float
+    seen: dict[str, float]
+    """"processes", "shm", "straggler": when each was first seen gone (time.time())."""
+    replacement: dict
+    """"core_started": the new engine core's start time; "pid": the new vLLM process."""
+    straggler: subprocess.Popen
+    shm: set[tuple[str, int]]
+    """The old engine's /dev/shm ring buffers (name, inode)."""
+
+
+@dataclasses.dataclass
+class FaultedRun:
+    run: Run
+    code: int
+    shm_before: set[str]
+    reward_rows: list[dict]
+    """The rows of phase 1 (steps 1-6: the hanging reward alone, before any engine fault)."""
+    reward_output: str
+    """The run's log up to the first engine fault."""
+    actor: ActorKill
+    restarts_before_kill: int
+    """faults/engine_restarts of the last row logged before phase 3's kill (the actor's replacement counted)."""
+    killed: int
+    """Phase 3's SIGKILLed vLLM process."""
+    killed_output_at: int
+    """Where in the log phase 3 starts."""
+    stopped: int
+    """Phase 4's SIGSTOPped vLLM process."""
+    stopped_output_at: int
+
+
+def _kill_the_actor(run: Run) -> ActorKill:
+    """Phase 2 (see the module's docstring); returns once the replacement's vLLM process is in the run's record."""
+    worker = psutil.Process(run.processes()["engines"]["engine0"])
+    core = worker.parent()
+    actor = core.parent()
+    old = {p.pid: p.create_time() for p in [core, worker] + core.children(recursive=True)}
+    shm = shm_mapped(list(old))
+    mark = environ_of(core.pid).get(TAG_ENV)
+    assert mark, f"vLLM's engine core carries no {TAG_ENV} mark of its actor"
+    straggler = subprocess.Popen(["sleep", "300"], env={**os.environ, TAG_ENV: mark})
+    try:
+        for pid in old:
+            os.kill(pid, signal.SIGSTOP)
+        killed_at = time.time()
+        os.kill(actor.pid, signal.SIGKILL)
+        seen: dict[str, float] = {}
+        deadline = time.monotonic() + 400
+        while time.monotonic() < deadline:
+            now = time.time()
+            if "processes" not in seen and all(gone(p, t) for p, t in old.items()):
+                seen["processes"] = now
+            if "shm" not in seen and not shm_there(shm):
+                seen["shm"] = now
+            if "straggler" not in seen and straggler.poll() is not None:
+                seen["straggler"] = now
+            new = run.processes().get("engines", {}).get("engine0")
+            if new not in (None, 0, worker.pid):
+                break
+            assert run.proc.poll() is None, run.output[-4000:]
+            time.sleep(0.05)
+        else:
+            raise AssertionError(f"no replacement engine0 within 400 s:\n{run.output[-4000:]}")
+        replacement = {"core_started": psutil.Process(new).parent().create_time(), "pid": new}
+    finally:
+        for pid, t in old.items():
+            if not gone(pid, t):
+                os.kill(pid, signal.SIGKILL)
+        if straggler.poll() is None:
+            straggler.kill()
+            straggler.wait()
+    return ActorKill(killed_at, seen, replacement, straggler, shm)
+
+
+def _last_step(run: Run) -> int:
+    return int(max(r["step"] for r in run.rows()))
 
 
 @pytest.fixture(scope="module")
-def faulted_run(tmp_path_factory):
+def faulted_run(tmp_path_factory) -> FaultedRun:
     shm_before = shm_entries()
     run = Run(tmp_path_factory.mktemp("engine_faults") / "run", f"steps={STEPS}", "mode=async",
-              f"rollout.request_timeout_s={TIMEOUT_S}", "checkpoint.every=0",
+              f"algo.prompts_per_step={PROMPTS_PER_STEP}", f"algo.max_staleness={MAX_STALENESS}",
+              f"rollout.request_timeout_s={REQUEST_TIMEOUT_S}", "checkpoint.every=0",
               "rollout.max_tokens=24",  # longer completions: generation is the slower phase, the engine always busy
-              "reward.fn=[faulty_rewards:hang_every_third]", "reward.timeout_s=1")
+              "reward.fn=[faulty_rewards:hang_every_third]", f"reward.timeout_s={REWARD_TIMEOUT_S}",
+              "reward.workers=4")
     try:
-        run.wait_step(2)
-        first = run.processes()["engines"]["engine0"]
-        os.kill(first, signal.SIGKILL)
-        run.wait_for("a restarted engine0", lambda: run.processes()["engines"]["engine0"] not in (first, 0), 400)
-        second = run.processes()["engines"]["engine0"]
-        at = max(r["step"] for r in run.rows())
-        run.wait_step(at + 2)
-        os.kill(second, signal.SIGSTOP)
+        run.wait_step(REWARD_ONLY_STEPS)
+        reward_output = run.output
+        reward_rows = [r for r in run.rows() if r["step"] <= REWARD_ONLY_STEPS]
+        actor = _kill_the_actor(run)
+        run.wait_step(_last_step(run) + 2)
+        restarts_before_kill = run.rows()[-1]["faults/engine_restarts"]
+        killed = run.processes()["engines"]["engine0"]
+        killed_output_at = len(run.output)
+        os.kill(killed, signal.SIGKILL)
+        run.wait_for("a restarted engine0", lambda: run.processes()["engines"]["engine0"] not in (killed, 0), 400)
+        stopped = run.processes()["engines"]["engine0"]
+        run.wait_step(_last_step(run) + 2)
+        assert _last_step(run) <= STEPS - 3, f"the hang would land too late to be seen (step {_last_step(run)})"
+        stopped_output_at = len(run.output)
+        os.kill(stopped, signal.SIGSTOP)
         code = run.finish(900)
     except BaseException:
         run.kill()
         raise
-    return run, code, (first, second), shm_before
+    return FaultedRun(run, code, shm_before, reward_rows, reward_output, actor, restarts_before_kill, killed,
+                      killed_output_at, stopped, stopped_output_at)
 
 
-def test_the_run_finishes_every_step_after_a_kill_and_a_hang(faulted_run):
-    run, code, _, _ = faulted_run
-    assert code == 0, run.output[-4000:]
+# Phase 1: the hanging reward alone.
+
+def test_a_hanging_reward_restarts_no_engine_and_costs_only_its_samples(faulted_run):
+    rows, out = faulted_run.reward_rows, faulted_run.reward_output
+    assert [r["step"] for r in rows] == list(range(1, REWARD_ONLY_STEPS + 1))
+    assert all(r["faults/engine_restarts"] == 0 for r in rows), [r["faults/engine_restarts"] for r in rows]
+    assert all(r["faults/requests_resubmitted"] == 0 for r in rows), [r["faults/requests_resubmitted"] for r in rows]
+    assert "hung" not in out and "restarting it" not in out, out[-4000:]
+    assert rows[-1]["reward/failed"] >= 4, "calls hung and their samples were counted as failed"
+    assert f"did not return within reward.timeout_s={REWARD_TIMEOUT_S}" in out
+    assert "faulty_rewards:hang_every_third" in out
+
+
+def test_a_step_waits_on_a_hanging_reward_for_about_one_timeout(faulted_run, record_property):
+    """Steps 2-6 (step 1 includes start-up): the median is under 2.5 timeouts (3.7 s measured with 8-token
+    completions; 0.45 s with a reward that never hangs). Scored one call at a time, each step waited ~3 hung calls
+    x 3 s (13.2 s)."""
+    step_s = [r["time/step_seconds"] for r in faulted_run.reward_rows[1:]]
+    record_property("step_seconds", step_s)
+    assert statistics.median(step_s) < 2.5 * REWARD_TIMEOUT_S, step_s
+
+
+def test_a_hanging_reward_never_costs_the_run(faulted_run):
+    """Through all three engine faults the reward kept hanging: the run still ends well, the failures counted."""
+    run = faulted_run.run
+    assert faulted_run.code == 0, run.output[-4000:]
+    assert run.rows()[-1]["reward/failed"] > faulted_run.reward_rows[-1]["reward/failed"]
+
+
+# Phase 2: the engine's actor SIGKILLed.
+
+def test_the_engine_is_replaced_by_a_new_actor(faulted_run):
+    assert faulted_run.restarts_before_kill == 1
+    assert "new actor" in faulted_run.run.output[len(faulted_run.reward_output):faulted_run.killed_output_at]
+
+
+def test_the_engine_core_and_worker_died_with_their_actor(faulted_run):
+    """Stopped, so vLLM's own watch never ran: within 5 s (before the replacement's own SIGKILL of what is left,
+    LEFTOVER_KILL_AFTER_S after its process starts) only the kernel's tie can have ended them."""
+    actor = faulted_run.actor
+    assert "processes" in actor.seen and actor.seen["processes"] - actor.killed_at < 5.0, actor.seen
+
+
+def test_the_replacement_started_only_after_the_old_actors_processes_were_gone(faulted_run):
+    actor, out = faulted_run.actor, faulted_run.run.output
+    assert actor.shm and "shm" in actor.seen, \
+        "the old engine's ring buffers were still in /dev/shm when the replacement started"
+    assert actor.straggler.returncode == -signal.SIGKILL, "the replacement did not end the process its tie missed"
+    assert actor.replacement["core_started"] > max(actor.seen["processes"], actor.seen["shm"],
+                                                   actor.seen["straggler"]), (actor.seen, actor.replacement)
+    assert f"{actor.straggler.pid}" in out and "of its previous actor" in out, out[-4000:]
+
+
+# Phases 3 and 4: the vLLM process SIGKILLed, then the restarted one SIGSTOPped.
+
+def test_each_failure_is_named_in_the_log(faulted_run):
+    out = faulted_run.run.output
+    after_kill = out[faulted_run.killed_output_at:faulted_run.stopped_output_at]
+    assert "engine0" in after_kill and f"process {faulted_run.killed} died" in after_kill, after_kill[-4000:]
+    assert "restarting it" in after_kill
+    after_stop = out[faulted_run.stopped_output_at:]
+    assert "hung" in after_stop or f"within {REQUEST_TIMEOUT_S} s" in after_stop, after_stop[-4000:]
+    assert "restarting it" in after_stop
+
+
+# The whole run.
+
+def test_the_run_finishes_every_step_after_the_three_engine_faults(faulted_run):
+    run = faulted_run.run
+    assert faulted_run.code == 0, run.output[-4000:]
     rows = run.rows()
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
-    assert rows[-1]["faults/engine_restarts"] == 2, [r["faults/engine_restarts"] for r in rows]
+    assert rows[-1]["faults/engine_restarts"] == 3, [r["faults/engine_restarts"] for r in rows]
 
 
 def test_only_the_failed_engines_requests_were_sent_again_and_none_lost(faulted_run):
-    run, _, _, _ = faulted_run
+    run = faulted_run.run
     last = run.rows()[-1]
-    capacity = 4 * (1 + 1)  # prompts_per_step x (max_staleness + 1): the most an engine can have in flight
-    assert 1 <= last["faults/requests_resubmitted"] <= 2 * capacity, last["faults/requests_resubmitted"]
+    capacity = PROMPTS_PER_STEP * (MAX_STALENESS + 1)  # the most an engine can have in flight
+    assert 1 <= last["faults/requests_resubmitted"] <= 3 * capacity, last["faults/requests_resubmitted"]
     assert "request(s) in flight are sent again" in run.output
     assert last["faults/requests_lost"] == 0
 
 
-def test_each_failure_is_named_in_the_log(faulted_run):
-    run, _, (first, second), _ = faulted_run
-    out = run.output
-    assert "engine0" in out and f"process {first} died" in out, out[-4000:]
-    assert "hung" in out or f"within {TIMEOUT_S} s" in out, out[-4000:]
-    assert "restarting it" in out
-
-
 def test_nothing_of_the_run_is_left_behind(faulted_run):
-    run, _, (first, second), shm_before = faulted_run
+    run = faulted_run.run
     assert not run.leftovers(), run.leftovers()
-    for pid in (first, second):
+    for pid in (faulted_run.killed, faulted_run.stopped):
         assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z"
-    assert shm_left_behind(shm_before) == set()
+    assert shm_left_behind(faulted_run.shm_before) == set()
     assert run.shm_left() == [], "the run's own entries, the killed and the hung engine's included"
-
-
-def test_a_hanging_reward_costs_its_samples_and_never_the_run(faulted_run):
-    run, code, _, _ = faulted_run
-    assert code == 0
-    assert run.rows()[-1]["reward/failed"] > 0
-    assert "faulty_rewards:hang_every_third" in run.output and "reward.timeout_s=1" in run.output
-    assert not run.leftovers(), run.leftovers()
