@@ -119,41 +119,55 @@ the log-probs it reports vary in the last float32 bits with timing (the sampled 
 absolute / 1e-4 relative, not bit for bit."""
 
 
-def assert_repeats(want, got, steps):
+def assert_repeats(want, got, steps, sampled=SAMPLED):
     for step in steps:
         w, g = want[step - 1], got[step - 1]
-        assert {k: g[k] for k in SAMPLED} == {k: w[k] for k in SAMPLED}, step
+        assert {k: g[k] for k in sampled} == {k: w[k] for k in sampled}, step
         for key in COMPUTED:
             assert g[key] == pytest.approx(w[key], rel=1e-4, abs=1e-5), (step, key, g[key], w[key])
 
 
-def test_a_run_killed_after_a_checkpoint_resumes_at_another_layout_and_repeats_the_uninterrupted_one(sync_run, tmp_path):
+def test_a_killed_run_resumes_at_another_layout_repeats_the_uninterrupted_one_and_extending_it_is_a_choice(
+        sync_run, tmp_path):
     """Killed after step 2's checkpoint (a half-written later checkpoint and a record cut mid-line left behind),
     saved at EP=1 and resumed at EP=2 (two learner ranks): Megatron reshards the weights and the Adam state, and
     steps 3-5 repeat the uninterrupted run. The layouts add the same numbers in another order, which the tolerance
-    of `COMPUTED` covers. (One run checks both: a resume at the same layout is the case with nothing resharded.)"""
+    of `COMPUTED` covers. (One run checks both: a resume at the same layout is the case with nothing resharded.)
+
+    The same resume also extends the run to `steps=7`. Would have caught: `steps=7 resume=true` stretched the cosine
+    decay over the new `steps` mid-way, the learning rate jumping (and after a finished run it stopped with
+    `ValueError: lr=0.0`). Extending is refused until `learner.lr_decay_steps` says which schedule the added steps
+    follow; with it (here: 5, the saved schedule kept) the run continues: each step recorded once, steps 3-5 at the
+    uninterrupted run's learning rate (the repeat fails otherwise), steps 6-7 at learner.min_lr=0. The other choice
+    (stretching the schedule over the new steps, from a state whose learning rate reached 0) is checked on the
+    learner in tests/learner/test_run_state.py and the refusal's warning in tests/orchestrator/test_run_checkpoint.py.
+    (Until issue 30 this extension was a run of its own, from the finished run's step-5 checkpoint, stretched.)"""
     from moe_grpo.orchestrator.driver import train
 
     resume_from_step_2(sync_run, tmp_path)
-    summary = train(small_run(**SYNC, resume=True, **{"parallel.expert_parallel": 2, "cluster.learner_cpus": 0.5}),
-                    tmp_path)
+    cut = (tmp_path / "metrics.jsonl").read_text()
+    resumed = {**SYNC, "steps": 7, "resume": True, "parallel.expert_parallel": 2, "cluster.learner_cpus": 0.5}
+    with pytest.raises(ValueError, match=r"learner.lr_decay_steps=5 keeps .* learner.lr_decay_steps=7 stretches"):
+        train(small_run(**resumed), tmp_path)
+    assert (tmp_path / "metrics.jsonl").read_text() == cut, "refused before anything starts"
+    summary = train(small_run(**resumed, **{"learner.lr_decay_steps": 5}), tmp_path)
     want, got = rows_of(sync_run[0]), rows_of(tmp_path)
-    assert [r["step"] for r in got] == [1, 2, 3, 4, 5]
-    assert got[2]["resume/from_step"] == 2 and got[1]["resume/from_step"] == -1
-    assert_repeats(want, got, (3, 4, 5))
-    assert [s for s, _ in summary["evals"]] == [0, 2, 4, 5]
+    assert [r["step"] for r in got] == [1, 2, 3, 4, 5, 6, 7] and summary["steps"] == 7, "each step recorded once"
+    assert [r["resume/from_step"] for r in got] == [-1, -1, 2, 2, 2, 2, 2]
+    # Step 5 is no longer the last, so it has no evaluation of its own: its row carries step 4's.
+    assert_repeats(want, got, (3, 4))
+    assert_repeats(want, got, (5,), sampled=SAMPLED[:-1])
+    assert [s for s, _ in summary["evals"]] == [0, 2, 4, 6, 7]
+    assert [r["eval/step"] for r in got[2:]] == [2, 4, 4, 6, 7]
+    assert [r["learner/lr"] for r in got[2:5]] == pytest.approx([r["learner/lr"] for r in want[2:5]], rel=1e-12)
+    assert want[4]["learner/lr"] == pytest.approx(0.0, abs=1e-12), "the first run's cosine ended at min_lr=0"
+    assert [r["learner/lr"] for r in got[4:]] == pytest.approx([0.0] * 3, abs=1e-12), "the saved schedule, kept"
     check_clean_sync_rows(got[2:])
 
 
-def test_resume_never_records_a_step_twice_and_extending_a_finished_run_is_a_choice(sync_run, tmp_path):
+def test_resume_never_records_a_step_twice(sync_run, tmp_path):
     """Would have caught: `resume=true` where the run left its record but no checkpoint started from step 0 again
-    and appended steps 1.. to the record (exit 0); `steps=7 resume=true` after the finished 5-step run stopped with
-    `ValueError: lr=0.0` (the cosine decay had reached 0 at step 5), and resumed mid-way it would have stretched the
-    decay over the new `steps`, the learning rate jumping. Extending is now refused until `learner.lr_decay_steps`
-    says which schedule the added steps follow; with it the run continues: each step recorded once, and its
-    learning rate the chosen schedule's."""
-    import shutil
-
+    and appended steps 1.. to the record (exit 0). Refused before anything starts."""
     from moe_grpo.orchestrator.driver import train
     from moe_grpo.orchestrator.run_checkpoint import CheckpointError
 
@@ -165,19 +179,3 @@ def test_resume_never_records_a_step_twice_and_extending_a_finished_run_is_a_cho
     with pytest.raises(CheckpointError, match=r"records 5 step\(s\) of an earlier run, but no checkpoint"):
         train(small_run(**SYNC, resume=True), bare)
     assert (bare / "metrics.jsonl").read_text() == recorded and not (bare / "checkpoints").exists()
-
-    extended = tmp_path / "extended"
-    shutil.copytree(run_dir / "checkpoints", extended / "checkpoints")
-    (extended / "metrics.jsonl").write_text(recorded)
-    more = {**SYNC, "steps": 7}
-    with pytest.raises(ValueError, match=r"learner.lr_decay_steps=5 keeps .* learner.lr_decay_steps=7 stretches"):
-        train(small_run(**more, resume=True), extended)
-    summary = train(small_run(**more, resume=True, **{"learner.lr_decay_steps": 7}), extended)
-    rows = rows_of(extended)
-    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6, 7] and summary["steps"] == 7
-    assert rows[5]["resume/from_step"] == 5
-    peak = small_run().learner.lr
-    assert rows[4]["learner/lr"] == pytest.approx(0.0, abs=1e-12), "the first run's cosine ended at min_lr=0"
-    assert [r["learner/lr"] for r in rows[5:]] == pytest.approx(
-        [peak * 0.5 * (1 + math.cos(math.pi * s / 7)) for s in (6, 7)], rel=1e-9, abs=1e-15)
-    check_clean_sync_rows(rows[5:])
