@@ -5,8 +5,13 @@ One run per family and layout (Qwen3-MoE at EP=2 with in-flight updates 'keep', 
 merged, and one DeepSeek-V3 run at TP=2 with 'keep' whose adapters vLLM serves (no routed-expert targets: vLLM 0.32
 cannot serve those on CPU),
 from transformers-written checkpoints and a random PEFT adapter (non-zero A and B, so an engine that ignored the
-adapters would be far off). Each family at each layout is also checked without a run: adapter shard placement in
-tests/sync/test_adapter_sync.py (bit-exact), the merge against the learner in tests/rollout/test_lora_merge.py.
+adapters would be far off). Checked without a run: adapter shard placement for each family at each layout in
+tests/sync/test_adapter_sync.py (bit-exact); the merge against the learner in tests/rollout/test_lora_merge.py and
+serving in tests/rollout/test_lora_serving.py, on toy models (DeepSeek-MoE; DeepSeek-V3's MLA for serving) only, so
+these runs are the one check of Qwen3-MoE's and DeepSeek-V3's adapters merged, and DeepSeek-V3's served, by vLLM.
+Three runs, no fewer (issue 30): each is a (family, lora_apply) pair no other run covers; keep and abort each
+appear once with merging, and both are checked mid-completion on the engine (tests/rollout/test_vllm_engine.py,
+test_lora_serving.py).
 """
 
 import json
