@@ -17,6 +17,11 @@ os.environ["PYTHONPATH"] = os.pathsep.join(
 warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex).*not installed.*")
 
 
+SLOW_BY_MARKER = ("vllm", "multiprocess")
+"""Tests with these markers start a vLLM engine or torch.distributed processes: they are `slow` whether or not they
+say so, so `pytest -m "not slow"` (the inner loop, README "Contributing") starts neither."""
+
+
 def pytest_collection_modifyitems(config, items):
     try:
         import torch
@@ -28,6 +33,8 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords and not has_gpu:
             item.add_marker(skip_gpu)
+        if item.get_closest_marker("slow") is None and any(item.get_closest_marker(m) for m in SLOW_BY_MARKER):
+            item.add_marker(pytest.mark.slow)
 
 
 def in_ci() -> bool:

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 TESTS = Path(__file__).resolve().parent
+pytestmark = pytest.mark.slow  # each test runs pytest in a subprocess
 
 TINY = '''
 import pytest
@@ -71,3 +72,13 @@ def test_under_ci_a_marked_test_runs_when_vllm_imports(tmp_path):
 def test_ci_set_to_something_else_is_not_ci(tmp_path):
     out = _run(tmp_path, MISSING, ci="false")
     assert out.returncode == 0 and "2 skipped" in out.stdout, out.stdout + out.stderr
+
+
+def test_engine_tests_are_left_out_of_the_inner_loop(tmp_path):
+    """`pytest -m "not slow"` (the inner loop) leaves out a test marked `vllm` even when it does not say `slow`: it
+    starts an engine (tests/conftest.py SLOW_BY_MARKER); an unmarked test stays in."""
+    out = _run(tmp_path, "", None, "-m", "not slow", "--collect-only")
+    text = out.stdout + out.stderr
+    assert out.returncode == 0, text
+    assert "test_tiny.py::test_through_the_engine_fixture" in text and "test_marked" not in text, text
+    assert "1 deselected" in text, text

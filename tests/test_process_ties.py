@@ -17,6 +17,8 @@ import time
 import pytest
 
 from moe_grpo.process_ties import LeftoverProcessesError, leftovers, owner_key, wait_until_gone
+
+pytestmark = pytest.mark.slow  # each test starts and kills process trees
 from moe_grpo.processes import process_alive
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -15,6 +15,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SBATCH = ROOT / "examples" / "slurm" / "train.sbatch"
 FAKES = Path(__file__).resolve().parent / "fake_slurm"
 NODES = ["node01", "node02", "node03"]
+pytestmark = pytest.mark.slow  # each test runs the job script and its processes on fake nodes
 
 
 @pytest.mark.parametrize("script", ["train.sbatch", "ray_cluster.sh"])

@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 ray = pytest.importorskip("ray")
+pytestmark = pytest.mark.slow  # a Ray cluster per module
 
 from moe_grpo.orchestrator.engine_pool import EngineFailedError, EnginePool, EngineSlot, Request  # noqa: E402
 

@@ -6,9 +6,12 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from moe_grpo.processes import process_alive
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+pytestmark = pytest.mark.slow  # starts a learner rank's process tree
 
 FORKS_THEN_WAITS = """
 import os, sys, time

@@ -21,6 +21,7 @@ from tests.reward.procs import alive as _alive, workers_of as _workers_of  # noq
 HELPERS = "tests.reward.hanging_rewards"
 
 
+@pytest.mark.slow  # waits out reward timeouts
 def test_a_reward_hanging_every_third_call_costs_only_those_calls(tmp_path, monkeypatch):
     """15 calls, 5 of them hung: a thread pool of 4 would have every thread stuck by the 13th and time that one out
     too; with workers each hung call costs its timeout and nothing after it."""
@@ -218,6 +219,7 @@ def test_an_unpicklable_row_field_fails_that_call_only_and_a_closed_rewards_fail
     assert _workers_of(os.getpid(), fn) == []
 
 
+@pytest.mark.slow  # waits out reward timeouts
 @pytest.mark.parametrize("workers", [1, 3])
 def test_other_batches_are_scored_while_a_call_hangs(workers):
     """A hung call holds one worker until its timeout; with `reward.workers` > 1 the batches submitted after it are
