@@ -88,6 +88,8 @@ class Teardown:
         self.steps: list[tuple[str, Callable[[], Any]]] = []
         self.done: list[str] = []
         self.failed: list[str] = []
+        self.seconds: dict[str, float] = {}
+        """Each step's time, its process record's update included (the log's last line names the slow ones)."""
 
     def add(self, name: str, step: Callable[[], Any]) -> None:
         self.steps.append((name, step))
@@ -97,6 +99,7 @@ class Teardown:
         t0 = time.perf_counter()
         try:
             for name, step in self.steps:
+                t_step = time.perf_counter()
                 try:
                     step()
                     self.done.append(name)
@@ -110,11 +113,14 @@ class Teardown:
                         self.after_each()
                     except Exception as e:  # noqa: BLE001 - a record of the cleanup must not stop it
                         log.warning("cleanup: the process record after %s could not be written (%s)", name, e)
+                self.seconds[name] = time.perf_counter() - t_step
         finally:
             held = self.signals.held
             if held:
                 counts = {name: held.count(name) for name in dict.fromkeys(held)}
                 log.warning("cleanup: %s arrived during it and did not cut it short",
                             ", ".join(f"{name} x{n}" if n > 1 else name for name, n in counts.items()))
-            log.info("cleanup done in %.1f s", time.perf_counter() - t0)
+            slowest = sorted(self.seconds.items(), key=lambda kv: -kv[1])[:3]
+            log.info("cleanup done in %.1f s (%s)", time.perf_counter() - t0,
+                     ", ".join(f"{name} {s:.1f} s" for name, s in slowest if s >= 0.05) or "no step took 0.1 s")
             self.signals.restore()

@@ -3,6 +3,7 @@ a Ctrl-C, a step that fails. Fast: the steps are functions, the signals real (se
 
 import logging
 import os
+import re
 import signal
 
 import pytest
@@ -94,6 +95,23 @@ def test_a_failing_step_is_logged_and_the_later_ones_still_run(relay, caplog):
         teardown.run()
     assert ran == ["weight slots"] and teardown.failed == ["pools"] and records == [0, 1]
     assert "cleanup: pools failed (RuntimeError: raylet unreachable); the rest of the cleanup goes on" in caplog.text
+
+
+def test_the_cleanup_line_names_its_slowest_steps_with_their_times(relay, caplog):
+    """A user whose run takes seconds to end sees which release took them (and a test of the suite's time, too)."""
+    import time
+
+    relay, _, _ = relay
+    teardown = Teardown(relay)
+    teardown.add("the pools", lambda: time.sleep(0.3))
+    teardown.add("the run record", lambda: time.sleep(0.1))
+    teardown.add("the weight slots", lambda: None)
+    with caplog.at_level(logging.INFO, logger="moe_grpo"):
+        teardown.run()
+    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("cleanup done"))
+    assert re.search(r"\(the pools 0\.[3-9] s, the run record 0\.[1-9] s\)$", line), line  # slowest first
+    assert teardown.seconds["the pools"] >= 0.3 and set(teardown.seconds) == {"the pools", "the run record",
+                                                                             "the weight slots"}
 
 
 def test_before_the_schedule_a_sigterm_stops_the_start_up_and_afterwards_reaches_the_driver(relay):
