@@ -670,6 +670,8 @@ def train(run: Any, run_dir: str | Path, *, learner_cls: type | None = None) -> 
     `learner_cls`: a `LearnerWorker` subclass to run instead (tests inject slow or failing learners)."""
     import shutil
 
+    import ray
+
     from moe_grpo.checkpoint import hf_init
     from moe_grpo.data.prompts import engine_context, prompt_source
     from moe_grpo.data.tokenizer import load_tokenizer
@@ -708,6 +710,7 @@ def train(run: Any, run_dir: str | Path, *, learner_cls: type | None = None) -> 
     # them; what SIGKILLed runs left under the root is swept first.
     sync_name, sync_root = make_sync_root(host_root(run.sync.root))
     pools, driver, private_dir, record = None, None, None, None
+    ray_was_up, ray_own = True, False  # until start_ray: nothing of Ray is the run's to end
     sync_report: dict[str, Any] = {}
     signals = SignalRelay()  # made before Ray: it gives back the handlers from before Ray's
     processes = ProcessRecord(run_dir, sync_root=sync_root, since=started_at)
@@ -719,7 +722,9 @@ def train(run: Any, run_dir: str | Path, *, learner_cls: type | None = None) -> 
         trackers = open_trackers(run.logger, run_dir, dataclasses.asdict(run), resume=state.tracker_runs)
         state.tracker_runs = {t.key: t.run_id for t in trackers}
         keep_handlers_through_ray_shutdown()  # before Ray: its shutdown would reset SIGTERM under Python's feet
+        ray_was_up = ray.is_initialized()  # the caller's connection: left to the caller
         private_dir = start_ray(run.cluster, run_dir)
+        ray_own = private_dir is not None  # a cluster of the run's own: its shutdown ends everything of the run
         signals.install()  # after Ray, whose own SIGTERM handler would exit without cleaning up
         processes.update()
         t0 = time.perf_counter()
@@ -762,7 +767,8 @@ def train(run: Any, run_dir: str | Path, *, learner_cls: type | None = None) -> 
         teardown.add("the trackers", lambda: close_trackers(trackers, outcome))
         teardown.add("the sync hosts", lambda: _stop_sync_hosts(pools, sync_report))
         teardown.add("the pools", lambda: stop_pools(pools, list(driver.engines.handles().values())
-                                                     if driver is not None else None))
+                                                     if driver is not None else None,
+                                                     release=not ray_own, disconnect=not ray_was_up))
         teardown.add("the private directory", lambda: release_private_dir(private_dir, run_dir))
         teardown.add("the weight slots", lambda: shutil.rmtree(sync_root, ignore_errors=True))
         teardown.run()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import secrets
@@ -63,34 +64,17 @@ class Pools:
 
 def start_ray(cluster: Any, run_dir: str) -> str | None:
     """Start a Ray cluster of this run's own (or join `cluster.ray_address` when it names one); returns the run's
-    private directory (Ray's temp dir and vLLM's RPC sockets, 0700) that `stop_pools` removes, or None when joining.
-
-    A local cluster is started with `address="local"`, so neither RAY_ADDRESS nor a `ray_current_cluster` file in
-    the shared /tmp/ray attaches the run to another job's cluster, and on loopback (its node's address 127.0.0.1,
-    ray_loopback.py): it is this host alone, and its servers listen where only this host reaches them."""
+    private directory (Ray's temp dir and vLLM's RPC sockets, 0700) that `stop_pools` removes, or None when joining
+    (or when this process is connected to Ray already: the run uses that connection, see `stop_pools`)."""
     import ray
-
-    from moe_grpo.orchestrator.ray_loopback import loopback_node
-    from moe_grpo.orchestrator.run_dirs import make_private_dir, remove_orphaned_private_dirs
 
     if ray.is_initialized():
         return None
-    kwargs: dict[str, Any] = dict(logging_level=logging.WARNING, include_dashboard=False, log_to_driver=True)
     private = None
     if cluster.ray_address:
-        ray.init(address=cluster.ray_address, **kwargs)
+        join_ray(cluster.ray_address)
     else:
-        remove_orphaned_private_dirs()
-        private = make_private_dir()
-        rpc = os.path.join(private, "vllm")
-        os.mkdir(rpc, 0o700)
-        try:
-            with loopback_node():
-                ray.init(address="local", num_cpus=os.cpu_count() or 2, _temp_dir=os.path.join(private, "ray"),
-                         runtime_env={"env_vars": {"VLLM_RPC_BASE_PATH": rpc}}, **kwargs)
-        except BaseException:
-            shutil.rmtree(private, ignore_errors=True)
-            raise
+        private = start_local_ray()
     try:  # Ray's own logs stay in its session directory; point at them from the run directory
         session = ray._private.worker._global_node.get_session_dir_path()  # noqa: SLF001 - no public accessor
         link = os.path.join(run_dir, "ray_logs")
@@ -99,6 +83,77 @@ def start_ray(cluster: Any, run_dir: str) -> str | None:
     except Exception:
         pass
     return private
+
+
+def join_ray(address: str) -> None:
+    """Connect to the Ray cluster at `address` ('host:port'). A cluster on loopback (127.0.0.1: one started by
+    `start_local_ray`, a run's own or the test suite's) is joined on loopback too: `ray.init` replaces a loopback
+    address with the host's, where nothing of that cluster listens (seen with Ray 2.60.0: "Failed to connect to GCS
+    at address <host ip>:<port>" until it gives up), and this driver's node must be the cluster's node, 127.0.0.1."""
+    import ray
+
+    from moe_grpo.orchestrator.ray_loopback import loopback_node
+
+    host = address.rsplit(":", 1)[0].strip("[]")
+    with loopback_node() if _is_loopback(host) else contextlib.nullcontext():
+        ray.init(address=address, **RAY_INIT)
+
+
+def _is_loopback(host: str) -> bool:
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+RAY_INIT: dict[str, Any] = dict(logging_level=logging.WARNING, include_dashboard=False, log_to_driver=True)
+"""What every `ray.init` of a run passes, whether it starts a cluster or joins one."""
+
+
+def start_local_ray(num_cpus: int | None = None) -> str:
+    """Start a Ray cluster on this host alone, this process its driver; returns its private directory (Ray's temp
+    dir and vLLM's RPC sockets, 0700, held by this process: `run_dirs.release_private_dir` removes it once Ray is
+    down). What a run without `cluster.ray_address` does, and what the test suite's one cluster per session does
+    (tests/ray_session.py), so both are the same cluster.
+
+    Started with `address="local"`, so neither RAY_ADDRESS nor a `ray_current_cluster` file in the shared /tmp/ray
+    attaches it to another job's cluster, and on loopback (its node's address 127.0.0.1, ray_loopback.py): it is
+    this host alone, and its servers listen where only this host reaches them. Ray 2.60 turns its token
+    authentication on for a new local cluster (the user's ~/.ray/auth_token); a process joining it by address
+    needs RAY_AUTH_MODE=token. VLLM_RPC_BASE_PATH (vLLM's socket directory; the shared temp dir by default) is in
+    the environment the cluster's processes start with, so every job's workers get it, a job that joins by address
+    too (a job's runtime environment reaches that job's workers only)."""
+    import ray
+
+    from moe_grpo.orchestrator.ray_loopback import loopback_node
+    from moe_grpo.orchestrator.run_dirs import make_private_dir, remove_orphaned_private_dirs
+
+    remove_orphaned_private_dirs()
+    private = make_private_dir()
+    rpc = os.path.join(private, "vllm")
+    before = os.environ.get(VLLM_RPC_ENV)
+    try:
+        os.mkdir(rpc, 0o700)
+        os.environ[VLLM_RPC_ENV] = rpc  # inherited by Ray's processes, and by the workers they start
+        with loopback_node():
+            ray.init(address="local", num_cpus=num_cpus or os.cpu_count() or 2, _temp_dir=os.path.join(private, "ray"),
+                     runtime_env={"env_vars": {VLLM_RPC_ENV: rpc}}, **RAY_INIT)
+    except BaseException:
+        shutil.rmtree(private, ignore_errors=True)
+        raise
+    finally:  # this process's own environment as it was
+        if before is None:
+            os.environ.pop(VLLM_RPC_ENV, None)
+        else:
+            os.environ[VLLM_RPC_ENV] = before
+    return private
+
+
+VLLM_RPC_ENV = "VLLM_RPC_BASE_PATH"
 
 
 def _cores(cluster: Any, index: int, per: float, offset: int) -> list[int] | None:
@@ -207,8 +262,15 @@ def _start_actors(run: Any, run_dir: str, pg: Any, layout: Any, agents: list[Any
     return Pools(engines, learners, infos, pg, make_engine, pids, layout, agents)
 
 
-def stop_pools(pools: Pools | None, engines: list[Any] | None = None) -> None:
-    """Shut the engines down (`engines`: the handles now serving, replacements included), then Ray."""
+def stop_pools(pools: Pools | None, engines: list[Any] | None = None, *, release: bool = False,
+               disconnect: bool = True, timeout_s: float = 30.0) -> None:
+    """Shut the engines down (`engines`: the handles now serving, replacements included), then leave Ray.
+
+    `release`: the cluster is not the run's own (joined by address, or the caller's connection): remove the run's
+    placement group, which ends every actor in it (engines, learner ranks), and the relay agents, and wait until
+    they are dead, so the cluster is as the run found it, its CPUs free for the next job. On the run's own cluster
+    `ray.shutdown()` ends all of it. `disconnect`: the run connected to Ray itself (`start_ray`); a connection the
+    caller made (Ray initialized before `train`) is left to the caller."""
     import ray
 
     handles = engines if engines is not None else [h for _, h in pools.engines] if pools is not None else []
@@ -219,5 +281,47 @@ def stop_pools(pools: Pools | None, engines: list[Any] | None = None) -> None:
         except Exception:  # noqa: BLE001 - a dead actor has nothing left to shut down
             pass
     if refs:
-        ray.wait(refs, num_returns=len(refs), timeout=30)
-    ray.shutdown()
+        ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+    if release and pools is not None:
+        release_actors(pools, handles, timeout_s)
+    if disconnect:
+        ray.shutdown()
+
+
+def release_actors(pools: Pools, engines: list[Any], timeout_s: float) -> None:
+    """End the run's actors on a cluster that outlives the run: its placement group removed (Ray kills the actors
+    in it), the relay agents (placed by node, outside it) killed; waits until each is dead and the group removed.
+    Raises naming what is still there after `timeout_s`."""
+    import ray
+    from ray.util import placement_group_table, remove_placement_group
+
+    actors = [*engines, *pools.learners, *(pools.sync_agents or [])]
+    if pools.placement_group is not None:
+        remove_placement_group(pools.placement_group)
+    for actor in actors:
+        try:
+            ray.kill(actor, no_restart=True)
+        except Exception:  # noqa: BLE001 - already dead
+            pass
+    deadline = time.monotonic() + timeout_s
+    pending = {id(a): a.__ray_ready__.remote() for a in actors}  # fails once the actor is dead
+    while pending and time.monotonic() < deadline:
+        done, _ = ray.wait(list(pending.values()), num_returns=len(pending), timeout=max(0.0, deadline - time.monotonic()))
+        for key, ref in list(pending.items()):
+            if ref in done:
+                try:
+                    ray.get(ref)
+                    pending[key] = next(a for a in actors if id(a) == key).__ray_ready__.remote()  # not dead yet
+                except Exception:  # noqa: BLE001 - RayActorError: dead, as asked
+                    del pending[key]
+        if pending:
+            time.sleep(0.1)
+    group = pools.placement_group
+    while group is not None and placement_group_table(group).get("state") != "REMOVED" and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = [f"{len(pending)} actor(s)"] if pending else []
+    if group is not None and placement_group_table(group).get("state") != "REMOVED":
+        left.append(f"placement group {group.id.hex()} ({placement_group_table(group).get('state')})")
+    if left:
+        raise RuntimeError(f"the run's {' and '.join(left)} still on the Ray cluster {timeout_s:.0f} s after it "
+                           "asked Ray to end them")
