@@ -105,3 +105,31 @@ def main_job(tmp_path_factory):
            "algo.max_staleness=2", "task.eval_size=16", f"hydra.run.dir={run_dir}"]
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1200)
     return run_dir, out
+
+
+@pytest.fixture(scope="session")
+def session_ray_address():
+    """The address of the test session's one Ray cluster (tests/ray_session.py: started on first use the way a run
+    starts its own, stopped and checked gone at the session's end). A whole run that does not test Ray's own start
+    and stop joins it: `cluster.ray_address=<this>` (`train(run)` in-process: this process is set up to join it;
+    tests/faults/runs.py `Run` joins it by default)."""
+    import ray_session
+
+    yield from ray_session.session_ray_address_fixture()
+
+
+@pytest.hookimpl(trylast=True)  # after the fixtures' teardown, whose check of what is left fails the session
+def pytest_sessionfinish(session, exitstatus):
+    """The session cluster ends with the session even when only `Run` started it (no fixture to finalize)."""
+    import ray_session
+
+    ray_session.stop()
+
+
+@pytest.fixture(scope="session")
+def on_session_ray():
+    """`train(on_session_ray(run), run_dir)`: the run (a `RunConfig`) joining the session's Ray cluster, started on
+    first use (as it is with MOE_GRPO_TEST_SESSION_RAY=0: Ray of the run's own)."""
+    import ray_session
+
+    return ray_session.joining
