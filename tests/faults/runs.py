@@ -12,6 +12,7 @@ from pathlib import Path
 
 import psutil
 
+import ray_session  # tests/ray_session.py
 from moe_grpo.orchestrator.process_record import left_behind
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -22,15 +23,26 @@ SMALL = ["model=deepseek_moe", "warm_start_steps=2", "eval_every=0", "algo.promp
 
 
 class Run:
-    """One `python -m moe_grpo.train` process writing into `run_dir`."""
+    """One `python -m moe_grpo.train` process writing into `run_dir`.
 
-    def __init__(self, run_dir: Path, *overrides: str) -> None:
+    It joins the test session's Ray cluster (tests/ray_session.py, `cluster.ray_address`): a run starting Ray of its
+    own spends ~5 s more. `own_ray=True` starts a cluster of the run's own instead, as a user's run without
+    `cluster.ray_address` does: for a test of that start, of its stop, or of the run's own Ray processes, listeners
+    or private directory (with MOE_GRPO_TEST_SESSION_RAY=0 every Run does). `kill()` ends the driver's process
+    group: on the session cluster the run's actors are not in it, and Ray ends them once it sees their driver gone
+    (`leftovers` sees them until then)."""
+
+    def __init__(self, run_dir: Path, *overrides: str, own_ray: bool | None = None) -> None:
         self.run_dir = Path(run_dir)
         self.log_path = self.run_dir.parent / f"{self.run_dir.name}.{int(time.time() * 1000)}.log"
         self._log = open(self.log_path, "w")
-        cmd = [sys.executable, "-m", "moe_grpo.train", *SMALL, *overrides, f"hydra.run.dir={self.run_dir}"]
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests" / "faults"),
-                                                           os.environ.get("PYTHONPATH", "")])}
+        self.started = time.time()
+        own_ray = not ray_session.enabled() if own_ray is None else own_ray
+        self.session = None if own_ray else ray_session.address()
+        joined = [] if own_ray else [f"cluster.ray_address={self.session}"]
+        cmd = [sys.executable, "-m", "moe_grpo.train", *SMALL, *joined, *overrides, f"hydra.run.dir={self.run_dir}"]
+        env = {**os.environ, **({} if own_ray else ray_session.join_env()),
+               "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests" / "faults"), os.environ.get("PYTHONPATH", "")])}
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT, env=env,
                                      start_new_session=True)
         self.seen_pids: set[int] = set()
@@ -102,11 +114,14 @@ class Run:
 
     def leftovers(self, timeout_s: float = 30) -> list[str]:
         """Processes of this run still alive `timeout_s` after it ended (waiting: Ray reaps its workers late): those
-        the run recorded in processes.json (every process it had, through the end of its cleanup) and those this test
-        saw below the driver while it waited (a run killed before it wrote the record)."""
+        the run recorded in processes.json (every process it had, through the end of its cleanup), those this test
+        saw below the driver while it waited (a run killed before it wrote the record) and, on the session's
+        cluster, every process there started since the run began but Ray's idle workers (an actor's process is
+        below the cluster's raylet, not the driver, and the record names only the learner ranks' and vLLM's)."""
         deadline = time.monotonic() + timeout_s
         while True:
             alive = {line.split()[0]: line for line in left_behind(self.processes())["processes"]}
+            alive.update({line.split()[0]: line for line in self._on_the_session_cluster()})
             for pid in sorted(self.seen_pids):
                 try:
                     p = psutil.Process(pid)
@@ -117,6 +132,21 @@ class Run:
             if not alive or time.monotonic() > deadline:
                 return sorted(alive.values())
             time.sleep(1)
+
+    def _on_the_session_cluster(self) -> list[str]:
+        cluster = ray_session.current()
+        if self.session is None or cluster is None or cluster.address != self.session:
+            return []
+        out = []
+        for line in cluster.processes():
+            pid = int(line.split()[0])
+            try:
+                started = psutil.Process(pid).create_time()
+            except psutil.Error:
+                continue
+            if pid not in cluster.pids and started >= self.started - 1 and "ray::IDLE" not in line:
+                out.append(line)
+        return out
 
     def shm_left(self) -> list[str]:
         """The /dev/shm entries and weight slots the run recorded as its own that are still there, held by a live

@@ -22,7 +22,8 @@ def small_run(**overrides):
     return from_hydra(tree)
 
 
-def test_nan_gradients_are_skipped_a_sustained_jump_rolls_back_and_nan_in_a_row_stops_the_run(tmp_path, caplog):
+def test_nan_gradients_are_skipped_a_sustained_jump_rolls_back_and_nan_in_a_row_stops_the_run(tmp_path, caplog,
+                                                                                               on_session_ray):
     """One run (16 steps planned, a checkpoint every 3): a NaN gradient at step 3, a sustained jump at steps 9-10
     with the collapse guard on, then NaN gradients at steps 13 and 14 with learner.max_skipped_in_a_row=2. Step 9's
     checkpoint is written on the jump's first step: before 2026-11-26 the guard restored it (the newest), weights
@@ -37,7 +38,7 @@ def test_nan_gradients_are_skipped_a_sustained_jump_rolls_back_and_nan_in_a_row_
         with pytest.raises(RuntimeError, match=r"2 steps in a row \(through step 14\) had a non-finite loss or "
                                                r"gradient.*learner.max_skipped_in_a_row=2.*last checkpoint: "
                                                r".*step_000012"):
-            train(run, tmp_path, learner_cls=FaultyLearner)
+            train(on_session_ray(run), tmp_path, learner_cls=FaultyLearner)
     rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     assert [r["step"] for r in rows] == list(range(1, 15)), "the run stopped after step 14, every step logged"
     # Step 3's gradient held a NaN: no update, counted; the steps around it trained.
