@@ -1,6 +1,6 @@
-"""Prints the README's table of the math reward: each completion of tests/reward/math_cases.py scored by the project
-(moe_grpo/reward/math_answer.py) and by `math-verify` alone (its default parse of the completion against the
-reference's final answer), with the false positives of each.
+"""Prints the math reward's table in docs/guides/datasets-rewards.md: each completion of
+tests/reward/math_cases.py scored by the project (moe_grpo/reward/math_answer.py) and by `math-verify` alone (its
+default parse of the completion against the reference's final answer), with the false positives of each.
 
     .venv/bin/python tools/math_reward_table.py
 """

@@ -33,7 +33,7 @@ LOSS_PRESETS: dict[str, dict[str, Any]] = {
     # verl's and TRL's GRPO default to a symmetric 0.2 (algo.clip_ratio_high=0.2 gives theirs). The wider upper
     # bound lets unlikely tokens with positive advantage grow, which keeps the group's samples apart: on the built-in
     # task the symmetric clip collapsed every group onto one wrong answer for 4- and 5-letter prompts and the
-    # default run ended at 0.83-0.86 held-out; clip-higher ended at 0.89-0.92 (README, "What the default run shows").
+    # default run ended at 0.83-0.86 held-out; clip-higher ended at 0.89-0.92 (docs/results/default-run.md).
     "grpo": dict(loss_agg="token-mean", normalize_std=True, clip_ratio_low=0.2, clip_ratio_high=0.28,
                  dynamic_sampling=False, overlong_buffer=0),
     # Dr. GRPO (Liu et al. 2025): no std normalisation, sum over tokens divided by a constant length.
@@ -45,8 +45,8 @@ LOSS_PRESETS: dict[str, dict[str, Any]] = {
                  dynamic_sampling=True, overlong_buffer=-1),
     # GSPO (Zheng et al. 2025): sequence-level, length-normalised ratio; its paper clips it to [1-3e-4, 1+4e-4],
     # with the ratio taken against the learner's own old log-probs. Here it is taken against the rollout log-probs,
-    # and a bf16 engine's gap alone exceeds that band: on the built-in task the preset collapsed (README, "The
-    # losses side by side"); widen the clip (e.g. 0.2 / 0.2) with a bf16 engine.
+    # and a bf16 engine's gap alone exceeds that band: on the built-in task the preset collapsed
+    # (docs/results/losses.md); widen the clip (e.g. 0.2 / 0.2) with a bf16 engine.
     "gspo": dict(loss_agg="seq-mean-token-mean", normalize_std=True, clip_ratio_low=3e-4, clip_ratio_high=4e-4,
                  dynamic_sampling=False, overlong_buffer=0),
     # CISPO (MiniMax-M1, 2025): the importance weight is clipped above only (no lower bound) and detached.

@@ -2,7 +2,7 @@
 
 The learner feeds `tokens[:-1]` and predicts `tokens[1:]`, so a sequence of
 length L occupies L-1 positions: exactly the rows of its routing trace
-(README.md, section "Contracts": every prompt token and every generated token
+(docs/reference/trace-format.md: every prompt token and every generated token
 except the last).
 
 Packed microbatches put several sequences in one row behind a block-diagonal

@@ -1,7 +1,7 @@
 """The run record: metrics.jsonl (one object per optimizer step), TensorBoard events, a progress bar, a PNG, and
 the experiment trackers `logger.*` turns on (W&B, MLflow: orchestrator/trackers.py).
 
-Every step's object holds every key of the README's run-record contract;
+Every step's object holds every key of the run-record contract (docs/reference/metrics.md);
 keys that are measured less often than every step (`eval/reward/mean`)
 carry their latest value, with `eval/step` saying when it was taken.
 """

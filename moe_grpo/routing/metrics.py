@@ -29,7 +29,7 @@ def agreement(a: Sequence[RoutingTrace], b: Sequence[RoutingTrace]) -> dict[str,
     """How often two traces of the same sequences chose the same experts.
 
     `set_agreement`: fraction of (token, MoE layer) whose top-k *sets* are
-    equal (1 - `mismatch/router_disagreement`, README.md section "Contracts");
+    equal (1 - `mismatch/router_disagreement`, docs/reference/metrics.md);
     `overlap`: mean fraction of the k experts shared; both also per layer.
     """
     if len(a) != len(b):

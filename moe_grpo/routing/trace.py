@@ -1,6 +1,6 @@
 """The routing trace: which experts each MoE layer chose for every position.
 
-Contract (README.md, section "Contracts"): an integer array
+Contract (docs/reference/trace-format.md): an integer array
 `[positions, moe_layers, topk]` of logical expert ids, one row per position
 that went through the model during rollout (every prompt token and every
 generated token except the last), MoE layers only, in model order. uint8 when

@@ -48,7 +48,7 @@ class SyncReport:
     slot: str
 
     def metrics(self) -> dict[str, float]:
-        """The run record's keys (README.md, section "Contracts"): `sync/seconds`, `sync/bytes` (the version's
+        """The run record's keys (docs/reference/metrics.md): `sync/seconds`, `sync/bytes` (the version's
         bytes: the full model, or with LoRA after the first version the adapters only)."""
         return {"sync/seconds": self.seconds, "sync/bytes": float(self.version_bytes)}
 

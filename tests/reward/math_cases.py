@@ -1,5 +1,5 @@
 """Completions in the forms models emit, each with a GSM8K reference and whether it is right: the math reward's
-test cases and the README's table (`tools/math_reward_table.py` prints it)."""
+test cases and the table in docs/guides/datasets-rewards.md (`tools/math_reward_table.py` prints it)."""
 
 CASES = [
     # (form, completion, reference, right)

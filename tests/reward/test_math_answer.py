@@ -18,8 +18,8 @@ def test_each_form_models_emit_is_scored_right(form, completion, reference, righ
 
 
 def test_no_wrong_answer_is_rewarded_and_the_table_covers_every_form():
-    """The README's table (tools/math_reward_table.py) is these cases: at least 40, every form, zero false
-    positives (a false positive is a reward RL will find and exploit)."""
+    """The table in docs/guides/datasets-rewards.md (tools/math_reward_table.py) is these cases: at least 40, every
+    form, zero false positives (a false positive is a reward RL will find and exploit)."""
     assert len(CASES) >= 40
     assert {f for f, *_ in CASES} >= {"plain", "####", "boxed", "fraction", "thousands", "currency", "units",
                                       "bullets", "expression", "no answer"}

@@ -18,7 +18,7 @@ def test_dtype_is_uint8_up_to_256_experts_and_16_bit_above():
 
 
 def test_bytes_per_token_is_layers_times_topk_times_itemsize():
-    # README.md section "Contracts": figure: 60 MoE layers, top-8, uint8 -> 480 bytes per token (int32 would be 1920).
+    # docs/reference/trace-format.md's figure: 60 MoE layers, top-8, uint8 -> 480 bytes per token (int32 would be 1920).
     t = RoutingTrace.from_array(np.zeros((1, 60, 8), np.int64) + np.arange(8), 256)
     assert t.bytes_per_token == 480
     assert RoutingTrace.from_array(valid_ids(experts=1000), 1000).bytes_per_token == 3 * 2 * 2
