@@ -128,7 +128,7 @@ def assert_repeats(want, got, steps, sampled=SAMPLED):
 
 
 def test_a_killed_run_resumes_at_another_layout_repeats_the_uninterrupted_one_and_extending_it_is_a_choice(
-        sync_run, tmp_path):
+        sync_run, tmp_path, on_session_ray):
     """Killed after step 2's checkpoint (a half-written later checkpoint and a record cut mid-line left behind),
     saved at EP=1 and resumed at EP=2 (two learner ranks): Megatron reshards the weights and the Adam state, and
     steps 3-5 repeat the uninterrupted run. The layouts add the same numbers in another order, which the tolerance
@@ -150,7 +150,7 @@ def test_a_killed_run_resumes_at_another_layout_repeats_the_uninterrupted_one_an
     with pytest.raises(ValueError, match=r"learner.lr_decay_steps=5 keeps .* learner.lr_decay_steps=7 stretches"):
         train(small_run(**resumed), tmp_path)
     assert (tmp_path / "metrics.jsonl").read_text() == cut, "refused before anything starts"
-    summary = train(small_run(**resumed, **{"learner.lr_decay_steps": 5}), tmp_path)
+    summary = train(on_session_ray(small_run(**resumed, **{"learner.lr_decay_steps": 5})), tmp_path)
     want, got = rows_of(sync_run[0]), rows_of(tmp_path)
     assert [r["step"] for r in got] == [1, 2, 3, 4, 5, 6, 7] and summary["steps"] == 7, "each step recorded once"
     assert [r["resume/from_step"] for r in got] == [-1, -1, 2, 2, 2, 2, 2]
