@@ -65,7 +65,7 @@ def hf_run(hf, cache, layout, **extra):
 # a sync from that layout in tests/rollout/test_families.py.
 @pytest.mark.parametrize("kind,layout", [("qwen3_moe", "EP=2"), ("deepseek_v3", "TP=2")])
 def test_run_from_a_transformers_checkpoint_trains_exports_and_vllm_serves_the_export(
-        checkpoints, kind, layout, tmp_path, caplog, monkeypatch):
+        checkpoints, kind, layout, tmp_path, caplog, monkeypatch, on_session_ray):
     from export_check import served_vs_learner
     from moe_grpo.orchestrator.driver import train
 
@@ -89,7 +89,7 @@ def test_run_from_a_transformers_checkpoint_trains_exports_and_vllm_serves_the_e
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     with caplog.at_level("INFO", logger="moe_grpo"):
-        summary = train(run, run_dir)
+        summary = train(on_session_ray(run), run_dir)
     rows = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert all(r["train/rollout_kl"] < 1e-3 for r in rows), [r["train/rollout_kl"] for r in rows]

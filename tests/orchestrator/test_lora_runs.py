@@ -61,7 +61,7 @@ def lora_run(hf, cache, layout, on_update, adapter=None, targets=None, lora_appl
                                                               ("deepseek_v3", "TP=2", "abort", "merge"),
                                                               ("deepseek_v3", "TP=2", "keep", "serve")])
 def test_an_async_lora_run_sends_the_base_once_and_engines_match_the_learner(checkpoints, kind, layout, on_update,
-                                                                            lora_apply, tmp_path):
+                                                                            lora_apply, tmp_path, on_session_ray):
     import lora_scenarios as L
     from moe_grpo.checkpoint.peft import write_peft_adapter
     from moe_grpo.orchestrator.driver import train
@@ -78,7 +78,7 @@ def test_an_async_lora_run_sends_the_base_once_and_engines_match_the_learner(che
     run = lora_run(paths[kind], root / "cache", layout, on_update, str(tmp_path / "adapter"), targets, lora_apply)
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    summary = train(run, run_dir)
+    summary = train(on_session_ray(run), run_dir)
     rows = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
     adapter_bytes = plan_buckets(run.model, "float32", lora=run.lora, base=False).total_bytes
     base_bytes = plan_buckets(run.model, "float32").total_bytes
