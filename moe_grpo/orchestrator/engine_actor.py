@@ -149,10 +149,14 @@ class EngineWorker:
             finally:
                 self._record_shm()  # the new processes' entries (none if they did not start)
 
-    async def shutdown(self) -> dict[str, Any]:
+    async def shutdown(self, kill: bool = True) -> dict[str, Any]:
+        """End the engine at the end of the run. `kill` (default): SIGKILL its processes and remove what they left
+        in /dev/shm (VllmEngine.shutdown's path for a hung engine) rather than wait for vLLM's graceful shutdown:
+        nothing an engine holds outlives the run, and the graceful one took 5.8 of a small run's 8.5 s of cleanup
+        (its worker's exit 3.2 s, then the engine core's 2.5 s, on 2 cores)."""
         from moe_grpo.process_ties import forget_shm
 
-        out = self.engine.shutdown()
+        out = self.engine.shutdown(kill=kill)
         self.transport.unpin(self.engine.engine_id)
         if not out.get("processes_left"):
             forget_shm(self.owner, self.record_dir)  # it removed them itself

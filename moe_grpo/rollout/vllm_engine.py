@@ -1029,6 +1029,13 @@ class VllmEngine:
                 time.sleep(0.02)
 
         phases: dict[str, float] = {"quiesce": time.perf_counter() - t0}
+        if hard and llm is not None:
+            # vLLM 0.32's engine-core monitor (core_client.MPClient.start_engine_core_monitor) prints "engine core
+            # exited unexpectedly" on the console when the processes it watches die, unless the client is already
+            # marked dead; here they die because this shutdown ends them.
+            resources = getattr(getattr(llm, "engine_core", None), "resources", None)
+            if resources is not None and hasattr(resources, "engine_dead"):
+                resources.engine_dead = True
         killed = kill_all(procs) if hard else []
         if hard:  # a SIGKILLed process takes a moment to go; vLLM's shutdown then finds nothing left to wait for
             wait_gone(procs, 5.0)
