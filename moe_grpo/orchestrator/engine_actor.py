@@ -19,10 +19,14 @@ LEFTOVER_KILL_AFTER_S = 10.0
 class EngineWorker:
     """Owns one `VllmEngine` (AsyncLLM) in its own process; many `generate` calls run at once."""
 
-    def __init__(self, name: str, model_dir: str, spec: Any, rollout: Any, run_dir: str, sync: Any,
+    def __init__(self, name: str, model_dir: str | None, spec: Any, rollout: Any, run_dir: str, sync: Any,
                  cpus: list[int] | None = None, seed: int = 0, lora: Any = None, lora_apply: str = "merge") -> None:
         """`sync`: the run's `SyncLayout` (or a shared-memory root directory): where this host's versions arrive.
-        `lora`, `lora_apply`: the run's `lora` section and `sync.lora_apply` (VllmEngine)."""
+        `lora`, `lora_apply`: the run's `lora` section and `sync.lora_apply` (VllmEngine).
+
+        `model_dir` None: get ready (imports included) and wait for `start(model_dir)`; a run starts its engines'
+        actors this way while its learner ranks build the weights the model directory is written from, so vLLM's
+        import (about 10 s on CPU) is not added to the run's start-up."""
         from moe_grpo.orchestrator.logs import quiet_libraries, quiet_vllm
         from moe_grpo.process_ties import owner_key, remove_previous_shm, tag_processes, wait_until_gone
         from moe_grpo.sync.transports import make_receiver
@@ -55,20 +59,37 @@ class EngineWorker:
                 "engine %s: waited %.1f s for %d process(es) of its previous actor (%s) to go before starting; "
                 "removed what its engine left in /dev/shm (%s)", name, self.waited_s, len(self.previous_processes),
                 ", ".join(map(str, self.previous_processes)) or "none left", ", ".join(self.previous_shm) or "nothing")
-        from moe_grpo.rollout.context import context_length
-        from moe_grpo.rollout.vllm_engine import VllmEngine
+        import vllm.v1.engine.async_llm  # noqa: F401 - the slow import, done before the model directory is needed
 
         self.name, self.rollout = name, rollout
-        self.engine = VllmEngine(model_dir, spec, max_model_len=context_length(rollout, spec.max_position_embeddings),
-                                 max_num_seqs=rollout.max_num_seqs, kv_cache_gib=rollout.kv_cache_gib,
-                                 dtype=rollout.dtype, on_update=rollout.on_update, seed=seed,
-                                 request_timeout_s=rollout.request_timeout_s, name=name, lora=lora,
-                                 lora_apply=lora_apply)
-        self._record_shm()
+        self._engine_args = (spec, rollout, seed, lora, lora_apply)
+        self.engine: Any = None
         self._in_flight = 0
         self._busy_since = 0.0
         self._busy_total = 0.0
         self._restart_lock = asyncio.Lock()
+        if model_dir is not None:
+            self._start_engine(model_dir)
+
+    def _start_engine(self, model_dir: str) -> None:
+        from moe_grpo.rollout.context import context_length
+        from moe_grpo.rollout.vllm_engine import VllmEngine
+
+        if self.engine is not None:
+            raise RuntimeError(f"engine {self.name} was started already (on {self.engine.model_dir})")
+        spec, rollout, seed, lora, lora_apply = self._engine_args
+        self.engine = VllmEngine(model_dir, spec, max_model_len=context_length(rollout, spec.max_position_embeddings),
+                                 max_num_seqs=rollout.max_num_seqs, kv_cache_gib=rollout.kv_cache_gib,
+                                 dtype=rollout.dtype, on_update=rollout.on_update, seed=seed,
+                                 request_timeout_s=rollout.request_timeout_s, name=self.name, lora=lora,
+                                 lora_apply=lora_apply)
+        self._record_shm()
+
+    async def start(self, model_dir: str) -> int:
+        """Start the engine of an actor made without a model directory; returns its vLLM process (as `pid`)."""
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(None, lambda: self._start_engine(model_dir))
+        return await self.pid()
 
     def _record_shm(self) -> None:
         """Note the engine's /dev/shm entries for the next actor of this engine (should this one be killed)."""
@@ -130,8 +151,8 @@ class EngineWorker:
         return await loop.run_in_executor(None, self.engine.num_routing_buffers)
 
     async def pid(self) -> int:
-        """The vLLM process that holds the model (0 while the engine is restarting)."""
-        return int(self.engine.worker_pid or 0)
+        """The vLLM process that holds the model (0 while the engine is restarting or not started)."""
+        return int(self.engine.worker_pid or 0) if self.engine is not None else 0
 
     async def restart(self, timeout_s: float | None = None) -> dict[str, Any]:
         """New vLLM processes for this engine (its old ones dead, hung or alive), serving the version it served.
@@ -156,6 +177,8 @@ class EngineWorker:
         (its worker's exit 3.2 s, then the engine core's 2.5 s, on 2 cores)."""
         from moe_grpo.process_ties import forget_shm
 
+        if self.engine is None:  # never started: nothing of vLLM's to end
+            return {"processes_left": []}
         out = self.engine.shutdown(kill=kill)
         self.transport.unpin(self.engine.engine_id)
         if not out.get("processes_left"):

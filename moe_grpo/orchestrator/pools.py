@@ -20,8 +20,9 @@ class EngineFactory:
     run_dir: str
     sync: Any
     """The run's `SyncLayout`: where each engine's versions arrive."""
-    model_dir: str
-    """The model directory engines start from (version 0)."""
+    model_dir: str | None
+    """The model directory engines start from (version 0); None while the learner ranks are still writing it
+    (actors made then wait for `EngineWorker.start`)."""
     placement_group: Any
 
     def __call__(self, bundle: int) -> Any:
@@ -216,9 +217,13 @@ def start_pools(run: Any, run_dir: str, sync_name: str, model_dir_fn: Any, learn
     try:
         return _start_actors(run, run_dir, pg, layout, agents, model_dir_fn, learner_cls)
     except BaseException:
+        from ray.util.placement_group import remove_placement_group
+
         from moe_grpo.orchestrator.sync_hosts import stop_sync_hosts
 
         stop_sync_hosts(agents)
+        with contextlib.suppress(Exception):  # ends the actors started so far (no Pools to release them by)
+            remove_placement_group(pg)
         raise
 
 
@@ -244,19 +249,22 @@ def _start_actors(run: Any, run_dir: str, pg: Any, layout: Any, agents: list[Any
                                                       _cores(c, r, c.learner_cpus, int(c.engine_cpus) * c.num_engines),
                                                       secret)
                 for r in range(world)]
+    # The engines' actors start beside the learner ranks and get ready (vLLM's import: ~10 s of a run's start-up
+    # on CPU) while the ranks build the weights; each starts its engine once the model directory is written.
+    make_engine = EngineFactory(run, run_dir, layout, None, pg)
+    engines = [(f"engine{i}", make_engine(i)) for i in range(c.num_engines)]
     try:
         infos = ray.get([a.info.remote() for a in learners], timeout=c.start_timeout_s)
     except ray.exceptions.GetTimeoutError as e:
         raise RuntimeError(f"learner ranks did not start within {c.start_timeout_s:.0f} s "
                            f"(rendezvous {addr}:{port}, world size {world})") from e
-    model_dir = model_dir_fn(learners)
-    make_engine = EngineFactory(run, run_dir, layout, model_dir, pg)
-    engines = [(f"engine{i}", make_engine(i)) for i in range(c.num_engines)]
+    make_engine.model_dir = model_dir_fn(learners)
     t0 = time.perf_counter()
+    started = {name: handle.start.remote(make_engine.model_dir) for name, handle in engines}
     pids = []
-    for name, handle in engines:
+    for name, ref in started.items():
         try:
-            pids.append(ray.get(handle.pid.remote(), timeout=max(1.0, c.start_timeout_s - (time.perf_counter() - t0))))
+            pids.append(ray.get(ref, timeout=max(1.0, c.start_timeout_s - (time.perf_counter() - t0))))
         except ray.exceptions.GetTimeoutError as e:
             raise RuntimeError(f"{name} (vLLM) did not start within {c.start_timeout_s:.0f} s") from e
     return Pools(engines, learners, infos, pg, make_engine, pids, layout, agents)

@@ -54,8 +54,8 @@ def test_a_run_is_refused_before_anything_starts(tmp_path):
 
 @pytest.mark.vllm
 def test_an_engine_with_max_tokens_600_gives_completions_past_512_tokens(tmp_path):
-    """The engine actor's path (EngineWorker, as the run starts it, with the context the run decides) on a random
-    model whose context is 1024: a completion that does not stop runs to max_tokens=600."""
+    """The engine actor's path (EngineWorker, made and then started as the run does, with the context the run
+    decides) on a random model whose context is 1024: a completion that does not stop runs to max_tokens=600."""
     import torch
 
     from layout_scenarios import tiny_spec
@@ -80,8 +80,12 @@ def test_an_engine_with_max_tokens_600_gives_completions_past_512_tokens(tmp_pat
     rollout = RolloutConfig(**{**rollout.__dict__, "max_model_len": context_length(rollout, 1024, longest)})
     assert rollout.max_model_len == longest + 600 > 512
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    worker = EngineWorker("engine0", str(model_dir), spec, rollout, str(tmp_path), str(tmp_path / "sync"))
+    # As a run starts it: the actor gets ready before its model directory exists, then starts on it.
+    worker = EngineWorker("engine0", None, spec, rollout, str(tmp_path), str(tmp_path / "sync"))
     try:
+        assert asyncio.run(worker.pid()) == 0, "no vLLM process before start"
+        pid = asyncio.run(worker.start(str(model_dir)))
+        assert pid == worker.engine.worker_pid > 0
         never_stops = SamplingSettings(n=1, temperature=0.0, max_tokens=rollout.max_tokens, stop_token_ids=())
         prompt = source.held_out[0].prompt_ids
         (out,) = asyncio.run(worker.generate(prompt, never_stops))
