@@ -237,6 +237,16 @@ class Driver:
                 self.state.lost_groups += 1
         self.scoring = still
 
+    def take_finished(self) -> None:
+        """What the engines have finished and the groups whose rewards are in, taken now (no waiting beyond
+        SCORING_POLL_S): a checkpoint then saves those groups in its buffer rather than as requests in flight, which
+        a resume samples again."""
+        import ray
+
+        refs = self.engines.refs()
+        self.collect(ray.wait(refs, num_returns=len(refs), timeout=0)[0] if refs else [])
+        self.take_scored()
+
     def start_step(self) -> None:
         """Hand the learner ranks the next batch, if none is training and the buffer holds one."""
         from moe_grpo.orchestrator.groups import learner_sequences
@@ -482,6 +492,7 @@ class Driver:
 
         assert not self.train_refs, "a checkpoint is taken between steps"
         t0 = time.perf_counter()
+        self.take_finished()
         tmp = run_checkpoint.begin(self.run_dir, self.state.step)
         self.learners_call("save_run_state", str(tmp / "learner"), what=f"checkpoint of step {self.state.step}")
         meta = {"step": self.state.step, "reason": reason, "learner_ranks": len(self.pools.learners),

@@ -108,9 +108,16 @@ def test_a_damaged_checkpoint_is_named_and_the_previous_one_resumes(chain):
 def test_the_resumed_async_run_trains_on_the_buffer_it_saved_and_nothing_staler_than_allowed(chain):
     run, _ = chain["finished"]
     rows = run.rows()
-    first = next(r for r in rows if r["resume/from_step"] >= 0)
-    assert first["resume/buffered_groups"] > 0, "the checkpoint of an async run holds groups sampled ahead"
-    assert first["resume/buffered_groups"] + first["resume/requests_resubmitted"] >= 4
+    # The first row after each resume (from step 2 by the second run, from step 4 by this one): what came back.
+    firsts = [next(r for r in rows if r["resume/from_step"] == s) for s in sorted({r["resume/from_step"] for r in rows
+                                                                                  if r["resume/from_step"] >= 0})]
+    assert len(firsts) == 2, [r["resume/from_step"] for r in rows]
+    # Groups finished when a checkpoint is taken are saved in its buffer (Driver.take_finished). Before it, groups
+    # whose engine results or rewards the loop had not yet taken were saved as requests in flight and sampled again
+    # (whole suite, 2026-11-26: 0 buffered and 4 resubmitted at both resumes; with it: 4 buffered, 0 resubmitted at
+    # both). A group still being generated at the checkpoint is in flight, which is timing: so at least one resume.
+    assert any(r["resume/buffered_groups"] > 0 for r in firsts), firsts
+    assert all(r["resume/buffered_groups"] + r["resume/requests_resubmitted"] >= 4 for r in firsts), firsts
     # Training is the slower phase here, so the engine runs ahead of the learner: stale tokens were trained at the
     # bound (max_staleness=1) or dropped. (That none is staler than the bound is the buffer's to enforce; its own
     # tests check it: a row here could not show otherwise.)
