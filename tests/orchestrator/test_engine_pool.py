@@ -15,7 +15,7 @@ pytestmark = pytest.mark.slow  # a Ray cluster per module
 from moe_grpo.orchestrator.engine_pool import EngineFailedError, EnginePool, EngineSlot, Request  # noqa: E402
 
 
-@ray.remote
+@ray.remote(num_cpus=0)  # what is tested is the pool's logic: a replacement never waits for a killed actor's CPU
 class FakeEngine:
     """generate: returns ["done"] or raises while `fail` is set; apply_version sleeps `load_s`."""
 
