@@ -92,6 +92,24 @@ def engine_and_learner(tmp_path_factory):
     engine.shutdown()
 
 
+@pytest.fixture(autouse=True)
+def _engine_left_as_found(request):
+    """The session engine (`engine_and_learner`) is shared by the engine and sync tests: after each test that used
+    it, it must be as the next one expects (alive and healthy, no request in flight, no routing buffer held, capture
+    on, no adapter), or that test fails naming what it left. (Which weights it serves is each module's to hand back:
+    tests/sync/test_sync.py's `synced` reloads the learner's.)"""
+    yield
+    if "engine_and_learner" not in request.fixturenames:
+        return
+    engine, _ = request.getfixturevalue("engine_and_learner")
+    left = {"not alive": not engine.alive(), "closing": engine.closing, "broken": getattr(engine, "broken", None),
+            "requests in flight": engine.in_flight(), "routing buffers": engine.num_routing_buffers(),
+            "capture off": not engine.capture, "adapter": engine.lora is not None}
+    left = {k: v for k, v in left.items() if v}
+    if left:
+        pytest.fail(f"the shared engine was left changed by this test: {left}", pytrace=False)
+
+
 @pytest.fixture(scope="session")
 def main_job(tmp_path_factory):
     """README command 1, shortened, as a user runs it (`python -m moe_grpo.train`), once per test run: the main-job

@@ -847,6 +847,10 @@ class VllmEngine:
         except Exception as e:
             raise EngineError(f"engine {self.engine_id}: vLLM scoring failed: {e}") from e
 
+    def in_flight(self) -> int:
+        """Sampling and scoring calls not finished yet (0 when idle)."""
+        return len(self._tasks)
+
     def num_routing_buffers(self) -> int:
         """Routing buffers the worker holds (requests not yet finished); 0 when idle."""
         return int(self._rpc("moe_grpo_num_routing_buffers")[0])
