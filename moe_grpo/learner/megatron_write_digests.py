@@ -23,12 +23,13 @@ from __future__ import annotations
 
 import builtins
 import contextlib
-import hashlib
 import inspect
 import json
 import os
 from dataclasses import dataclass
 from typing import Any, Iterator
+
+from moe_grpo.hashing import HashingWriter
 
 TARGET_VERSION = "0.16.1"
 DIGEST_SUFFIX = ".sha256"
@@ -47,31 +48,20 @@ class Digest:
     sha256: str
 
 
-class _HashingStream:
+class _HashingStream(HashingWriter):
     """The writer's binary file, hashing what goes through `write`; leaves the digest file on a clean close."""
 
     def __init__(self, file: Any, path: str) -> None:
-        self._file, self._path, self._hash, self._size = file, path, hashlib.sha256(), 0
-
-    def write(self, data: Any) -> int:
-        view = memoryview(data).cast("B")
-        self._hash.update(view)
-        self._size += view.nbytes
-        return self._file.write(view)
-
-    def close(self) -> None:
-        self._file.close()
+        super().__init__(file)
+        self._path = path
 
     def __enter__(self) -> "_HashingStream":
         return self
 
     def __exit__(self, exc_type: Any, *_: Any) -> None:
-        self._file.close()
+        self.file.close()
         if exc_type is None:  # a failed write leaves no digest: finish() hashes the file (if it is ever finished)
-            _write_digest(self._path, Digest(self._size, self._hash.hexdigest()))
-
-    def __getattr__(self, name: str) -> Any:  # tell, flush, fileno, seekable, ...
-        return getattr(self._file, name)
+            _write_digest(self._path, Digest(self.size, self.hash.hexdigest()))
 
 
 def _write_digest(path: str, digest: Digest) -> None:

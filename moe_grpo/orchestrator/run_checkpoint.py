@@ -28,6 +28,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from moe_grpo.hashing import HashingWriter
 from moe_grpo.learner.megatron_write_digests import DIGEST_SUFFIX, Digest, read_digest
 
 log = logging.getLogger("moe_grpo")
@@ -88,18 +89,6 @@ def _sha256_all(paths: list[Path], *, fsync: bool = False) -> list[str]:
         return list(pool.map(lambda p: _sha256(p, fsync=fsync), paths))
 
 
-class _HashingWriter:
-    """A binary file that hashes what is written through it: its checksum costs no second read."""
-
-    def __init__(self, file: Any) -> None:
-        self.file, self.hash, self.size = file, hashlib.sha256(), 0
-
-    def write(self, data: Any) -> int:
-        self.hash.update(data)
-        self.size += memoryview(data).nbytes
-        return self.file.write(data)
-
-
 def _take_write_digests(tmp: Path) -> dict[Path, Digest]:
     """The digests Megatron's writer left beside the shards it wrote under `tmp` (whose size still matches),
     by shard; every digest file is removed, so the checkpoint holds only what was saved."""
@@ -138,7 +127,7 @@ def finish(tmp: Path, driver_state: dict[str, Any], meta: dict[str, Any], keep: 
     (which are removed) and the shards are only fsynced, never read. Any other file, or a shard whose digest file
     is missing or names another size, is hashed here in the same pass that fsyncs it."""
     with open(tmp / DRIVER_STATE, "wb") as f:
-        writer = _HashingWriter(f)
+        writer = HashingWriter(f)
         pickle.dump(driver_state, writer, protocol=pickle.HIGHEST_PROTOCOL)
         f.flush()
         os.fsync(f.fileno())
