@@ -289,6 +289,8 @@ class VllmEngine:
         self.lora_base_bytes = 0
         """Host memory each worker holds for the exact copy of W0 of the adapted weights (merge)."""
         self.spec, self.model_dir, self.max_model_len = spec, str(model_dir), max_model_len
+        self.dtype = dtype
+        """The weights' dtype: the dtype the engine takes versions in (sync/plan.py `version_dtype`)."""
         self.native = capture and (routing_source == "native" or (routing_source == "auto" and torch.cuda.is_available()))
         self.capture, self.extension, self.on_update = capture, extension, on_update
         self.request_timeout_s = request_timeout_s
