@@ -1,0 +1,271 @@
+"""Delta versions: what changed in the engine's dtype since the previous version, found, encoded and applied exactly.
+
+A learner rank keeps the engine-dtype values it published last for each of its
+shards (`DeltaTracker`: one copy of its own shards in the engine's dtype, e.g.
+2 bytes per parameter for bf16, beside its float32 master weights). For a new
+version it rounds its shards to the engine's dtype, compares them bit for bit
+with that copy and keeps, per HF tensor, the flat positions (inside the full HF
+tensor) and new values of the elements that changed (`EntryChange`). Bitwise,
+not numerically: -0.0 vs 0.0 and NaN payloads count as changes, so applying
+the changes gives exactly the bits a full version would carry.
+
+A tensor with no changed element costs nothing: not an entry, not a bit. A
+routed expert is a handful of such tensors (`experts_unchanged` counts the
+experts none of whose tensors changed). On the wire (the relay, `encode` /
+`decode`) each bucket's changes take the smaller of two encodings:
+
+- "index": per changed tensor, int32 positions (int64 for a tensor of 2**31
+  elements or more) and the values;
+- "bitmap": per changed tensor, one bit per element of the full tensor and
+  the values in position order.
+
+Applying (`apply_changes`) writes the values at their positions into the
+full-tensor views of a bucket that holds the previous version; a host buffer
+holding an older version is brought forward by applying each newer version's
+changes in order (`DeltaHistory.chain`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Iterable, Sequence
+
+import torch
+
+from moe_grpo.sync.plan import BucketPlan
+
+ENCODINGS = ("index", "bitmap")
+
+_INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+"""Integer dtype of each element size: changed elements are found by comparing bits, not values."""
+
+_EXPERT = re.compile(r"^(.*\.layers\.(\d+)\.mlp\.experts\.(\d+))\.")
+"""An HF name of a routed expert's tensor: (expert prefix, layer, expert)."""
+
+
+@dataclass(frozen=True)
+class EntryChange:
+    """The changed elements of one full HF tensor (or of one rank's part of it)."""
+
+    name: str
+    positions: torch.Tensor
+    """int64 flat positions inside the full HF tensor, ascending."""
+    values: torch.Tensor
+    """The new values, in the engine's dtype, one per position."""
+
+    @property
+    def count(self) -> int:
+        return int(self.positions.numel())
+
+
+@dataclass
+class VersionDelta:
+    """One rank's changes of one version against the version before it, by bucket index."""
+
+    version: int
+    base: int | None
+    """The version these changes are against (None: against nothing, every element is a change)."""
+    changes: dict[int, list[EntryChange]] = field(default_factory=dict)
+
+    def names(self) -> set[str]:
+        return {c.name for cs in self.changes.values() for c in cs}
+
+    def changed_elements(self) -> int:
+        return sum(c.count for cs in self.changes.values() for c in cs)
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """`t` viewed as integers of its element size (bitwise comparison; no copy)."""
+    return t.view(_INT_VIEW[t.element_size()])
+
+
+def _position_dtype(numel: int) -> torch.dtype:
+    return torch.int32 if numel < 2**31 else torch.int64
+
+
+def encoded_bucket_bytes(changes: Sequence[EntryChange], numels: dict[str, int], item: int) -> tuple[str, int]:
+    """The smaller encoding of one bucket's changes and its payload bytes (`numels`: full tensor sizes)."""
+    index = sum(c.count * (_position_dtype(numels[c.name]).itemsize + item) for c in changes)
+    bitmap = sum(math.ceil(numels[c.name] / 8) + c.count * item for c in changes)
+    return ("index", index) if index <= bitmap else ("bitmap", bitmap)
+
+
+def encoded_bytes(delta: VersionDelta, plan: BucketPlan) -> int:
+    """What `encode(delta, plan)` carries: the payload of every bucket in its smaller encoding (header aside)."""
+    numels = {e.name: e.numel for b in plan.buckets for e in b.entries}
+    item = plan.torch_dtype.itemsize
+    return sum(encoded_bucket_bytes(cs, numels, item)[1] for cs in delta.changes.values())
+
+
+def _pack(mask: torch.Tensor) -> torch.Tensor:
+    """A bool vector as bits, little-endian within each byte (bit i of byte j is element 8j + i)."""
+    pad = (-mask.numel()) % 8
+    m = torch.cat([mask, mask.new_zeros(pad)]) if pad else mask
+    weights = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8, device=mask.device)
+    return (m.view(-1, 8).to(torch.uint8) * weights).sum(1, dtype=torch.uint8)
+
+
+def _unpack(packed: torch.Tensor, numel: int) -> torch.Tensor:
+    shifts = torch.arange(8, dtype=torch.uint8, device=packed.device)
+    return ((packed.unsqueeze(1) >> shifts) & 1).view(-1)[:numel].bool()
+
+
+def encode(delta: VersionDelta, plan: BucketPlan) -> bytes:
+    """The changes as bytes: an 8-byte header length, a JSON header, then each tensor's positions (or bitmap) and
+    values. Each bucket uses the smaller of the two encodings."""
+    numels = {e.name: e.numel for b in plan.buckets for e in b.entries}
+    item = plan.torch_dtype.itemsize
+    parts: list[bytes] = []
+    header: dict = {"version": delta.version, "base": delta.base, "dtype": plan.dtype, "buckets": {}}
+    for index, changes in sorted(delta.changes.items()):
+        encoding, _ = encoded_bucket_bytes(changes, numels, item)
+        rows = []
+        for c in changes:
+            if encoding == "index":
+                where = c.positions.to(_position_dtype(numels[c.name])).cpu().contiguous()
+            else:
+                mask = torch.zeros(numels[c.name], dtype=torch.bool)
+                mask[c.positions.cpu()] = True
+                where = _pack(mask)
+            values = c.values.cpu().contiguous()
+            rows.append([c.name, c.count, where.numel() * where.element_size(), str(where.dtype)[6:]])
+            parts += [where.view(torch.uint8).numpy().tobytes(), values.view(torch.uint8).numpy().tobytes()]
+        header["buckets"][str(index)] = [encoding, rows]
+    head = json.dumps(header).encode()
+    return len(head).to_bytes(8, "little") + head + b"".join(parts)
+
+
+def decode(blob: bytes | memoryview, plan: BucketPlan) -> VersionDelta:
+    """`encode`'s inverse (positions as int64, values in the plan's dtype). Refuses a blob of another dtype or a
+    tensor the plan does not hold."""
+    size = int.from_bytes(bytes(blob[:8]), "little")
+    header = json.loads(bytes(blob[8 : 8 + size]))
+    if header["dtype"] != plan.dtype:
+        raise ValueError(f"delta of version {header['version']} is in {header['dtype']}, the plan in {plan.dtype}")
+    numels = {e.name: e.numel for b in plan.buckets for e in b.entries}
+    dtype, item = plan.torch_dtype, plan.torch_dtype.itemsize
+    data = torch.frombuffer(bytearray(blob[8 + size :]), dtype=torch.uint8) if len(blob) > 8 + size else None
+    at = 0
+    out = VersionDelta(int(header["version"]), header["base"])
+    for index, (encoding, rows) in header["buckets"].items():
+        changes = []
+        for name, count, where_bytes, where_dtype in rows:
+            if name not in numels:
+                raise ValueError(f"delta of version {out.version} names {name!r}, which the plan does not hold")
+            assert data is not None
+            where = data[at : at + where_bytes]
+            values = data[at + where_bytes : at + where_bytes + count * item].clone().view(dtype)  # unaligned
+            at += where_bytes + count * item
+            if encoding == "index":
+                positions = where.clone().view(getattr(torch, where_dtype)).long()
+            else:
+                positions = _unpack(where, numels[name]).nonzero().view(-1)
+            if positions.numel() != count:
+                raise ValueError(f"delta of version {out.version}: {name} carries {positions.numel()} positions "
+                                 f"for {count} values")
+            changes.append(EntryChange(name, positions, values))
+        out.changes[int(index)] = changes
+    return out
+
+
+def apply_changes(views: dict[str, torch.Tensor], changes: Iterable[EntryChange]) -> int:
+    """Write each change into its full tensor (`views`: HF name -> contiguous full tensor holding the previous
+    version). Returns the elements written."""
+    n = 0
+    for c in changes:
+        flat = views[c.name].view(-1)
+        flat[c.positions.to(flat.device)] = c.values.to(flat.device)
+        n += c.count
+    return n
+
+
+def experts_unchanged(names: set[str], all_names: Iterable[str]) -> int:
+    """Routed experts (HF `...layers.L.mlp.experts.E.`) of `all_names` none of whose tensors is in `names`."""
+    experts, changed = set(), set()
+    for n in all_names:
+        m = _EXPERT.match(n)
+        if m:
+            experts.add(m.group(1))
+            if n in names:
+                changed.add(m.group(1))
+    return len(experts - changed)
+
+
+class DeltaTracker:
+    """One rank's last published engine-dtype values of its shards, and the changes of each new version.
+
+    `shards`: per bucket index, (HF name, the rank's source tensor, where that source lands in the full HF tensor
+    as (storage offset, strides, shape) of a view of a contiguous tensor of the full shape)."""
+
+    def __init__(self, dtype: torch.dtype, shards: dict[int, list[tuple[str, torch.Tensor, torch.Tensor]]]) -> None:
+        self.dtype = dtype
+        self.shards = shards
+        """bucket -> [(HF name, source, placed: a view of a meta tensor of the full shape)]."""
+        self.last: dict[tuple[int, int], torch.Tensor] | None = None
+        """The engine-dtype values of the last version, per (bucket, shard); None before the first version."""
+        self.last_version: int | None = None
+        self._pending: tuple[int, dict[tuple[int, int], torch.Tensor]] | None = None
+
+    def diff(self, version: int) -> VersionDelta:
+        """The changes of the current weights against the last version (call `commit` once they are published).
+        Before any version, every element is a change."""
+        out = VersionDelta(version, self.last_version if self.last is not None else None)
+        pending: dict[tuple[int, int], torch.Tensor] = {}
+        self._pending = (version, pending)
+        for index, shards in self.shards.items():
+            changes = []
+            for i, (name, source, placed) in enumerate(shards):
+                new = source.detach().to(self.dtype, copy=True)
+                pending[(index, i)] = new
+                old = self.last.get((index, i)) if self.last is not None else None
+                mask = torch.ones_like(new, dtype=torch.bool) if old is None else bits(new) != bits(old)
+                where = mask.nonzero()
+                if where.numel() == 0:
+                    continue
+                strides = torch.tensor(placed.stride(), dtype=torch.int64, device=where.device)
+                positions = placed.storage_offset() + (where * strides).sum(1)
+                changes.append(EntryChange(name, positions.cpu(), new[mask].cpu()))
+            if changes:
+                out.changes[index] = changes
+        return out
+
+    def commit(self) -> None:
+        """The version `diff` looked at was published: its values are the base of the next diff."""
+        assert self._pending is not None, "commit() without diff()"
+        self.last_version, self.last = self._pending
+        self._pending = None
+
+    def forget(self) -> None:
+        """The last publish failed part-way: the next version is compared with nothing (sent whole)."""
+        self.last, self.last_version, self._pending = None, None, None
+
+
+class DeltaHistory:
+    """The recent versions' changes (or None: a version sent whole), to bring an older buffer forward."""
+
+    def __init__(self, keep: int = 8) -> None:
+        self.keep = keep
+        self.deltas: dict[int, VersionDelta | None] = {}
+
+    def record(self, version: int, delta: VersionDelta | None) -> None:
+        self.deltas[version] = delta
+        for v in sorted(self.deltas)[: max(0, len(self.deltas) - self.keep)]:
+            del self.deltas[v]
+
+    def chain(self, base: int | None, version: int) -> list[VersionDelta] | None:
+        """The changes that bring a buffer holding `base` to `version`, oldest first (each delta's own `base`
+        links it to the one before); None when a link is unknown or was sent whole (write the buffer whole)."""
+        if base is None or base >= version:
+            return None
+        out: list[VersionDelta] = []
+        at: int | None = version
+        while at != base:
+            d = self.deltas.get(at) if at is not None else None
+            if d is None or d.base is None or d.base < base:
+                return None
+            out.append(d)
+            at = d.base
+        return out[::-1]

@@ -1,0 +1,159 @@
+"""Delta versions' pure logic (moe_grpo/sync/delta.py): what changed in the engine's dtype, encoded both ways,
+applied exactly, chained."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from moe_grpo.sync.delta import (DeltaHistory, DeltaTracker, EntryChange, VersionDelta, apply_changes, decode,
+                                 encode, encoded_bytes, experts_unchanged)
+from moe_grpo.sync.plan import ALIGN, Bucket, BucketEntry, BucketPlan
+
+FULL = {"layers.0.self_attn.qkv.weight": (6, 4), "layers.0.mlp.experts.0.up.weight": (8, 3),
+        "layers.0.mlp.experts.1.up.weight": (8, 3), "embed.weight": (10, 4)}
+
+
+def _plan(dtype: str = "bfloat16", scale: int = 1) -> BucketPlan:
+    item = {"bfloat16": 2, "float32": 4}[dtype]
+    entries, offset = [], 0
+    for name, (rows, cols) in FULL.items():
+        shape = (rows * scale, cols * scale)
+        entries.append(BucketEntry(name, shape, offset))
+        offset += (math.prod(shape) * item + ALIGN - 1) // ALIGN * ALIGN
+    return BucketPlan("toy", dtype, (Bucket(0, tuple(entries[:2]), offset), Bucket(1, tuple(entries[2:]), offset)))
+
+
+def _shards(rank: int) -> tuple[dict[str, torch.Tensor], dict[int, list]]:
+    """Rank `rank` of two: rows [rank*3, rank*3+3) of qkv, all of expert `rank`, half the embedding's columns
+    (a strided place), like a TP / EP learner rank."""
+    g = torch.Generator().manual_seed(rank)
+    src = {"qkv": torch.randn(3, 4, generator=g), "expert": torch.randn(8, 3, generator=g),
+           "embed": torch.randn(10, 2, generator=g)}
+    meta = {n: torch.empty(s, device="meta") for n, s in FULL.items()}
+    shards = {0: [("layers.0.self_attn.qkv.weight", src["qkv"], meta["layers.0.self_attn.qkv.weight"].narrow(0, rank * 3, 3))],
+              1: []}
+    expert = f"layers.0.mlp.experts.{rank}.up.weight"
+    (shards[0] if rank == 0 else shards[1]).append((expert, src["expert"], meta[expert]))
+    shards[1].append(("embed.weight", src["embed"], meta["embed.weight"].narrow(1, rank * 2, 2)))
+    return src, shards
+
+
+def _full_of(srcs: list[dict[str, torch.Tensor]], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """What a full sync would put in the buckets: each rank's sources cast and placed."""
+    out = {n: torch.zeros(s, dtype=dtype) for n, s in FULL.items()}
+    for rank, src in enumerate(srcs):
+        out["layers.0.self_attn.qkv.weight"][rank * 3 : rank * 3 + 3] = src["qkv"].to(dtype)
+        out[f"layers.0.mlp.experts.{rank}.up.weight"][:] = src["expert"].to(dtype)
+        out["embed.weight"][:, rank * 2 : rank * 2 + 2] = src["embed"].to(dtype)
+    return out
+
+
+def test_applying_each_ranks_changes_gives_bit_for_bit_what_a_full_sync_of_the_new_weights_gives() -> None:
+    """A delta that missed an element, or wrote one at the wrong place (a strided TP slab, an expert), would leave
+    the engine serving weights no full sync would give it."""
+    ranks = [_shards(0), _shards(1)]
+    trackers = [DeltaTracker(torch.bfloat16, shards) for _, shards in ranks]
+    for t in trackers:  # version 1: everything
+        d = t.diff(1)
+        assert d.base is None and d.changed_elements() == sum(s.numel() for cs in t.shards.values() for _, s, _ in cs)
+        t.commit()
+    buffer = _full_of([src for src, _ in ranks], torch.bfloat16)
+    g = torch.Generator().manual_seed(7)
+    for version in (2, 3, 4):
+        for src, _ in ranks:
+            for name, t in src.items():  # a small step: most bf16 values do not move
+                t.add_(torch.randn(t.shape, generator=g) * 1e-3 * (name != "expert" or version != 3))
+        deltas = [t.diff(version) for t in trackers]
+        for t in trackers:
+            t.commit()
+        for d in deltas:
+            assert d.base == version - 1
+            for changes in d.changes.values():
+                apply_changes(buffer, changes)
+        want = _full_of([src for src, _ in ranks], torch.bfloat16)
+        for name in FULL:
+            assert torch.equal(buffer[name].view(torch.int16), want[name].view(torch.int16)), (version, name)
+        changed = sum(d.changed_elements() for d in deltas)
+        assert 0 < changed < sum(math.prod(s) for s in FULL.values())
+        if version == 3:  # the experts did not move: no entry for them
+            assert not any("experts" in n for d in deltas for n in d.names())
+
+
+def test_changes_are_found_by_bits_so_signed_zero_and_nan_are_not_missed() -> None:
+    """A numeric comparison calls -0.0 == 0.0 and NaN != NaN: the engine would keep a wrong sign, or every NaN
+    would be resent forever."""
+    w = torch.tensor([0.0, 1.0, float("nan"), 2.0])
+    tracker = DeltaTracker(torch.bfloat16, {0: [("w", w, torch.empty(4, device="meta"))]})
+    tracker.diff(1)
+    tracker.commit()
+    w.copy_(torch.tensor([-0.0, 1.0, float("nan"), 2.0]))
+    d = tracker.diff(2)
+    assert [c.positions.tolist() for c in d.changes[0]] == [[0]]
+    assert torch.equal(d.changes[0][0].values.view(torch.int16), torch.tensor([-0.0], dtype=torch.bfloat16).view(torch.int16))
+
+
+@pytest.mark.parametrize("fraction, encoding", [(0.02, "index"), (0.6, "bitmap")])
+def test_each_bucket_travels_in_the_smaller_encoding_and_decodes_to_the_same_changes(fraction: float, encoding: str) -> None:
+    """Sparse changes must cost ~6 bytes each (int32 position + bf16 value), dense ones 1 bit per element plus
+    the values: the wire bytes follow the changed fraction."""
+    plan = _plan(scale=16)
+    g = torch.Generator().manual_seed(3)
+    delta = VersionDelta(5, 4)
+    for b in plan.buckets:
+        delta.changes[b.index] = []
+        for e in b.entries:
+            mask = torch.rand(e.numel, generator=g) < fraction
+            mask[0] = True
+            pos = mask.nonzero().view(-1)
+            delta.changes[b.index].append(EntryChange(e.name, pos, torch.randn(pos.numel(), generator=g).to(torch.bfloat16)))
+    blob = encode(delta, plan)
+    header = int.from_bytes(blob[:8], "little")
+    assert len(blob) - 8 - header == encoded_bytes(delta, plan)
+    assert f'"{encoding}"' in blob[8 : 8 + header].decode()
+    n = delta.changed_elements()
+    total = sum(e.numel for b in plan.buckets for e in b.entries)
+    assert encoded_bytes(delta, plan) <= min(n * 6, math.ceil(total / 8) + 4 + n * 2)
+    back = decode(blob, plan)
+    assert (back.version, back.base) == (5, 4)
+    for index, changes in delta.changes.items():
+        for a, b in zip(changes, back.changes[index]):
+            assert a.name == b.name and torch.equal(a.positions, b.positions)
+            assert torch.equal(a.values.view(torch.int16), b.values.view(torch.int16))
+
+
+def test_a_delta_in_another_dtype_or_naming_an_unknown_tensor_is_refused() -> None:
+    delta = VersionDelta(2, 1, {0: [EntryChange("layers.0.self_attn.qkv.weight", torch.tensor([1]),
+                                                torch.tensor([1.0], dtype=torch.bfloat16))]})
+    blob = encode(delta, _plan())
+    with pytest.raises(ValueError, match="bfloat16, the plan in float32"):
+        decode(blob, _plan("float32"))
+    other = BucketPlan("toy", "bfloat16", (Bucket(0, (BucketEntry("other.weight", (6, 4), 0),), 64),))
+    with pytest.raises(ValueError, match="names 'layers.0.self_attn.qkv.weight'"):
+        decode(blob, other)
+
+
+def test_a_chain_brings_an_older_buffer_forward_only_through_versions_it_knows() -> None:
+    """A buffer two versions behind gets both deltas in order; a gap, a whole version or a forgotten base means
+    a whole write, never a buffer brought forward from the wrong version."""
+    history = DeltaHistory(keep=3)
+    for v in (2, 3, 4, 5):
+        history.record(v, VersionDelta(v, v - 1))
+    assert [d.version for d in history.chain(3, 5)] == [4, 5]
+    assert history.chain(1, 5) is None  # version 2 was dropped (keep=3)
+    assert history.chain(5, 5) is None and history.chain(None, 5) is None
+    history.record(6, None)  # sent whole
+    history.record(7, VersionDelta(7, 6))
+    assert history.chain(5, 7) is None and [d.version for d in history.chain(6, 7)] == [7]
+    history.record(9, VersionDelta(9, 7))  # version 8 was never published: 9's base is 7
+    assert [d.version for d in history.chain(6, 9)] == [7, 9]
+
+
+def test_experts_unchanged_counts_experts_none_of_whose_tensors_changed() -> None:
+    names = [f"model.layers.{l}.mlp.experts.{e}.{p}.weight" for l in (0, 1) for e in range(4) for p in ("up_proj", "down_proj")]
+    names.append("model.embed_tokens.weight")
+    changed = {"model.layers.0.mlp.experts.1.up_proj.weight", "model.layers.1.mlp.experts.3.down_proj.weight",
+               "model.embed_tokens.weight"}
+    assert experts_unchanged(changed, names) == 6
