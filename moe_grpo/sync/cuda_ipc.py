@@ -126,6 +126,7 @@ class CudaIpcTransport(SharedMemoryTransport):
             if owned is None or owned.sizes != sizes:
                 self._owned.pop(slot, None)
                 self._views = {k: v for k, v in self._views.items() if k[0] != slot}
+                self.forget_base(slot)  # new buffers: a delta version is written whole into them
                 buffers = [torch.empty(n, dtype=torch.uint8, device=self.device) for n in sizes]
                 owned = self._owned[slot] = _Owned(sizes, buffers, [share_handle(b) for b in buffers])
             _write_json(Path(slot) / IPC_FILE, {"version": version, "pid": os.getpid(), "sizes": list(sizes),

@@ -97,6 +97,9 @@ def default_root() -> str:
 
 _DIR_MODE, _FILE_MODE = 0o700, 0o600
 
+CHANGE_LOG = 64
+"""Versions whose changed-tensor lists each host keeps (an engine further behind reloads everything)."""
+
 
 def _mkdir_private(path: Path) -> None:
     """Create `path` as a 0700 directory (umask cannot widen it; an explicit chmod fixes an odd umask)."""
@@ -273,8 +276,11 @@ class SharedMemoryTransport:
             # writes would land in the new version).
             free = [s for s in slots if s.name not in pinned
                     and ((info := self._slot_info(s)) is None or not self._missing(s, info))]
+            base = None
+            """The version the slot holds whole (delta versions bring it forward: `delta.py`); None if none."""
             if free and len(slots) >= self.slots:  # least recently written first
                 slot = min(free, key=lambda s: (self._slot_info(s) or {"version": -1})["version"])
+                base = (self._slot_info(slot) or {}).get("version")
             else:
                 slot = self.root / f"slot{len(slots)}"
                 while slot.exists():
@@ -287,12 +293,29 @@ class SharedMemoryTransport:
                 self._plan_json = (plan, text, json.dumps(text))
             _, text, quoted = self._plan_json
             path = slot / "version.json"
-            _write_text(path, f'{{"version": {int(version)}, "world": {int(world)}, "plan": {quoted}}}')
-            st = os.stat(path)  # what we wrote needs no parsing when the next claim looks at this slot
-            self._info_cache[str(path)] = ((st.st_ino, st.st_mtime_ns, st.st_size),
-                                           {"version": int(version), "world": int(world), "plan": text})
+            self._write_version(slot, version, world, base, quoted, text)
             self._drop_extra_slots(keep=slot, pinned=pinned)
         return str(slot)
+
+    def _write_version(self, slot: Path, version: int, world: int, base: int | None, quoted: str, text: str) -> None:
+        path = slot / "version.json"
+        _write_text(path, f'{{"version": {int(version)}, "world": {int(world)}, "base": {json.dumps(base)}, '
+                          f'"plan": {quoted}}}')
+        st = os.stat(path)  # what we wrote needs no parsing when the next claim looks at this slot
+        self._info_cache[str(path)] = ((st.st_ino, st.st_mtime_ns, st.st_size),
+                                       {"version": int(version), "world": int(world), "base": base, "plan": text})
+
+    def forget_base(self, slot: str) -> None:
+        """The slot's buffers were made anew (their old contents are gone): no delta may be applied onto them."""
+        info = self._slot_info(Path(slot))
+        if info is not None and info.get("base") is not None:
+            self._write_version(Path(slot), info["version"], info["world"], None, json.dumps(info["plan"]),
+                                info["plan"])
+
+    def slot_base(self, slot: str) -> int | None:
+        """The version the claimed slot held whole before this claim (None: nothing usable)."""
+        info = self._slot_info(Path(slot))
+        return None if info is None else info.get("base")
 
     def _drop_extra_slots(self, keep: Path, pinned: set[str]) -> None:
         slots = self._slots()
@@ -337,6 +360,36 @@ class SharedMemoryTransport:
     def mark_done(self, slot: str, version: int, rank: int, elements: dict[int, int]) -> None:
         """Rank `rank` wrote its shards of every bucket (`elements`: elements written per bucket)."""
         _write_json(Path(slot) / f"done.v{version}.r{rank}.json", {str(k): int(v) for k, v in elements.items()})
+
+    def log_changes(self, version: int, rank: int, base: int | None, names: list[str] | None) -> None:
+        """What rank `rank` changed in `version` against `base` (HF names; None: everything), so an engine serving
+        an older version reloads only those tensors (`changed_since`). The newest `CHANGE_LOG` versions are kept."""
+        log = self.root / "changes"
+        try:
+            _mkdir_private(log)
+        except FileExistsError:
+            pass
+        _write_json(log / f"v{int(version)}.r{int(rank)}.json", {"base": base, "names": names})
+        versions = sorted({int(p.name[1:].split(".")[0]) for p in log.glob(f"v*.r{int(rank)}.json")})
+        for old in versions[: max(0, len(versions) - CHANGE_LOG)]:
+            (log / f"v{old}.r{int(rank)}.json").unlink(missing_ok=True)
+
+    def changed_since(self, served: int, version: int, world: int) -> set[str] | None:
+        """HF names of the tensors any of `world` ranks changed between `served` and `version`; None when that is
+        not known (a link missing from the log, or a version that changed everything): reload everything."""
+        out: set[str] = set()
+        for rank in range(world):
+            at = version
+            while at != served:
+                try:
+                    entry = json.loads((self.root / "changes" / f"v{at}.r{rank}.json").read_text())
+                except (OSError, ValueError):
+                    return None
+                if entry["names"] is None or entry["base"] is None or entry["base"] < served:
+                    return None
+                out.update(entry["names"])
+                at = int(entry["base"])
+        return out
 
     # ------------------------------------------------------------------ receiving side
     def find(self, version: int) -> str | None:

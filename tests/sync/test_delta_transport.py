@@ -1,0 +1,55 @@
+"""The shared-memory transport's part in delta versions: which version a recycled slot still holds whole, and
+which tensors changed between two versions (moe_grpo/sync/transport.py)."""
+
+import torch
+
+from layout_scenarios import tiny_spec
+from moe_grpo.sync.plan import plan_buckets
+from moe_grpo.sync.transport import CHANGE_LOG, SharedMemoryTransport
+
+
+def _publish(transport: SharedMemoryTransport, version: int, plan, world: int = 1) -> str:
+    slot = transport.claim(version, plan, 0, world)
+    for rank in range(world):
+        transport.mark_done(slot, version, rank, {b.index: sum(e.numel for e in b.entries) // world
+                                                  for b in plan.buckets})
+    return slot
+
+
+def test_a_recycled_slot_names_the_version_it_held_whole_and_a_new_or_unfinished_one_names_none(tmp_path) -> None:
+    """A delta is applied onto what the slot holds: a wrong base would give engines a mix of two versions."""
+    transport = SharedMemoryTransport(str(tmp_path / "sync"), slots=2)
+    plan = plan_buckets(tiny_spec(), torch.bfloat16, 1 << 20)
+    s1 = _publish(transport, 1, plan)
+    s2 = _publish(transport, 2, plan)
+    assert transport.slot_base(s1) is None and transport.slot_base(s2) is None  # new slots
+    s3 = _publish(transport, 3, plan)
+    assert s3 == s1 and transport.slot_base(s3) == 1
+    transport.pin("engine0", {s2: 2})
+    s4 = transport.claim(4, plan, 0, 2)  # slot of 3 is the only free one; rank 1 never finishes version 4
+    assert s4 == s1 and transport.slot_base(s4) == 3
+    transport.mark_done(s4, 4, 0, {b.index: 1 for b in plan.buckets})
+    s5 = transport.claim(5, plan, 0, 1)  # the half-written slot is not free, the pinned one neither: a new slot
+    assert s5 not in (s1, s2) and transport.slot_base(s5) is None
+    transport.forget_base(s2)
+    assert transport.slot_base(s2) is None
+
+
+def test_changed_since_unites_every_ranks_changes_along_the_chain_and_knows_when_it_does_not_know(tmp_path) -> None:
+    """An engine two versions behind must reload what either version changed on any rank; where a link is
+    missing or a version changed everything it must reload everything, never too little."""
+    transport = SharedMemoryTransport(str(tmp_path / "sync"))
+    transport.log_changes(1, 0, None, None)
+    transport.log_changes(1, 1, None, None)
+    transport.log_changes(2, 0, 1, ["a"])
+    transport.log_changes(2, 1, 1, [])
+    transport.log_changes(3, 0, 2, ["b"])
+    transport.log_changes(3, 1, 2, ["c"])
+    assert transport.changed_since(2, 3, world=2) == {"b", "c"}
+    assert transport.changed_since(1, 3, world=2) == {"a", "b", "c"}
+    assert transport.changed_since(0, 3, world=2) is None  # version 1 changed everything
+    assert transport.changed_since(1, 3, world=3) is None  # rank 2 logged nothing
+    for v in range(4, 5 + CHANGE_LOG):
+        transport.log_changes(v, 0, v - 1, [f"t{v}"])
+    assert transport.changed_since(3, 4 + CHANGE_LOG, world=1) is None  # older than the log keeps
+    assert transport.changed_since(10, 12, world=1) == {"t11", "t12"}
