@@ -15,6 +15,10 @@ from moe_grpo.models.hf_config import hf_config_from_spec
 from moe_grpo.models.hf_names import layer_groups, param_mappings, to_hf
 from moe_grpo.models.spec import MoEModelSpec
 
+START_ADAPTER = "adapter"
+"""A LoRA run's start directory: the frozen base in the directory, this subdirectory the PEFT adapter of the version
+the engine starts on (`VllmEngine(lora=...)` applies it at start)."""
+
 # transformers ships no config class for DeepSeek-MoE (v1); public checkpoints carry one as
 # remote code. We write our own minimal one so vLLM (trust_remote_code) can read config.json.
 _DEEPSEEK_V1_CONFIG = '''"""DeepSeek-MoE (v1) configuration, written by moe_grpo's export."""
@@ -100,7 +104,6 @@ def export_lora_version(spec: MoEModelSpec, lora: Any, tensors: dict[str, torch.
     from moe_grpo.learner.lora import merge_into_hf
     from moe_grpo.models.hf_names import hf_names
     from moe_grpo.rollout.lora_merge import is_adapter_name
-    from moe_grpo.rollout.vllm_engine import START_ADAPTER
 
     adapter = {k: v for k, v in tensors.items() if is_adapter_name(k)}
     base = {k: v for k, v in tensors.items() if not is_adapter_name(k)}

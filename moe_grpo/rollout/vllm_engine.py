@@ -62,13 +62,11 @@ import numpy as np
 from moe_grpo.models.hf_names import hf_names
 from moe_grpo.models.spec import MoEModelSpec
 from moe_grpo.processes import SHM_DIR, process_alive, shm_entries_held
+from moe_grpo.rollout.export import START_ADAPTER, weight_buckets
 from moe_grpo.rollout.types import Completion, SamplingSettings
 from moe_grpo.routing.trace import RoutingTrace
 
 EXTENSION = "moe_grpo.rollout.worker_extension.RoutingCaptureExtension"
-START_ADAPTER = "adapter"
-"""A LoRA run's start directory: the frozen base in the directory, this subdirectory the PEFT adapter of the version
-the engine starts on (`VllmEngine(lora=...)` applies it at start)."""
 _ENGINE_IDS = itertools.count()
 
 
@@ -899,8 +897,6 @@ class VllmEngine:
 
         Not all-or-nothing: a failure part-way leaves a mix (use `load_published` for syncs)."""
         from safetensors.torch import save_file
-
-        from moe_grpo.rollout.export import weight_buckets
 
         if self._served is not None:
             raise EngineError(f"engine {self.engine_id} (sync.lora_apply=serve) takes adapter versions only; its base "
