@@ -98,6 +98,9 @@ class RunConfig:
             raise ValueError(f"lora.rank={self.lora.rank} with sync.transport={self.sync.transport}: adapter-only "
                              "versions go through shared memory on one host only (sync.transport=shm or auto on one "
                              "host); the relay's receivers and the CUDA IPC buffers hold one plan for every version")
+        if self.lora.enabled and self.sync.delta:
+            raise ValueError(f"sync.delta=true with lora.rank={self.lora.rank}: a LoRA run's versions after the first "
+                             "are its adapters only already; set sync.delta=false")
         if self.lora.enabled and self.sync.lora_apply == "serve":
             from moe_grpo.rollout.lora_serving import max_lora_rank
 

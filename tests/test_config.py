@@ -126,6 +126,9 @@ def test_help_answers_without_importing_torch():
     ("cluster.launcher=pbs", "cluster.launcher='pbs', expected 'local' or 'slurm'"),
     ("cluster.training_nodes=2", "cluster.nodes / inference_nodes / training_nodes split the nodes of cluster=slurm"),
     ("data.eval_size=0", "data.eval_size=0: expected an integer >= 1 or null"),
+    ("sync.delta_max_fraction=0", "sync.delta_max_fraction=0.0: expected a fraction in (0, 1]"),
+    ("sync.full_every=-1", "sync.full_every=-1: expected an integer >= 0"),
+    ("sync.delta=maybe", "sync.delta='maybe': expected true or false"),
 ])
 def test_every_value_is_checked_for_its_type_and_range_with_the_key_named(override, message):
     """What a user typing a wrong value sees: the key, the value and what was expected, never a TypeError from
@@ -166,3 +169,14 @@ def test_a_refused_resume_is_one_line_exit_2_before_anything_starts(tmp_path):
     last = out.stderr.strip().splitlines()[-1]
     assert last.startswith("[moe_grpo] resume=true:") and "records 2 step(s)" in last, last
     assert record.read_text() == '{"step": 1}\n{"step": 2}\n'
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["sync.delta=true", "sync.transport=relay"], "delta versions over the relay are not built yet"),
+    (["sync.delta=true", "lora.rank=4", "lora.alpha=8"], "versions after the first are its adapters only already"),
+])
+def test_delta_versions_are_refused_where_they_are_not_built_or_mean_nothing(overrides, message):
+    """A user asking for deltas where they would silently not happen learns it before the run starts."""
+    with pytest.raises(ValueError, match=message):
+        from_hydra(compose(overrides))
+    assert from_hydra(compose(["sync.delta=true"])).sync.delta is True

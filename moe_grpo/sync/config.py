@@ -44,6 +44,20 @@ class SyncConfig:
     the time per token of merged weights (tools/bench_lora_apply.py), merging serves routed-expert adapters, and
     both match the learner's log-probs to within 1e-6 (tests/rollout/test_lora_*.py)."""
 
+    delta: bool = False
+    """After a full first version, send each version as the elements whose value in the engine's dtype changed
+    (`sync/delta.py`): engines reload only the tensors that changed, a routed expert no step touched costs nothing.
+    Exact: engines hold bit for bit what a full version gives. Pays off with `rollout.dtype=bfloat16`, where most
+    small updates do not move a bf16 value; in float32 nearly every element changes every step and versions fall
+    back to full (`delta_max_fraction`). Off by default until measured on a real model. Shared memory and
+    `cuda_ipc` only: the relay and LoRA runs (whose versions are adapters already) refuse it."""
+    delta_max_fraction: float = 0.5
+    """A learner rank sends its shards whole when their encoded delta would exceed this fraction of their bytes."""
+    full_every: int = 0
+    """With `delta`: every this many versions, a full version that every engine reloads whole (a bound on how
+    long a corrupted engine buffer could go unnoticed); 0 = only when needed (the first version, after a failed
+    publish, an engine whose chain of changes is not known)."""
+
     def __post_init__(self) -> None:
         if self.transport not in TRANSPORTS:
             raise refuse("sync.transport", self.transport, f"one of {', '.join(TRANSPORTS)}")
@@ -51,3 +65,9 @@ class SyncConfig:
             raise refuse("sync.lora_apply", self.lora_apply, f"one of {', '.join(LORA_APPLY)}")
         at_least("sync.slots", self.slots, 1)
         positive("sync.relay_timeout_s", self.relay_timeout_s)
+        if not 0.0 < self.delta_max_fraction <= 1.0:
+            raise refuse("sync.delta_max_fraction", self.delta_max_fraction, "a fraction in (0, 1]")
+        at_least("sync.full_every", self.full_every, 0)
+        if self.delta and self.transport == "relay":
+            raise refuse("sync.delta", self.delta, "false with sync.transport=relay (delta versions over the relay "
+                         "are not built yet)")
