@@ -55,7 +55,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any, Awaitable, Sequence
+from typing import Any, Awaitable, Collection, Sequence
 
 import numpy as np
 
@@ -514,16 +514,21 @@ class VllmEngine:
                 state.update(stack.enter_context(open_bucket(source)))
             return self._served.prepare(version, state=state, spec=self.spec, lora=self.lora)
 
-    def _apply_published(self, slot: str, plan: Any, sources: list[dict] | None, version: int) -> Awaitable[None]:
+    def _apply_published(self, slot: str, plan: Any, sources: list[dict] | None, version: int,
+                         only: Collection[str] | None = None) -> Awaitable[None]:
         """The coroutine that makes the engine serve a published version: the buckets the receiver describes in
-        `sources` (`bucket_sources`), or with None the shared-memory files of `slot`."""
-        source = (slot, plan, sources)  # what a rollback or restart re-reads
+        `sources` (`bucket_sources`), or with None the shared-memory files of `slot`; `only`: just those tensors."""
+        source = (slot, plan, sources)  # what a rollback or restart re-reads: always the whole version
         if sources is None:
             from moe_grpo.sync.transport import shm_bucket_sources
 
             sources = shm_bucket_sources(slot, plan)
         if self._served is not None:
             return self._serve(self._published_adapter(plan, sources, version), version, source)
+        if only is not None:
+            from moe_grpo.sync.transport import sources_of
+
+            sources = sources_of(sources, only)
         return self._load(self._bucket_rpcs(plan, sources), version, source)
 
     def _adapter_rpcs(self, sources: list[dict], scale: float) -> list[tuple[str, tuple]]:
@@ -920,9 +925,10 @@ class VllmEngine:
                 os.unlink(p)
 
     def load_published(self, slot: str, plan: Any, version: int, *, sources: list[dict] | None = None,
-                       timeout_s: float | None = 120.0) -> None:
+                       only: Collection[str] | None = None, timeout_s: float | None = 120.0) -> None:
         """Apply a whole published version (the buckets the receiver describes in `sources`, read without a copy;
-        None: the shared-memory files of `slot`) or none of it.
+        None: the shared-memory files of `slot`) or none of it. `only`: the HF tensors that differ from the
+        version served (a delta version, `sync/delta.py`): only those are reloaded, the rest already hold it.
 
         Requests in flight are paused (or aborted and resubmitted, `on_update`)
         while every bucket is reloaded; if one fails, the engine re-applies the
@@ -935,7 +941,8 @@ class VllmEngine:
         if not process_alive(self.worker_pid):
             raise EngineError(f"engine {self.engine_id}: process {self.worker_pid} is dead (version {version} not sent)")
         try:
-            self._call(self._apply_published(slot, plan, sources, version), f"load of version {version}", timeout_s)
+            self._call(self._apply_published(slot, plan, sources, version, only), f"load of version {version}",
+                       timeout_s)
         except Exception as e:
             if self._served is not None and not self.closing:  # nothing served changed: no rollback
                 raise EngineError(f"engine {self.engine_id}: loading version {version} failed ({e}); still serving "

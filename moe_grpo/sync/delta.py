@@ -182,16 +182,28 @@ def apply_changes(views: dict[str, torch.Tensor], changes: Iterable[EntryChange]
     return n
 
 
-def experts_unchanged(names: set[str], all_names: Iterable[str]) -> int:
-    """Routed experts (HF `...layers.L.mlp.experts.E.`) of `all_names` none of whose tensors is in `names`."""
-    experts, changed = set(), set()
-    for n in all_names:
+def expert_bitmaps(names: Iterable[str]) -> dict[int, int]:
+    """Per MoE layer, a bitmap of the routed experts (bit e: expert e) that have a tensor in `names`."""
+    out: dict[int, int] = {}
+    for n in names:
         m = _EXPERT.match(n)
         if m:
-            experts.add(m.group(1))
-            if n in names:
-                changed.add(m.group(1))
-    return len(experts - changed)
+            out[int(m.group(2))] = out.get(int(m.group(2)), 0) | (1 << int(m.group(3)))
+    return out
+
+
+def experts_unchanged(held: Sequence[dict[int, int]], changed: Sequence[dict[int, int]]) -> int:
+    """Experts some rank holds (`held`: each rank's `expert_bitmaps` of its tensors) that no rank changed.
+
+    Bitmaps, not names, cross from the ranks: one bit per expert per layer, and an expert split over several
+    ranks (expert TP) is counted once."""
+    held_all: dict[int, int] = {}
+    changed_all: dict[int, int] = {}
+    for maps, into in ((held, held_all), (changed, changed_all)):
+        for m in maps:
+            for layer, bitmap in m.items():
+                into[int(layer)] = into.get(int(layer), 0) | int(bitmap)
+    return sum(bin(bitmap & ~changed_all.get(layer, 0)).count("1") for layer, bitmap in held_all.items())
 
 
 class DeltaTracker:

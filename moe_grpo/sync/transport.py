@@ -39,7 +39,7 @@ import tempfile
 import time
 import warnings
 from pathlib import Path
-from typing import Iterator, Protocol
+from typing import Collection, Iterator, Protocol
 
 import torch
 
@@ -88,6 +88,18 @@ def shm_bucket_sources(slot: str, plan: BucketPlan) -> list[dict]:
     """Each bucket of a shared-memory slot as an engine's worker opens it: its file, size, dtype and tensors."""
     return [{"kind": "shm", "path": bucket_path(slot, b.index), "nbytes": b.nbytes, "dtype": plan.dtype,
              "entries": [(e.name, list(e.shape), e.offset) for e in b.entries]} for b in plan.buckets]
+
+
+def sources_of(sources: list[dict], names: Collection[str]) -> list[dict]:
+    """The bucket sources (`bucket_sources`) cut down to the tensors in `names` (buckets left with none dropped):
+    what an engine reloads of a delta version."""
+    keep = set(names)
+    out = []
+    for source in sources:
+        entries = [e for e in source["entries"] if e[0] in keep]
+        if entries:
+            out.append({**source, "entries": entries})
+    return out
 
 
 def default_root() -> str:
@@ -374,9 +386,16 @@ class SharedMemoryTransport:
         for old in versions[: max(0, len(versions) - CHANGE_LOG)]:
             (log / f"v{old}.r{int(rank)}.json").unlink(missing_ok=True)
 
-    def changed_since(self, served: int, version: int, world: int) -> set[str] | None:
-        """HF names of the tensors any of `world` ranks changed between `served` and `version`; None when that is
-        not known (a link missing from the log, or a version that changed everything): reload everything."""
+    def changed_since(self, served: int, version: int, world: int | None = None) -> set[str] | None:
+        """HF names of the tensors any of `world` ranks (None: the ranks that wrote `version` here) changed between
+        `served` and `version`; None when that is not known (a link missing from the log, or a version that
+        changed everything): reload everything."""
+        if world is None:
+            slot = self.find(version)
+            info = self._slot_info(Path(slot)) if slot else None
+            if info is None:
+                return None
+            world = int(info["world"])
         out: set[str] = set()
         for rank in range(world):
             at = version

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from moe_grpo.sync.delta import (DeltaHistory, DeltaTracker, EntryChange, VersionDelta, apply_changes, decode,
-                                 encode, encoded_bytes, experts_unchanged)
+                                 encode, encoded_bytes, expert_bitmaps,
+                                 experts_unchanged)
 from moe_grpo.sync.plan import ALIGN, Bucket, BucketEntry, BucketPlan
 
 FULL = {"layers.0.self_attn.qkv.weight": (6, 4), "layers.0.mlp.experts.0.up.weight": (8, 3),
@@ -151,9 +152,13 @@ def test_a_chain_brings_an_older_buffer_forward_only_through_versions_it_knows()
     assert [d.version for d in history.chain(6, 9)] == [7, 9]
 
 
-def test_experts_unchanged_counts_experts_none_of_whose_tensors_changed() -> None:
-    names = [f"model.layers.{l}.mlp.experts.{e}.{p}.weight" for l in (0, 1) for e in range(4) for p in ("up_proj", "down_proj")]
-    names.append("model.embed_tokens.weight")
-    changed = {"model.layers.0.mlp.experts.1.up_proj.weight", "model.layers.1.mlp.experts.3.down_proj.weight",
-               "model.embed_tokens.weight"}
-    assert experts_unchanged(changed, names) == 6
+def test_experts_unchanged_counts_experts_no_rank_changed_once_each_even_when_split_over_ranks() -> None:
+    """`sync/experts_unchanged`: an expert whose tensors two expert-TP ranks hold must be counted once, and a
+    change on either rank makes it changed."""
+    names = [f"model.layers.{l}.mlp.experts.{e}.{p}.weight" for l in (0, 1) for e in range(4)
+             for p in ("up_proj", "down_proj")]
+    held = [expert_bitmaps(names + ["model.embed_tokens.weight"]), expert_bitmaps(names)]  # two ETP ranks
+    changed = [expert_bitmaps({"model.layers.0.mlp.experts.1.up_proj.weight", "model.embed_tokens.weight"}),
+               expert_bitmaps({"model.layers.1.mlp.experts.3.down_proj.weight"})]
+    assert experts_unchanged(held, changed) == 6
+    assert experts_unchanged(held, []) == 8

@@ -5,7 +5,7 @@ import torch
 
 from layout_scenarios import tiny_spec
 from moe_grpo.sync.plan import plan_buckets
-from moe_grpo.sync.transport import CHANGE_LOG, SharedMemoryTransport
+from moe_grpo.sync.transport import CHANGE_LOG, SharedMemoryTransport, sources_of
 
 
 def _publish(transport: SharedMemoryTransport, version: int, plan, world: int = 1) -> str:
@@ -53,3 +53,15 @@ def test_changed_since_unites_every_ranks_changes_along_the_chain_and_knows_when
         transport.log_changes(v, 0, v - 1, [f"t{v}"])
     assert transport.changed_since(3, 4 + CHANGE_LOG, world=1) is None  # older than the log keeps
     assert transport.changed_since(10, 12, world=1) == {"t11", "t12"}
+
+
+def test_an_engine_behind_by_a_delta_gets_only_the_changed_tensors_of_each_bucket(tmp_path) -> None:
+    transport = SharedMemoryTransport(str(tmp_path / "sync"))
+    plan = plan_buckets(tiny_spec(), torch.bfloat16, 1 << 16)
+    sources = transport.bucket_sources(str(tmp_path / "slot0"), plan)
+    last = plan.buckets[-1].entries[-1].name
+    first = plan.buckets[0].entries[0].name
+    cut = sources_of(sources, {first, last})
+    assert [[e[0] for e in s["entries"]] for s in cut] == [[first], [last]]
+    assert cut[0]["path"] == sources[0]["path"] and cut[1]["path"] == sources[-1]["path"]
+    assert sources_of(sources, set()) == []
