@@ -32,6 +32,7 @@ class LearnerWorker:
         torch.set_num_threads(max(1, len(cpus) if cpus else int(run.cluster.learner_cpus)))
         from moe_grpo.learner.megatron_learner import MegatronLearner
         from moe_grpo.learner.parallel import ranks
+        from moe_grpo.sync.dtypes import version_dtype
         from moe_grpo.sync.transports import make_publisher
         from moe_grpo.sync.weight_sync import WeightSync
 
@@ -42,7 +43,9 @@ class LearnerWorker:
             self.learner.load_checkpoint(run.init.megatron)
         if run.init.adapter:  # a PEFT adapter; every rank takes its shard
             self.learner.load_adapter(run.init.adapter)
-        self.sync = WeightSync(self.learner, make_publisher(sync, rank))
+        # Versions travel in the engines' dtype; this rank casts its shards as it writes them.
+        self.sync = WeightSync(self.learner, make_publisher(sync, rank),
+                               dtype=version_dtype(run.rollout.dtype, run.lora))
         self.loss = run.algo.token_loss(run.rollout.max_tokens)
         self.ranks = ranks()
         self.rank = rank

@@ -16,7 +16,7 @@ Learner rank (the pipeline stage that needs most):
 - the mismatch probe (on by default: `routing.probe_prompts > 0` and `routing.probe_every > 0`): `PROBE_SNAPSHOTS`
   copies of the rank's weights, the published versions `MegatronLearner.snapshot_weights` keeps until an engine's
   samples of them come back.
-- `sync.transport=cuda_ipc`: `sync.slots` whole versions of the model, in `megatron.params_dtype`, as CUDA buffers
+- `sync.transport=cuda_ipc`: `sync.slots` whole versions of the model, in the engines' dtype, as CUDA buffers
   owned by learner rank 0 (sync/cuda_ipc.py), on the first pipeline stage's rank 0 only.
 - activations, per micro-batch and layer, from Korthikanti et al. 2022 ("Reducing Activation Recomputation in
   Large Transformer Models"): 34·s·b·h bytes at 2-byte activations with flash attention, divided by TP with
@@ -139,6 +139,8 @@ class TrainingShape:
     cuda_ipc_slots: int = 0
     """Whole versions `sync.transport=cuda_ipc` keeps in rank 0's GPU memory (`sync.slots`); 0 for other
     transports."""
+    sync_dtype: str = "float32"
+    """What a version travels in (sync/dtypes.py `version_dtype`): the size of each cuda_ipc slot's elements."""
 
 
 def rank_memory(spec: MoEModelSpec, counts: ParamCounts, tp: int, pp: int, ep: int, dp: int,
@@ -184,7 +186,8 @@ def rank_memory(spec: MoEModelSpec, counts: ParamCounts, tp: int, pp: int, ep: i
         if stage == pp - 1:
             activations += 8 * tokens * spec.vocab_size / tp
         probe = PROBE_SNAPSHOTS * params * wbytes if shape.probe else 0
-        sync_slots = shape.cuda_ipc_slots * counts.total * wbytes if stage == 0 else 0
+        sbytes = DTYPE_BYTES[shape.sync_dtype]
+        sync_slots = shape.cuda_ipc_slots * counts.total * sbytes if stage == 0 else 0
         memory = RankMemory(
             stage=stage, params=int(params), weights=int(params * wbytes), grads=int(params * gbytes),
             optimizer=int(opt_dense + opt_experts), reference=int(params * wbytes) if shape.kl_reference else 0,
@@ -200,7 +203,8 @@ def rank_memory(spec: MoEModelSpec, counts: ParamCounts, tp: int, pp: int, ep: i
                      + (f"; mismatch probe: {PROBE_SNAPSHOTS} copies of the weights" if shape.probe else
                         "; mismatch probe off (routing.probe_prompts=0 or routing.probe_every=0): no copies")
                      + (f"; sync.transport=cuda_ipc: {shape.cuda_ipc_slots} whole-model slots "
-                        f"({_count(counts.total)} parameters x {wbytes} bytes each) on rank 0" if sync_slots else "")))
+                        f"({_count(counts.total)} parameters x {sbytes} bytes each, {shape.sync_dtype}) on rank 0"
+                        if sync_slots else "")))
         if best is None or memory.total > best.total:
             best = memory
     assert best is not None

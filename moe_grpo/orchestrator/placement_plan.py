@@ -9,7 +9,8 @@ host, orchestrator/cluster_env.py). It decides
 - each engine's node and tensor parallelism, each learner rank's node and Megatron coordinates (TP, PP, DP, EP and
   expert DP, in megatron-core 0.16.1's default order tp-cp-ep-dp-pp);
 - the bytes a weight sync moves per engine host (every engine host receives the whole model once per version, in
-  the learner's parameter dtype), and each pool's memory estimate (orchestrator/memory_estimate.py);
+  the engines' dtype: sync/dtypes.py `version_dtype`), and each pool's memory estimate
+  (orchestrator/memory_estimate.py);
 - under SLURM, a run checkpoint's size and write time beside `--signal`'s warning time, with a warning when it does
   not fit (orchestrator/checkpoint_time.py);
 
@@ -34,6 +35,7 @@ from moe_grpo.orchestrator.cluster_env import (NodeFacts, RunCommand, local_fact
                                                signal_warning_s, slurm_facts)
 from moe_grpo.orchestrator.memory_estimate import (DTYPE_BYTES, GIB, RESERVED_GIB, EngineMemory, RankMemory,
                                                    TrainingShape, engine_memory, rank_memory)
+from moe_grpo.sync.dtypes import version_dtype
 
 
 class PlanRefused(ValueError):
@@ -296,7 +298,7 @@ def build_plan(run: Any, environ: Mapping[str, str] | None = None, *, seq_len: i
         ranks.append(RankPlacement(r, pools.rank_nodes[r], tp, pp, dp, ep, edp))
     engines = tuple(EnginePlacement(f"engine{i}", pools.engine_nodes[i], engine_tp, engine_gpus, c.engine_cpus)
                     for i in range(c.num_engines))
-    sync_dtype = run.megatron.params_dtype
+    sync_dtype = version_dtype(run.rollout.dtype, run.lora)
     checkpoint = None
     if c.launcher == "slurm":
         checkpoint = _checkpoint_time(run, counts.total, environ, write_gbps, measure_write, checkpoint_dir, notes)
@@ -544,7 +546,8 @@ def _training_shape(run: Any, layout: Layout, seq_len: int | None, notes: list[s
                          distributed_optimizer=m.distributed_optimizer, recompute=m.recompute,
                          kl_reference=run.algo.kl_coef > 0, micro_batch=rows, seq_len=positions,
                          probe=run.routing.probe_prompts > 0 and run.routing.probe_every > 0,
-                         cuda_ipc_slots=run.sync.slots if run.sync.transport == "cuda_ipc" else 0)
+                         cuda_ipc_slots=run.sync.slots if run.sync.transport == "cuda_ipc" else 0,
+                         sync_dtype=version_dtype(run.rollout.dtype, run.lora))
 
 
 def _memory_refusal(run: Any, total: int, mem: RankMemory, layout: Layout) -> str:
@@ -617,7 +620,7 @@ def dry_run(run: Any) -> int:
 
     import numpy as np
 
-    from moe_grpo.data.prompts import engine_context, prompt_source
+    from moe_grpo.orchestrator.run_prompts import engine_context, prompt_source
     from moe_grpo.data.tokenizer import load_tokenizer
 
     seq_len = run.rollout.max_model_len

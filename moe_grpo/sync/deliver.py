@@ -2,7 +2,7 @@
 
 `apply_version` brings one engine to a version: wait until every learner
 rank has written it, check it against the model the engine serves (name,
-shape, element count; with LoRA the adapters' rank, alpha, targets and
+dtype, shape, element count; with LoRA the adapters' rank, alpha, targets and
 shapes - before anything is applied), pin its buffers, and
 let the engine load all of it or roll back. The engine's workers get what
 the transport describes for each bucket (`bucket_sources`: a mapped file, a
@@ -31,7 +31,7 @@ def apply_version(engine: Any, transport: WeightReceiver, version: int, *, timeo
         raise SyncError(f"{who} already serves version {engine.policy_version}; refused version {version}")
     slot, plan = transport.wait_complete(version, timeout_s)
     try:
-        check_plan(plan, engine.spec, getattr(engine, "lora", None))
+        check_plan(plan, engine.spec, getattr(engine, "lora", None), engine_dtype=engine.dtype)
     except ValueError as e:
         raise SyncError(f"{who} refused version {version}: {e}") from e
     serving = {engine.weight_source[0]: engine.policy_version} if isinstance(engine.weight_source, tuple) else {}

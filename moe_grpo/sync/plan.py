@@ -12,6 +12,10 @@ With LoRA (`lora.rank > 0`) a plan also says which adapters it carries
 plus the adapters (A and B of every adapted HF module, whole, PEFT's names:
 `base_model.model.<HF module>.lora_{A,B}.weight`), an *adapter* version the
 adapters only. Router weights are never adapters (the router is frozen).
+
+A version travels in the engines' dtype (`dtypes.version_dtype`: `rollout.dtype`, float32 with LoRA): the learner
+casts its shards while writing them into the buckets, and an engine refuses a version in any other dtype
+(`check_plan`).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import torch
 
 from moe_grpo.models.hf_names import hf_shapes, layer_groups, param_mappings
 from moe_grpo.models.spec import MoEModelSpec
+from moe_grpo.sync.dtypes import version_dtype
 
 ALIGN = 64
 """Every tensor starts on a 64-byte boundary (a cache line): copies into the bucket run at full speed."""
@@ -182,11 +187,15 @@ def plan_buckets(spec: MoEModelSpec, dtype: torch.dtype | str, max_bucket_bytes:
     return BucketPlan(spec.name, name, tuple(buckets), lora_plan)
 
 
-def check_plan(plan: BucketPlan, spec: MoEModelSpec, lora: Any = None) -> None:
-    """Raise ValueError naming the first thing where `plan` and the engine's model `spec` (and its `lora`, a
-    LoraConfig or None) disagree: model name, adapter rank / alpha / targets, tensor names and shapes."""
+def check_plan(plan: BucketPlan, spec: MoEModelSpec, lora: Any = None, engine_dtype: str | None = None) -> None:
+    """Raise ValueError naming the first thing where `plan` and the engine's model `spec` (its `lora`, a
+    LoraConfig or None, and its `engine_dtype`, the dtype it serves; None: not checked) disagree: model name,
+    dtype (`version_dtype`), adapter rank / alpha / targets, tensor names and shapes."""
     if plan.model != spec.name:
         raise ValueError(f"sync is for model {plan.model!r}, the engine serves {spec.name!r}")
+    if engine_dtype is not None and plan.dtype != (want := version_dtype(engine_dtype, lora)):
+        raise ValueError(f"the version is in {plan.dtype}, the engine serves {engine_dtype} and takes versions in "
+                         f"{want}" + (" (LoRA versions travel in float32)" if want != engine_dtype else ""))
     serving = lora is not None and lora.enabled
     if plan.lora is not None and not serving:
         raise ValueError(f"the version carries LoRA adapters (rank {plan.lora.rank}), the engine was started "

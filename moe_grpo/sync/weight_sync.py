@@ -17,6 +17,11 @@ adapters) and every later one an *adapter* version: the adapters only (A and
 B of every adapted HF module, PEFT names; `plan.py`), each rank writing its
 own adapter shards (`adapter_gather.py`). The base is frozen, so it is sent
 once per learner.
+
+A version travels in the engines' dtype (`dtype`: a run passes
+`plan.version_dtype(rollout.dtype, lora)`): each rank casts its shards as it
+writes them into the buckets (`dst.copy_(src)`), so nothing else holds a cast
+copy and the learner's own weights (fp32 master weights included) are untouched.
 """
 
 from __future__ import annotations
@@ -82,11 +87,15 @@ class WeightSync:
     """Publishes the learner's weights as policy versions through a transport."""
 
     def __init__(self, learner: Any, transport: WeightTransport | None = None, *,
-                 max_bucket_bytes: int = 256 << 20, claim_timeout_s: float = 60.0) -> None:
+                 max_bucket_bytes: int = 256 << 20, claim_timeout_s: float = 60.0,
+                 dtype: torch.dtype | str | None = None) -> None:
+        """`dtype`: what versions travel in, the engines' (`plan.version_dtype(rollout.dtype, lora)`); None: the
+        learner's parameter dtype (tools and tests that publish without engines)."""
         self.learner = learner
         self.transport = transport if transport is not None else SharedMemoryTransport()
         self.claim_timeout_s = claim_timeout_s
-        dtype = next(learner.module.parameters()).dtype
+        if dtype is None:
+            dtype = next(learner.module.parameters()).dtype
         lora = getattr(learner, "lora", None) if getattr(learner, "adapters", None) else None
         base = local_shard_writes(learner)
         adapters = local_adapter_writes(learner) if lora is not None else []
@@ -112,7 +121,9 @@ class WeightSync:
         """Whether this rank writes into its host's buffers, and where its shards go besides (transports.py)."""
         self._pending: SyncHandle | None = None
         self._bound: dict[tuple[str, Any], tuple[int, BoundCopy]] = {}
-        self._sizes = {**_sizes(self.writes), **{("adapter", i): v for i, v in _sizes(self.adapter_writes).items()}}
+        item = self.plan.torch_dtype.itemsize
+        self._sizes = {**_sizes(self.writes, item),
+                       **{("adapter", i): v for i, v in _sizes(self.adapter_writes, item).items()}}
         """Per bucket: (elements, bytes) this rank writes (adapter-only buckets under ("adapter", index))."""
         learner.before_update.append(self._wait_pending)
 
@@ -192,10 +203,9 @@ def _by_bucket(plan: BucketPlan, writes: list[ShardWrite]) -> dict[int, list[Sha
     return out
 
 
-def _sizes(writes: dict[int, list[ShardWrite]]) -> dict[int, tuple[int, int]]:
-    """Per bucket: (elements, bytes) of the writes."""
-    return {i: (sum(w.source.numel() for w in ws), sum(w.source.numel() * w.source.element_size() for w in ws))
-            for i, ws in writes.items()}
+def _sizes(writes: dict[int, list[ShardWrite]], item: int) -> dict[int, tuple[int, int]]:
+    """Per bucket: (elements, bytes) of the writes, at `item` bytes per element (the version's dtype)."""
+    return {i: (n := sum(w.source.numel() for w in ws), n * item) for i, ws in writes.items()}
 
 
 def _copy_stream(writes: dict[int, list[ShardWrite]]) -> "torch.cuda.Stream | None":
@@ -212,6 +222,9 @@ def _copy_stream(writes: dict[int, list[ShardWrite]]) -> "torch.cuda.Stream | No
 
 class BoundCopy:
     """`dst.copy_(src)` for fixed pairs; device-to-device pairs of one dtype go through fused multi-tensor copies.
+
+    A pair of two dtypes (a version in the engine's dtype, the learner's weights in fp32) is copied on its own:
+    `copy_` casts it (round to nearest even, as `.to(dtype)`).
 
     A bucket holds hundreds of small tensors (every expert's weights); one kernel
     launch each would cost more than the bytes (about 5 us per launch vs 1 us per

@@ -369,3 +369,22 @@ def test_the_write_rate_is_measured_where_the_checkpoints_go_only_when_the_warni
     assert plan_for(["model=qwen3_moe_1b_64e"], {}).checkpoint is None  # a local run: no SLURM time limit
     gbps = measure_write_gbps(str(tmp_path), 16 << 20)
     assert gbps > 0.001 and list(tmp_path.iterdir()) == [], "the measurement leaves nothing behind"
+
+
+def test_a_version_is_sized_in_the_engines_dtype():
+    """Would have caught: the weight-sync line, `sync_bytes` and the cuda_ipc slots sized in the learner's parameter
+    dtype (float32 on CPU) while bf16 engines receive versions in bf16 - twice the bytes a user reads."""
+    bf16 = build_plan(run_config(["rollout.dtype=bfloat16"]), {}, seq_len=32)
+    assert ("weight sync: 1.74 MB per version (871,296 parameters x 2 bytes, bfloat16) through shared memory on the "
+            "learner's host") in bf16.render()
+    assert bf16.sync_bytes == 871_296 * 2
+    fp32 = build_plan(run_config([]), {}, seq_len=32)
+    assert "weight sync: 3.49 MB per version (871,296 parameters x 4 bytes, float32)" in fp32.render()
+    # LoRA versions stay float32 whatever the engines serve (sync/dtypes.py says why).
+    lora = build_plan(run_config(["rollout.dtype=bfloat16", "lora.rank=4"]), {}, seq_len=32)
+    assert lora.sync_dtype == "float32"
+    # An fp32 GPU learner feeding bf16 engines through cuda_ipc keeps sync.slots versions of 2 bytes per parameter.
+    ipc = plan_for(["model=qwen3_moe_1b_64e", "cluster=slurm", "rollout.dtype=bfloat16", "sync.transport=cuda_ipc",
+                    "cluster.num_engines=2", "routing.probe_prompts=0"], slurm_env("gpu07", 1))
+    assert ipc.rank_memory.sync_slots == 2 * ipc.total_params * 2 == 2 * ipc.sync_bytes
+    assert "2 whole-model slots (1.58B parameters x 2 bytes each, bfloat16) on rank 0" in ipc.render()
