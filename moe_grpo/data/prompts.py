@@ -1,6 +1,6 @@
 """Where the driver's prompts come from: the built-in task's generator or a dataset's rows, one interface.
 
-`prompt_source(run, tokenizer, rng)` returns a `PromptSource`: `take(n)` gives
+A `PromptSource` (`orchestrator/run_prompts.py` builds the run's from its config): `take(n)` gives
 the next `n` training prompts as `Example`s (prompt text, token ids, reference
 answer, the row's other fields for the reward), `held_out` the evaluation set,
 `bad_rows` how many dataset rows were skipped.
@@ -8,17 +8,13 @@ answer, the row's other fields for the reward), `held_out` the evaluation set,
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
 
-from moe_grpo.data.dataset import BadRow, Rows, read_rows
+from moe_grpo.data.dataset import BadRow, Rows
 from moe_grpo.data.tasks import Example, eval_examples, make_examples
-
-log = logging.getLogger("moe_grpo")
-
 
 class PromptSource:
     """Training prompts in order, the held-out set, and the dataset rows skipped."""
@@ -116,69 +112,6 @@ class DatasetPrompts(PromptSource):
                              f"{state['rows']}; resume with the same dataset")
         super().load_state_dict(state)
         self._order = list(state.get("order", []))
-
-
-def required_fields(run: Any) -> list[str]:
-    """Fields every row must have: the prompt, and the answer when a built-in reward or a warm start reads it
-    (or the task's format has one: GSM8K)."""
-    fields = [run.data.resolved_prompt_key(run.task.name)]
-    if not run.reward.fn or getattr(run, "warm_start_steps", 0) > 0 or run.task.name == "gsm8k":
-        fields.append(run.data.answer_key)
-    return fields
-
-
-def prompt_source(run: Any, tokenizer: Any, rng: np.random.Generator, run_dir: str | None = None) -> PromptSource:
-    """The run's prompts: `data.train_path` when set, else the built-in task's generator.
-
-    Bad rows are logged with their line numbers and, when `run_dir` is given, listed in `run_dir/bad_rows.txt`."""
-    if not run.data.train_path:
-        return TaskPrompts(run.task, tokenizer, rng)
-    check = _row_check(run)
-    needed = required_fields(run)
-    train = read_rows(run.data.train_path, needed, check)
-    held_out = read_rows(run.data.eval_path, needed, check) if run.data.eval_path else None
-    source = DatasetPrompts(train, held_out, tokenizer, rng, needed[0], run.data.answer_key, run.data.eval_size)
-    log.info("data: %d training rows from %s%s; %d bad row(s) skipped", len(source.train), run.data.train_path,
-             f", {len(source.held_out)} held-out rows from {run.data.eval_path}" if held_out is not None else "",
-             source.bad_rows)
-    if run_dir is not None and source.bad:
-        Path(run_dir, "bad_rows.txt").write_text("".join(f"{b}\n" for b in source.bad))
-    return source
-
-
-def _row_check(run: Any) -> Any:
-    """What makes a row bad beyond a missing field (GSM8K: an answer without a parsable `#### N`), or None."""
-    if run.task.name != "gsm8k":
-        return None
-    from moe_grpo.reward.math_answer import gsm8k_row_problem
-
-    answer_key = run.data.answer_key
-
-    def check(row: dict[str, Any]) -> str | None:
-        return gsm8k_row_problem(row, answer_key)
-
-    return check
-
-
-def held_out_source(run: Any, tokenizer: Any) -> PromptSource:
-    """The held-out set alone, as a training run builds it (what `python -m moe_grpo.evaluate` scores): the rows of
-    `data.eval_path` (at most `data.eval_size`), else the built-in task's held-out set. `run` needs `task`, `data`
-    and `reward`."""
-    if not run.data.eval_path:
-        return TaskPrompts(run.task, tokenizer, np.random.default_rng(0))
-    needed = required_fields(run)
-    rows = read_rows(run.data.eval_path, needed, _row_check(run))
-    return DatasetPrompts(Rows(run.data.eval_path), rows, tokenizer, np.random.default_rng(0), needed[0],
-                          run.data.answer_key, run.data.eval_size)
-
-
-def engine_context(run: Any, source: PromptSource) -> int:
-    """The engines' context (`rollout.max_model_len`, 0 = auto) for this run's prompts; refuses a run whose longest
-    prompt plus `rollout.max_tokens` does not fit, naming the numbers (rollout/context.py)."""
-    from moe_grpo.rollout.context import context_length
-
-    longest, where = source.longest_prompt()
-    return context_length(run.rollout, run.model.max_position_embeddings, longest, where)
 
 
 def group_fields(example: Example, n: int) -> dict[str, list[Any]]:

@@ -1,9 +1,9 @@
 """Score a policy on a held-out set: one greedy completion and `samples` sampled ones per prompt, on one vLLM engine.
 
 Every step is the training run's own code: the policy's model description and tokenizer (as `init.hf` reads them),
-the held-out set (data/prompts.py), the engine's context (rollout/context.py), the engine (rollout/vllm_engine.py),
-greedy sampling (orchestrator/groups.py) and the reward functions and their scoring (reward/). So the greedy
-reward mean of a run's `policy/` is the run's last `eval/reward/mean`.
+the held-out set (orchestrator/run_prompts.py), the engine's context (rollout/context.py), the engine
+(rollout/vllm_engine.py), greedy sampling (orchestrator/groups.py) and the reward functions and their scoring
+(reward/). So the greedy reward mean of a run's `policy/` is the run's last `eval/reward/mean`.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def evaluate(cfg: EvaluateConfig, out_dir: str | Path, *, progress: bool = True)
     from tqdm import tqdm
 
     from moe_grpo.checkpoint.hf_init import InitConfig
-    from moe_grpo.data.prompts import held_out_source
+    from moe_grpo.orchestrator.run_prompts import held_out_source
     from moe_grpo.data.tokenizer import policy_tokenizer
     from moe_grpo.orchestrator.groups import sampling_settings
     from moe_grpo.reward.functions import Rewards

@@ -684,7 +684,7 @@ def train(run: Any, run_dir: str | Path, *, learner_cls: type | None = None) -> 
     import ray
 
     from moe_grpo.checkpoint import hf_init
-    from moe_grpo.data.prompts import engine_context, prompt_source
+    from moe_grpo.orchestrator.run_prompts import engine_context, prompt_source
     from moe_grpo.data.tokenizer import load_tokenizer
     from moe_grpo.orchestrator import run_checkpoint
     from moe_grpo.orchestrator.pools import start_pools, start_ray, stop_pools

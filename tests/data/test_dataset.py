@@ -9,7 +9,7 @@ import pytest
 
 from moe_grpo.config import from_hydra, load_model_spec
 from moe_grpo.data.dataset import read_rows
-from moe_grpo.data.prompts import prompt_source
+from moe_grpo.orchestrator.run_prompts import prompt_source
 from moe_grpo.data.tokenizer import ByteTokenizer
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "checkpoint"))

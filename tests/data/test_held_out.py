@@ -2,7 +2,7 @@
 
 import json
 
-from moe_grpo.data.prompts import held_out_source
+from moe_grpo.orchestrator.run_prompts import held_out_source
 from moe_grpo.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer, policy_tokenizer, write_tokenizer
 from moe_grpo.evaluation.config import EvaluateConfig
 

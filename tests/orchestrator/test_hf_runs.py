@@ -110,7 +110,8 @@ def test_run_from_a_transformers_checkpoint_trains_exports_and_vllm_serves_the_e
         # the run's rewards on its rows: `#### 1,250` is 1250 (plus the user's weighted length penalty)
         import numpy as np
 
-        from moe_grpo.data.prompts import group_fields, prompt_source
+        from moe_grpo.data.prompts import group_fields
+        from moe_grpo.orchestrator.run_prompts import prompt_source
         from moe_grpo.data.tokenizer import HFTokenizer
         from moe_grpo.reward.functions import Rewards
 

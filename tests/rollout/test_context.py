@@ -37,7 +37,7 @@ def test_prompts_plus_max_tokens_that_cannot_fit_are_refused_with_the_numbers():
 def test_a_run_is_refused_before_anything_starts(tmp_path):
     """The run's own path: the prompt source's longest prompt (task.max_len letters, <bos>, marker)."""
     from moe_grpo.config import from_hydra, load_model_spec
-    from moe_grpo.data.prompts import engine_context, prompt_source
+    from moe_grpo.orchestrator.run_prompts import engine_context, prompt_source
     from moe_grpo.data.tokenizer import ByteTokenizer
 
     import dataclasses

@@ -1,0 +1,80 @@
+"""The run's prompts: its dataset or built-in task as a `PromptSource`, checked against the reward and the engines.
+
+Built from the whole run config, so it sits with the orchestrator: which rows are bad depends on the reward (GSM8K's
+`#### N` answer, reward/math_answer.py), and the engines' context on the rollout settings (rollout/context.py);
+moe_grpo/data/ reads rows and makes examples and knows neither.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from moe_grpo.data.dataset import Rows, read_rows
+from moe_grpo.data.prompts import DatasetPrompts, PromptSource, TaskPrompts
+from moe_grpo.reward.math_answer import gsm8k_row_problem
+from moe_grpo.rollout.context import context_length
+
+log = logging.getLogger("moe_grpo")
+
+
+def required_fields(run: Any) -> list[str]:
+    """Fields every row must have: the prompt, and the answer when a built-in reward or a warm start reads it
+    (or the task's format has one: GSM8K)."""
+    fields = [run.data.resolved_prompt_key(run.task.name)]
+    if not run.reward.fn or getattr(run, "warm_start_steps", 0) > 0 or run.task.name == "gsm8k":
+        fields.append(run.data.answer_key)
+    return fields
+
+
+def prompt_source(run: Any, tokenizer: Any, rng: np.random.Generator, run_dir: str | None = None) -> PromptSource:
+    """The run's prompts: `data.train_path` when set, else the built-in task's generator.
+
+    Bad rows are logged with their line numbers and, when `run_dir` is given, listed in `run_dir/bad_rows.txt`."""
+    if not run.data.train_path:
+        return TaskPrompts(run.task, tokenizer, rng)
+    check = _row_check(run)
+    needed = required_fields(run)
+    train = read_rows(run.data.train_path, needed, check)
+    held_out = read_rows(run.data.eval_path, needed, check) if run.data.eval_path else None
+    source = DatasetPrompts(train, held_out, tokenizer, rng, needed[0], run.data.answer_key, run.data.eval_size)
+    log.info("data: %d training rows from %s%s; %d bad row(s) skipped", len(source.train), run.data.train_path,
+             f", {len(source.held_out)} held-out rows from {run.data.eval_path}" if held_out is not None else "",
+             source.bad_rows)
+    if run_dir is not None and source.bad:
+        Path(run_dir, "bad_rows.txt").write_text("".join(f"{b}\n" for b in source.bad))
+    return source
+
+
+def _row_check(run: Any) -> Any:
+    """What makes a row bad beyond a missing field (GSM8K: an answer without a parsable `#### N`), or None."""
+    if run.task.name != "gsm8k":
+        return None
+    answer_key = run.data.answer_key
+
+    def check(row: dict[str, Any]) -> str | None:
+        return gsm8k_row_problem(row, answer_key)
+
+    return check
+
+
+def held_out_source(run: Any, tokenizer: Any) -> PromptSource:
+    """The held-out set alone, as a training run builds it (what `python -m moe_grpo.evaluate` scores): the rows of
+    `data.eval_path` (at most `data.eval_size`), else the built-in task's held-out set. `run` needs `task`, `data`
+    and `reward`."""
+    if not run.data.eval_path:
+        return TaskPrompts(run.task, tokenizer, np.random.default_rng(0))
+    needed = required_fields(run)
+    rows = read_rows(run.data.eval_path, needed, _row_check(run))
+    return DatasetPrompts(Rows(run.data.eval_path), rows, tokenizer, np.random.default_rng(0), needed[0],
+                          run.data.answer_key, run.data.eval_size)
+
+
+def engine_context(run: Any, source: PromptSource) -> int:
+    """The engines' context (`rollout.max_model_len`, 0 = auto) for this run's prompts; refuses a run whose longest
+    prompt plus `rollout.max_tokens` does not fit, naming the numbers (rollout/context.py)."""
+    longest, where = source.longest_prompt()
+    return context_length(run.rollout, run.model.max_position_embeddings, longest, where)
