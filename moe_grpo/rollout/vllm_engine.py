@@ -860,6 +860,10 @@ class VllmEngine:
         """Routing buffers the worker holds (requests not yet finished); 0 when idle."""
         return int(self._rpc("moe_grpo_num_routing_buffers")[0])
 
+    def weight_digests(self) -> dict[str, str]:
+        """sha256 of each tensor the (first) worker serves from, by vLLM's parameter name: equal digests, equal bits."""
+        return dict(self._rpc("moe_grpo_weight_digests")[0])
+
     # ------------------------------------------------------------------ weights
     async def _load(self, rpcs: list[tuple[str, tuple]], version: int, source: Any) -> None:
         """Pause between forward passes, run the reload calls, stamp `version`, resume.

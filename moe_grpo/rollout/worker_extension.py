@@ -201,6 +201,18 @@ class RoutingCaptureExtension:
             self.reload_weights(weights_iterator=iter(list(tensors.items())))  # type: ignore[attr-defined]
             return len(tensors)
 
+    def moe_grpo_weight_digests(self) -> dict[str, str]:
+        """sha256 of every parameter and buffer of the served model, as vLLM holds them (fused, repacked): two
+        loads that leave the same bits give the same digests."""
+        import hashlib
+
+        import torch
+
+        model = self.model_runner.get_model()  # type: ignore[attr-defined]
+        tensors = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+        return {name: hashlib.sha256(t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
+                                     ).hexdigest() for name, t in tensors.items()}
+
     # ---------------------------------------------------------------- LoRA, merged (rollout/lora_merge.py)
     def moe_grpo_lora_setup(self, adapted: list[str], model_dir: str) -> int:
         """Merge mode: keep an exact copy of W0 of every `adapted` HF weight, read from the model directory the

@@ -129,3 +129,62 @@ def test_an_fp32_cuda_learner_publishes_bf16_through_cuda_ipc(tmp_path):
             assert got[name].dtype == torch.bfloat16 and torch.equal(got[name].cpu(), t.to(torch.bfloat16)), name
     finally:
         transport.close()
+
+
+def publish_bf16_and_keep_fp32(root: str, version: int, weights_file: str) -> None:
+    """A float32 learner publishes `version` for bf16 engines and writes its float32 weights (HF names) to a file."""
+    from safetensors.torch import save_file
+
+    from moe_grpo.learner.megatron_learner import LearnerConfig, MegatronLearner
+    from moe_grpo.rollout.export import hf_state_from_megatron
+    from moe_grpo.sync.transport import SharedMemoryTransport
+    from moe_grpo.sync.weight_sync import WeightSync
+
+    learner = MegatronLearner(tiny_spec(), config=LearnerConfig(seed=11))
+    WeightSync(learner, SharedMemoryTransport(root), max_bucket_bytes=1 << 20, dtype="bfloat16").sync(version).wait()
+    save_file(hf_state_from_megatron(learner.spec, dict(learner.module.state_dict())), weights_file)
+
+
+@pytest.mark.vllm
+@pytest.mark.multiprocess
+def test_a_bf16_engine_after_a_sync_holds_the_weights_cast_to_bf16_bit_for_bit(tmp_path):
+    """A bf16 engine refuses a float32 version (nothing applied), takes the learner's bf16 version, and then holds,
+    tensor by tensor (sha256 of vLLM's own parameters), what loading the learner's float32 weights cast to bf16 from
+    a file gives. Would have caught: a float32 version served to a bf16 engine, a version that leaves any tensor
+    unapplied, or a cast on the learner's side that differs from `.to(bfloat16)`."""
+    from safetensors.torch import load_file
+
+    from moe_grpo.rollout.export import export_model_dir
+    from moe_grpo.rollout.vllm_engine import VllmEngine
+    from moe_grpo.sync.deliver import apply_version
+    from moe_grpo.sync.transport import SharedMemoryTransport, SyncError
+    from publishing import publish_version
+
+    spec = tiny_spec()
+    weights_file = str(tmp_path / "learner.safetensors")
+    run_distributed(publish_bf16_and_keep_fp32, 1, str(tmp_path / "bf16"), 2, weights_file)
+    learner_fp32 = load_file(weights_file)
+    g = torch.Generator().manual_seed(3)
+    other = {k: t + 0.3 * t.abs().mean().clamp_min(1e-3) * torch.randn(t.shape, generator=g)
+             for k, t in learner_fp32.items()}  # the engine starts on weights the learner does not hold
+    engine = VllmEngine(export_model_dir(spec, other, tmp_path / "model"), spec, max_model_len=128, max_num_seqs=4,
+                        dtype="bfloat16")
+    transport, fp32_transport = SharedMemoryTransport(str(tmp_path / "bf16")), SharedMemoryTransport(str(tmp_path / "fp32"))
+    try:
+        started = engine.weight_digests()
+        publish_version(fp32_transport, 1, spec, tensors=learner_fp32)
+        with pytest.raises(SyncError, match=rf"engine {engine.engine_id} refused version 1: the version is in "
+                                            "float32, the engine serves bfloat16"):
+            apply_version(engine, fp32_transport, 1)
+        assert engine.policy_version == 0 and engine.weight_digests() == started
+        apply_version(engine, transport, 2)
+        synced = engine.weight_digests()
+        assert engine.policy_version == 2 and synced != started
+        engine.load_weights({k: t.to(torch.bfloat16) for k, t in learner_fp32.items()}, 3)
+        loaded = engine.weight_digests()
+        assert [n for n in loaded if loaded[n] != synced[n]] == []
+    finally:
+        engine.shutdown()
+        transport.unpin(engine.engine_id)
+        transport.close()
+        fp32_transport.close()
