@@ -32,7 +32,8 @@ class RolloutConfig:
     max_num_seqs: int = 256
     """Sequences an engine batches at once."""
     dtype: str = "float32"
-    """Engine weights' dtype ('float32' or 'bfloat16')."""
+    """Engine weights' dtype ('float32' or 'bfloat16'). Weight versions travel in it (the learner casts its shards
+    as it publishes; with LoRA they stay float32: sync/dtypes.py `version_dtype`)."""
     kv_cache_gib: int = 1
     """KV cache per engine on CPU (GiB)."""
     request_timeout_s: float = 120.0
