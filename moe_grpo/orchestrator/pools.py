@@ -179,6 +179,19 @@ def _rendezvous(single_host: bool) -> tuple[str, int]:
     return ("127.0.0.1" if single_host else ray.util.get_node_ip_address()), free_port()
 
 
+def rendezvous(strategy: Any) -> tuple[str, int]:
+    """`_rendezvous` for the node of learner rank 0's bundle (`strategy` places a task there).
+
+    On a one-node cluster that node is this driver's own (a driver that joins by address runs on a node of the
+    cluster), so the driver picks the loopback port itself: a Ray task would first need a worker process of this
+    job (a Python start and Ray's import, 1.5-2.5 s on 2 cores) before any actor of the run is asked for."""
+    import ray
+
+    if single_host():
+        return _rendezvous(True)
+    return ray.get(ray.remote(num_cpus=0)(_rendezvous).options(scheduling_strategy=strategy).remote(False))
+
+
 def single_host() -> bool:
     """Whether the Ray cluster is this one machine (then every run port binds to loopback)."""
     import ray
@@ -240,8 +253,12 @@ def _start_actors(run: Any, run_dir: str, pg: Any, layout: Any, agents: list[Any
     def at(i: int) -> Any:
         return PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=i)
 
-    addr, port = ray.get(ray.remote(num_cpus=0)(_rendezvous).options(scheduling_strategy=at(c.num_engines))
-                         .remote(single_host()))
+    # The engines' actors are asked for first: they get ready (vLLM's import: ~10 s of a run's start-up on CPU)
+    # while the learner ranks start and build the weights; each starts its engine once the model directory is
+    # written.
+    make_engine = EngineFactory(run, run_dir, layout, None, pg)
+    engines = [(f"engine{i}", make_engine(i)) for i in range(c.num_engines)]
+    addr, port = rendezvous(at(c.num_engines))
     secret = secrets.token_hex(32)  # the run's rendezvous secret, handed to the ranks as an actor argument
     learner_cls = ray.remote(learner_cls or LearnerWorker)
     learners = [learner_cls.options(num_cpus=c.learner_cpus, num_gpus=c.learner_gpus, scheduling_strategy=at(c.num_engines + r),
@@ -249,10 +266,6 @@ def _start_actors(run: Any, run_dir: str, pg: Any, layout: Any, agents: list[Any
                                                       _cores(c, r, c.learner_cpus, int(c.engine_cpus) * c.num_engines),
                                                       secret)
                 for r in range(world)]
-    # The engines' actors start beside the learner ranks and get ready (vLLM's import: ~10 s of a run's start-up
-    # on CPU) while the ranks build the weights; each starts its engine once the model directory is written.
-    make_engine = EngineFactory(run, run_dir, layout, None, pg)
-    engines = [(f"engine{i}", make_engine(i)) for i in range(c.num_engines)]
     try:
         infos = ray.get([a.info.remote() for a in learners], timeout=c.start_timeout_s)
     except ray.exceptions.GetTimeoutError as e:
