@@ -39,7 +39,7 @@ def main() -> None:
     import numpy as np
     import torch
 
-    from moe_grpo.checkpoint.peft import write_peft_adapter
+    from moe_grpo.checkpoint.peft import load_learner_adapter, write_peft_adapter
     from moe_grpo.config import load_model_spec
     from moe_grpo.learner.batch import LearnerSequence
     from moe_grpo.learner.lora import peft_shapes
@@ -63,7 +63,7 @@ def main() -> None:
                  for k, shape in peft_shapes(spec, lora).items()}
         return str(write_peft_adapter(f"{root}/adapter_{seed}", state, spec, lora))
 
-    learner.load_adapter(random_adapter(1))
+    load_learner_adapter(learner, random_adapter(1))
     transport = SharedMemoryTransport(f"{root}/shm")
     sync = WeightSync(learner, transport)
     sync.sync(0)
@@ -71,7 +71,7 @@ def main() -> None:
     kwargs = dict(max_model_len=args.prompt_len + args.max_tokens + 8, max_num_seqs=args.prompts, lora=lora)
     engines = {way: VllmEngine(start, spec, lora_apply=way, **kwargs) for way in ("merge", "serve")}
 
-    learner.load_adapter(random_adapter(2))  # an adapter-only version, as after a step
+    load_learner_adapter(learner, random_adapter(2))  # an adapter-only version, as after a step
     report = sync.sync(1).wait()
     apply_s = {way: apply_version(e, transport, 1) for way, e in engines.items()}
     rng = np.random.default_rng(0)

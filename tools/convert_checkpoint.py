@@ -14,8 +14,8 @@ side) or one tensor chunk (Megatron side) in memory at a time. A failure
 leaves nothing at --dst.
 
 --merge-adapter DIR folds a PEFT LoRA adapter (adapter_config.json + adapter_model.safetensors, as the learner's
-`export_adapter` writes) into the HF base at --src: every adapted weight becomes W + (lora_alpha / r) * B @ A, one
-safetensors file in memory at a time; everything else is copied. The adapter may hold routed experts per expert
+`export_learner_adapter` writes) into the HF base at --src: every adapted weight becomes W + (lora_alpha / r) * B @ A,
+one safetensors file in memory at a time; everything else is copied. The adapter may hold routed experts per expert
 (`experts.3.gate_proj`) or fused (PEFT's `target_parameters` on `experts.gate_up_proj` / `down_proj`, as the export
 writes where the installed transformers fuses experts, and as PEFT saves); the base must hold them per expert, as
 transformers 5.19 saves them.

@@ -12,7 +12,6 @@ model description) so the way back needs no config.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import shutil
@@ -26,10 +25,7 @@ import torch
 from moe_grpo.checkpoint.hf_io import CheckpointFileError, SafetensorsDir, ShardedSafetensorsWriter
 from moe_grpo.models.hf_config import hf_config_from_spec, read_hf_config, spec_from_hf_config
 from moe_grpo.models.hf_names import ParamMapping, layer_groups, param_mappings, to_hf, to_megatron
-from moe_grpo.models.spec import MoEModelSpec, spec_from_mapping
-
-SPEC_FILE = "moe_grpo_model.json"
-
+from moe_grpo.models.spec import SPEC_FILE, MoEModelSpec, read_spec, spec_json
 
 class Progress:
     """Prints `[convert] what: n/total (pct) MB/s` to stderr at most every `every_s` seconds."""
@@ -122,27 +118,10 @@ def hf_to_megatron(hf_dir: str | Path, out_dir: str | Path, *, progress: bool = 
     from moe_grpo.checkpoint.megatron_stream import save_streaming
 
     save_streaming(model, param_source, str(target), extra_files={
-        SPEC_FILE: json.dumps(_spec_dict(spec), indent=2, sort_keys=True) + "\n",
+        SPEC_FILE: spec_json(spec),
         "hf_config.json": json.dumps(read_hf_config(hf_dir), indent=2, sort_keys=True) + "\n",
     })
     return spec
-
-
-def _spec_dict(spec: MoEModelSpec) -> dict[str, Any]:
-    d = dataclasses.asdict(spec)
-    d["extra_hf_config"] = dict(spec.extra_hf_config)
-    return d
-
-
-def write_spec(spec: MoEModelSpec, megatron_dir: str | Path) -> None:
-    (Path(megatron_dir) / SPEC_FILE).write_text(json.dumps(_spec_dict(spec), indent=2, sort_keys=True) + "\n")
-
-
-def read_spec(megatron_dir: str | Path) -> MoEModelSpec:
-    path = Path(megatron_dir) / SPEC_FILE
-    if not path.is_file():
-        raise FileNotFoundError(f"{megatron_dir} has no {SPEC_FILE}; pass the model with --model")
-    return spec_from_mapping(json.loads(path.read_text()))
 
 
 def megatron_to_hf(megatron_dir: str | Path, out_dir: str | Path, *, spec: MoEModelSpec | None = None,

@@ -22,13 +22,13 @@ A PEFT LoRA adapter directory holds `adapter_config.json` (peft_type LORA, `r`, 
   2*alpha (the same scale alpha/r, bit for bit) -- the conversion PEFT itself applies to per-expert adapters of
   Mixtral-like models. The export is therefore exact, not a rank-r approximation.
 
-Which form `write_peft_adapter` writes (`experts=`): "auto" (what `MegatronLearner.export_adapter` uses) writes
+Which form `write_peft_adapter` writes (`experts=`): "auto" (what `export_learner_adapter` uses) writes
 "fused" when the installed transformers fuses this architecture's experts on load (its checkpoint conversion
 mapping builds `mlp.experts.gate_up_proj` from `experts.*.gate_proj` / `up_proj`; true for Qwen3-MoE,
 DeepSeek-V2 and V3 in transformers 5.19), and "per_expert" otherwise (transformers 4, DeepSeek-MoE's remote code,
 no transformers installed), i.e. the form PEFT can apply to the model class the user will load. Either can be
 asked for explicitly (`write_peft_adapter(dir, learner.adapter_state(), spec, lora, experts="per_expert")`;
-`export_adapter` uses "auto"). Readers (`read_peft_adapter` for `init.adapter=DIR`, `merge_adapter_checkpoint`)
+`export_learner_adapter` uses "auto"). Readers (`read_peft_adapter` for `init.adapter=DIR`, `merge_adapter_checkpoint`)
 take both, and also PEFT's own fused adapters (`get_peft_model(..., target_parameters=[...experts.gate_up_proj, ...])`),
 whose gate_up adapter has rank r with A shared by gate and up (exact in the learner: A_gate = A_up = A).
 
@@ -366,6 +366,24 @@ def read_peft_adapter(directory: str | Path, config: LoraConfig) -> dict[str, to
                          f"{', rsLoRA' if cfg.get('use_rslora') else ''}), the learner by lora.alpha/lora.rank="
                          f"{config.scale:g}; set lora.alpha={cfg['lora_alpha']}")
     return unfuse_expert_adapters(read_adapter_weights(directory), cfg)
+
+
+def export_learner_adapter(learner: Any, directory: str | Path, *, base_model: str | None = None) -> None:
+    """Collective over the learner's ranks: write `learner`'s (a `MegatronLearner`) adapters as a PEFT adapter
+    directory (`adapter_config.json` + `adapter_model.safetensors`, HF module names, the "auto" form); rank 0
+    writes, every rank returns once it is written."""
+    state = learner.adapter_state()
+    if torch.distributed.get_rank() == 0:
+        write_peft_adapter(directory, state, learner.spec, learner.lora, base_model=base_model)
+    torch.distributed.barrier()
+
+
+def load_learner_adapter(learner: Any, directory: str | Path) -> None:
+    """Set `learner`'s (a `MegatronLearner`) adapters from a PEFT adapter directory (either form; its rank and
+    scale must equal the learner's `lora`); every rank reads it and takes its shard."""
+    if not learner.lora.enabled:
+        raise ValueError(f"init.adapter={str(directory)!r} needs lora.rank > 0 (this learner has no adapters)")
+    learner.set_adapter_state(read_peft_adapter(directory, learner.lora))
 
 
 def merge_adapter_checkpoint(base_dir: str | Path, adapter_dir: str | Path, out_dir: str | Path) -> dict[str, Any]:

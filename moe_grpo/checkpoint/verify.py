@@ -41,7 +41,8 @@ def default_dispatcher(tp: int, ep: int) -> str:
 def megatron_logprobs(megatron_dir: str, tp: int, ep: int, pp: int, seqs: list[np.ndarray],
                       token_dispatcher: str | None = None) -> Any:
     """Runs in every rank of a (tp, ep, pp) group: load the checkpoint, return log-probs on rank 0."""
-    from moe_grpo.checkpoint.convert import _checkpoint_dtype, read_spec
+    from moe_grpo.checkpoint.convert import _checkpoint_dtype
+    from moe_grpo.models.spec import read_spec
     from moe_grpo.learner.batch import LearnerSequence
     from moe_grpo.learner.megatron_learner import LearnerConfig, MegatronLearner
     from moe_grpo.learner.parallel import ParallelLayout, gather_by_index
@@ -64,7 +65,7 @@ def verify(hf_dir: str | Path, megatron_dir: str | Path, *, tp: int = 1, ep: int
     """Max / mean absolute difference of per-token log-probs between the two checkpoints.
 
     `token_dispatcher`: Megatron's MoE token dispatcher for the layout; None = `default_dispatcher(tp, ep)`."""
-    from moe_grpo.checkpoint.convert import read_spec
+    from moe_grpo.models.spec import read_spec
     from moe_grpo.learner.spawn import run_distributed
 
     spec = read_spec(megatron_dir)

@@ -690,7 +690,7 @@ class MegatronLearner:
         model's description (the checkpoint describes its model: export needs no config)."""
         from megatron.core import dist_checkpointing
 
-        from moe_grpo.checkpoint.convert import write_spec
+        from moe_grpo.models.spec import write_spec
 
         rank = torch.distributed.get_rank()
         if rank == 0:
@@ -767,25 +767,13 @@ class MegatronLearner:
             raise ValueError("this learner has no adapters (lora.rank=0)")
         return gather_adapter_state(self.adapters, self.spec, self.lora)
 
-    def export_adapter(self, directory: str, *, base_model: str | None = None) -> None:
-        """Collective: write the adapters as a PEFT adapter directory (`adapter_config.json` +
-        `adapter_model.safetensors`, HF module names); rank 0 writes."""
-        from moe_grpo.checkpoint.peft import write_peft_adapter
-
-        state = self.adapter_state()
-        if torch.distributed.get_rank() == 0:
-            write_peft_adapter(directory, state, self.spec, self.lora, base_model=base_model)
-        torch.distributed.barrier()
-
-    def load_adapter(self, directory: str) -> None:
-        """Set the adapters from a PEFT adapter directory (its rank and alpha must equal `lora`'s; every rank
-        reads it and takes its shard)."""
-        from moe_grpo.checkpoint.peft import read_peft_adapter
+    def set_adapter_state(self, state: dict[str, torch.Tensor]) -> None:
+        """Set the adapters from full tensors in PEFT's naming (what `adapter_state` gives); every rank takes its
+        shard. `checkpoint/peft.py`'s `load_learner_adapter` reads them from a PEFT adapter directory."""
         from moe_grpo.learner.lora import load_adapter_state
 
         if not self.lora.enabled:
-            raise ValueError(f"init.adapter={directory!r} needs lora.rank > 0 (this learner has no adapters)")
-        state = read_peft_adapter(directory, self.lora)
+            raise ValueError("this learner has no adapters (lora.rank=0)")
         self._wait_for_readers()
         load_adapter_state(self.adapters, state, self.spec, self.lora)
 
@@ -956,7 +944,7 @@ class MegatronLearner:
     def _check_same_model(self, dist_dir: str) -> None:
         import dataclasses
 
-        from moe_grpo.checkpoint.convert import SPEC_FILE, read_spec
+        from moe_grpo.models.spec import SPEC_FILE, read_spec
 
         path = os.path.join(dist_dir, SPEC_FILE)
         try:

@@ -7,7 +7,10 @@ neither holds shape defaults of its own.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from dataclasses import dataclass, field, fields
+from pathlib import Path
 from typing import Any, Literal, Mapping
 
 Architecture = Literal[
@@ -220,3 +223,28 @@ def spec_from_mapping(values: Mapping[str, Any]) -> MoEModelSpec:
     if "extra_hf_config" in kwargs:
         kwargs["extra_hf_config"] = dict(kwargs["extra_hf_config"] or {})
     return MoEModelSpec(**kwargs)
+
+
+SPEC_FILE = "moe_grpo_model.json"
+"""The model's description beside a Megatron checkpoint (the learner's, a conversion's): the way back needs no
+config, and a learner refuses a checkpoint of another model."""
+
+
+def spec_json(spec: MoEModelSpec) -> str:
+    """`spec` as the text of `SPEC_FILE` (sorted keys, one field a line)."""
+    d = dataclasses.asdict(spec)
+    d["extra_hf_config"] = dict(spec.extra_hf_config)
+    return json.dumps(d, indent=2, sort_keys=True) + "\n"
+
+
+def write_spec(spec: MoEModelSpec, megatron_dir: str | Path) -> None:
+    """Write `spec` into `megatron_dir/SPEC_FILE`."""
+    (Path(megatron_dir) / SPEC_FILE).write_text(spec_json(spec))
+
+
+def read_spec(megatron_dir: str | Path) -> MoEModelSpec:
+    """The model described in `megatron_dir/SPEC_FILE`; FileNotFoundError naming the directory when it has none."""
+    path = Path(megatron_dir) / SPEC_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{megatron_dir} has no {SPEC_FILE}; pass the model with --model")
+    return spec_from_mapping(json.loads(path.read_text()))

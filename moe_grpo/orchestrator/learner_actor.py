@@ -30,6 +30,7 @@ class LearnerWorker:
         if cpus:
             os.sched_setaffinity(0, cpus)
         torch.set_num_threads(max(1, len(cpus) if cpus else int(run.cluster.learner_cpus)))
+        from moe_grpo.checkpoint.peft import load_learner_adapter
         from moe_grpo.learner.megatron_learner import MegatronLearner
         from moe_grpo.learner.parallel import ranks
         from moe_grpo.sync.dtypes import version_dtype
@@ -42,7 +43,7 @@ class LearnerWorker:
         if run.init.megatron:  # init.hf, converted (checkpoint/hf_init.py); Megatron reshards it to this layout
             self.learner.load_checkpoint(run.init.megatron)
         if run.init.adapter:  # a PEFT adapter; every rank takes its shard
-            self.learner.load_adapter(run.init.adapter)
+            load_learner_adapter(self.learner, run.init.adapter)
         # Versions travel in the engines' dtype; this rank casts its shards as it writes them.
         self.sync = WeightSync(self.learner, make_publisher(sync, rank),
                                dtype=version_dtype(run.rollout.dtype, run.lora))

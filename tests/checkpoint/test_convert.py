@@ -182,7 +182,7 @@ def test_command_line_converts_and_verifies(converted, tmp_path):
 
 def test_hf_shapes_from_the_spec_match_transformers_checkpoints(converted):
     """The weight sync plans its buckets from `hf_shapes(spec)`; transformers' own tensors are the truth."""
-    from moe_grpo.checkpoint.convert import read_spec
+    from moe_grpo.models.spec import read_spec
     from moe_grpo.models.hf_names import hf_shapes
 
     _, _, hf, mg = converted

@@ -88,7 +88,7 @@ def reshard_and_save(tp: int, ep: int, pp: int, src: str, dst: str, dtype_name: 
     """Load a Megatron checkpoint into a learner at (tp, ep, pp) and save it again from that layout."""
     import torch
 
-    from moe_grpo.checkpoint.convert import read_spec
+    from moe_grpo.models.spec import read_spec
     from moe_grpo.learner.megatron_learner import LearnerConfig, MegatronLearner
     from moe_grpo.learner.parallel import ParallelLayout
     from moe_grpo.models.megatron import MegatronOptions
@@ -104,7 +104,7 @@ def train_and_sync(tp: int, ep: int, pp: int, ckpt_dir: str, version: int, root:
 
     Returns {sequence index: learner log-probs after the step} from rank 0's view.
     """
-    from moe_grpo.checkpoint.convert import read_spec
+    from moe_grpo.models.spec import read_spec
     from moe_grpo.learner.megatron_learner import LearnerConfig, MegatronLearner
     from moe_grpo.learner.parallel import ParallelLayout
     from moe_grpo.sync.transport import SharedMemoryTransport
@@ -228,7 +228,7 @@ def train_sync_then_route(tp: int, ep: int, pp: int, ckpt_dir: str, version: int
 
     import torch
 
-    from moe_grpo.checkpoint.convert import read_spec
+    from moe_grpo.models.spec import read_spec
     from moe_grpo.learner.megatron_learner import LearnerConfig, MegatronLearner
     from moe_grpo.learner.parallel import ParallelLayout
     from moe_grpo.sync.transport import SharedMemoryTransport

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from layout_scenarios import make_sequences, shard, tiny_spec
+from moe_grpo.checkpoint.peft import load_learner_adapter
 from moe_grpo.learner.parallel import gather_by_index
 
 RANK, ALPHA = 4, 8.0
@@ -38,7 +39,7 @@ def lora_layout_step(tp: int, ep: int, pp: int, ckpt_dir: str, adapter_dir: str,
     learner = MegatronLearner(spec, ParallelLayout(tp, ep, pp), LearnerConfig(micro_batch_size=2, lr=1e-2),
                               options, lora=lora_config())
     learner.load_checkpoint(ckpt_dir)
-    learner.load_adapter(adapter_dir)
+    load_learner_adapter(learner, adapter_dir)
     base_before = [p.detach().clone() for n, p in learner.module.named_parameters() if ".lora." not in n]
     seqs = make_sequences(spec, n=4)
     idx, mine = shard(seqs, learner.rank["dp"], learner.rank["dp_size"])
@@ -62,7 +63,7 @@ def lora_sync(tp: int, ep: int, pp: int, spec_changes: dict, lora_changes: dict,
 
     learner = MegatronLearner(tiny_spec(**spec_changes), ParallelLayout(tp, ep, pp), LearnerConfig(seed=5),
                               lora=lora_config(**lora_changes))
-    learner.load_adapter(adapter_dir)
+    load_learner_adapter(learner, adapter_dir)
     sync = WeightSync(learner, SharedMemoryTransport(root), max_bucket_bytes=1 << 14)
     first = sync.sync(0).wait().metrics()
     second = sync.sync(1).wait().metrics()
@@ -86,7 +87,7 @@ def lora_start(spec, lora, root):
     seqs = make_sequences(spec, n=4, with_routing=False)
     base_lp = learner.logprobs(seqs)  # B = 0: the base model
     write_peft_adapter(root / "adapter", random_adapter_state(spec, lora), spec, lora)
-    learner.load_adapter(str(root / "adapter"))
+    load_learner_adapter(learner, str(root / "adapter"))
     transport = SharedMemoryTransport(str(root / "shm"))
     sync = WeightSync(learner, transport, max_bucket_bytes=1 << 20)
     sync.sync(0)

@@ -8,6 +8,7 @@ import torch
 
 import lora_scenarios as L
 from layout_scenarios import make_sequences, tiny_spec
+from moe_grpo.checkpoint.peft import export_learner_adapter, load_learner_adapter
 from moe_grpo.learner.lora_config import LoraConfig
 from moe_grpo.learner.megatron_learner import LearnerConfig, MegatronLearner
 
@@ -156,7 +157,7 @@ def test_peft_export_and_load_round_trip(base, tmp_path):
     load_adapter_state(learner.adapters, L.random_adapter_state(spec, cfg), spec, cfg)
     learner.train_step(seqs, replay=True)  # A and B both move
     out = tmp_path / "adapter"
-    learner.export_adapter(str(out), base_model="tiny")
+    export_learner_adapter(learner, str(out), base_model="tiny")
     meta = json.loads((out / ADAPTER_CONFIG).read_text())
     assert meta["peft_type"] == "LORA" and meta["r"] == L.RANK and meta["lora_alpha"] == L.ALPHA
     weights = read_adapter_weights(out)
@@ -169,18 +170,18 @@ def test_peft_export_and_load_round_trip(base, tmp_path):
     assert not re.fullmatch(meta["target_modules"], "model.layers.3.mlp.gate")
 
     fresh = lora_learner(spec, state)
-    fresh.load_adapter(str(out))
+    load_learner_adapter(fresh, str(out))
     assert max_abs_diff(fresh.logprobs(seqs, replay=True), learner.logprobs(seqs, replay=True)) == 0.0
     other = tmp_path / "other"
     other.mkdir()
     (other / ADAPTER_CONFIG).write_text(json.dumps({**meta, "r": 8}))
     (other / ADAPTER_WEIGHTS).write_bytes((out / ADAPTER_WEIGHTS).read_bytes())
     with pytest.raises(ValueError, match="r=8"):
-        fresh.load_adapter(str(other))
+        load_learner_adapter(fresh, str(other))
     experts_only = MegatronLearner(spec, config=LearnerConfig(micro_batch_size=2, seed=3),
                                    lora=L.lora_config(targets=("experts",)))
     with pytest.raises(ValueError, match="unexpected"):
-        experts_only.load_adapter(str(out))
+        load_learner_adapter(experts_only, str(out))
 
 
 # --------------------------------------------------------------------------- layouts (spawned processes, gloo)
@@ -312,9 +313,9 @@ def _learner_logprobs(learner, tokens):
 
 
 def _hf_base_with_adapter(tmp_path, kind, targets):
-    """`_hf_base`; a LoRA learner on `targets` with non-zero adapters, exported by `export_adapter` (the form
+    """`_hf_base`; a LoRA learner on `targets` with non-zero adapters, exported by `export_learner_adapter` (the form
     'auto' picks). Returns (base_dir, adapter_dir, tokens, learner, its log-probs, the base model's log-probs)."""
-    from moe_grpo.checkpoint.convert import read_spec
+    from moe_grpo.models.spec import read_spec
     from moe_grpo.learner.lora import load_adapter_state
 
     base_dir, mg = _hf_base(tmp_path, kind)
@@ -326,7 +327,7 @@ def _hf_base_with_adapter(tmp_path, kind, targets):
     base_lp = _learner_logprobs(learner, tokens)
     load_adapter_state(learner.adapters, L.random_adapter_state(spec, cfg), spec, cfg)
     lora_lp = _learner_logprobs(learner, tokens)
-    learner.export_adapter(adapter_dir, base_model=base_dir)
+    export_learner_adapter(learner, adapter_dir, base_model=base_dir)
     return base_dir, adapter_dir, tokens, learner, lora_lp, base_lp
 
 
@@ -391,7 +392,7 @@ def test_an_adapter_peft_wrote_with_target_parameters_loads_into_the_learner(tmp
     peft = pytest.importorskip("peft", reason="peft is not installed (pip install -e '.[lora]')")
     from transformers import AutoModelForCausalLM
 
-    from moe_grpo.checkpoint.convert import read_spec
+    from moe_grpo.models.spec import read_spec
 
     base_dir, mg = _hf_base(tmp_path, kind)
     attention = (["q_proj", "k_proj", "v_proj", "o_proj"] if kind == "qwen3_moe"
@@ -416,7 +417,7 @@ def test_an_adapter_peft_wrote_with_target_parameters_loads_into_the_learner(tmp
                               lora=L.lora_config(targets=("attention", "experts")))
     learner.load_checkpoint(mg)
     base_lp = _learner_logprobs(learner, tokens)
-    learner.load_adapter(adapter_dir)
+    load_learner_adapter(learner, adapter_dir)
     lora_lp = _learner_logprobs(learner, tokens)
     moved, gap = max_abs_diff(lora_lp, base_lp), max_abs_diff(lora_lp, peft_lp)
     print(f"{kind}: PEFT's adapter moved log-probs by {moved:.3e}; "

@@ -162,7 +162,8 @@ def max_gap(a, b) -> float:
 @pytest.fixture(scope="module", params=FAMILIES)
 def family(request, tmp_path_factory):
     """One family: the transformers model, its checkpoint as HF and Megatron directories, and an engine on it."""
-    from moe_grpo.checkpoint.convert import hf_to_megatron, read_spec
+    from moe_grpo.checkpoint.convert import hf_to_megatron
+    from moe_grpo.models.spec import read_spec
     from moe_grpo.models.hf_config import read_hf_config, spec_from_hf_config
     from moe_grpo.rollout.vllm_engine import VllmEngine
 

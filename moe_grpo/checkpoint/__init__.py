@@ -1,0 +1,1 @@
+"""Checkpoints on disk: Hugging Face <-> megatron-core conversion, the streamed megatron reader, PEFT export, verification."""
