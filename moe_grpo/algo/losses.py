@@ -83,6 +83,15 @@ def _num_segments(segments: torch.Tensor) -> int:
     return int(segments.max()) + 1 if segments.numel() else 0
 
 
+def clipped_surrogate(ratio: torch.Tensor, advantages: torch.Tensor, low: float,
+                      high: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO's clipped surrogate per token, -min(r A, clip(r, 1 - low, 1 + high) A), and where the clip changed r.
+
+    The gradient flows through whichever of the two terms is the minimum: none where the clipped term is."""
+    clipped = torch.clamp(ratio, 1.0 - low, 1.0 + high)
+    return -torch.minimum(ratio * advantages, clipped * advantages), ratio.detach() != clipped.detach()
+
+
 @dataclass(frozen=True)
 class PPOClip:
     """-min(r A, clip(r, 1 - low, 1 + high) A) per token (grpo, dr_grpo, dapo)."""
@@ -92,10 +101,7 @@ class PPOClip:
 
     def __call__(self, log_ratio: torch.Tensor, logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
                  segments: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        ratio = torch.exp(log_ratio)
-        clipped = torch.clamp(ratio, 1.0 - self.clip_ratio_low, 1.0 + self.clip_ratio_high)
-        per_token = -torch.minimum(ratio * advantages, clipped * advantages)
-        return per_token, (ratio.detach() != clipped.detach())
+        return clipped_surrogate(torch.exp(log_ratio), advantages, self.clip_ratio_low, self.clip_ratio_high)
 
 
 @dataclass(frozen=True)
@@ -112,9 +118,7 @@ class GSPO:
         lengths = segment_sum(mask, seg, n).clamp(min=1)
         seq_log = broadcast_segments(segment_sum(log_ratio.detach(), seg, n) / lengths, segments)
         ratio = torch.exp(seq_log + logprobs - logprobs.detach())
-        clipped = torch.clamp(ratio, 1.0 - self.clip_ratio_low, 1.0 + self.clip_ratio_high)
-        per_token = -torch.minimum(ratio * advantages, clipped * advantages)
-        return per_token, (ratio.detach() != clipped.detach())
+        return clipped_surrogate(ratio, advantages, self.clip_ratio_low, self.clip_ratio_high)
 
 
 @dataclass(frozen=True)

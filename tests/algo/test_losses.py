@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from moe_grpo.algo.corrections import Correction
-from moe_grpo.algo.losses import CISPO, GSPO, LOSSES, PPOClip, PolicyLoss
+from moe_grpo.algo.losses import CISPO, GSPO, LOSSES, PPOClip, PolicyLoss, clipped_surrogate
 
 NONE = Correction("none")
 
@@ -43,6 +43,20 @@ def test_inside_the_clip_the_loss_is_minus_ratio_times_advantage_and_its_gradien
     assert grad == A([[-r1 * 1.0, -r2 * -2.0]])
     assert stats["clip_fraction"] == 0 and stats["correction/truncated_fraction"] == 0
     assert stats["ratio_mean"] == pytest.approx(r1 + r2)
+
+
+def test_the_clipped_surrogate_by_hand_values_clip_flags_and_gradients():
+    """The one clipped surrogate PPOClip and GSPO share: -min(r A, clip(r) A), flagged where the clip changed r, and
+    a gradient only where the unclipped term is the minimum. Would catch the two copies drifting apart (a sign, a
+    bound, the flag) since both now call it."""
+    ratio = torch.tensor([0.5, 1.0, 1.5, 1.5, 0.5], requires_grad=True)
+    advantages = torch.tensor([1.0, 1.0, -1.0, 1.0, -1.0])
+    per_token, clipped = clipped_surrogate(ratio, advantages, 0.2, 0.3)
+    # clip(r) = [0.8, 1.0, 1.3, 1.3, 0.8]: -min(r A, clip(r) A) per token
+    assert per_token.tolist() == pytest.approx([-0.5, -1.0, 1.5, -1.3, 0.8])
+    assert clipped.tolist() == [True, False, True, True, True]
+    per_token.sum().backward()
+    assert ratio.grad.tolist() == pytest.approx([-1.0, -1.0, 1.0, 0.0, 0.0]), "no gradient where the clip binds"
 
 
 def test_positive_advantage_above_the_upper_clip_has_no_gradient():
