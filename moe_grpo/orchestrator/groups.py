@@ -33,13 +33,20 @@ def prompt_seed(run: Any, index: int) -> int:
     return (run.seed * 1_000_003 + index * run.algo.group_size) % (2**62)
 
 
-def learner_sequences(groups: list[Any]) -> list[Any]:
-    """Every completion of `groups` as a learner row (prompt + completion, its trace, advantage, versions)."""
+def completion_sequence(completion: Any, advantage: float) -> Any:
+    """A completion as a learner row: prompt + completion tokens, its routing trace, sampling log-probs and versions,
+    with `advantage` on every response token (training rows and the mismatch probe's rows alike)."""
     from moe_grpo.learner.batch import LearnerSequence
 
-    return [LearnerSequence(np.concatenate([c.prompt_ids, c.token_ids]), prompt_len=len(c.prompt_ids),
-                            routing=c.routing, advantage=float(a), old_logprobs=c.logprobs, versions=c.versions)
-            for g in groups for c, a in zip(g.completions, g.advantages)]
+    c = completion
+    return LearnerSequence(np.concatenate([c.prompt_ids, c.token_ids]), prompt_len=len(c.prompt_ids),
+                           routing=c.routing, advantage=float(advantage), old_logprobs=c.logprobs,
+                           versions=c.versions)
+
+
+def learner_sequences(groups: list[Any]) -> list[Any]:
+    """Every completion of `groups` as a learner row, with its group-relative advantage."""
+    return [completion_sequence(c, a) for g in groups for c, a in zip(g.completions, g.advantages)]
 
 
 @dataclass

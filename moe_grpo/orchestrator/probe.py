@@ -30,6 +30,8 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
+from moe_grpo.orchestrator.groups import completion_sequence
+
 log = logging.getLogger("moe_grpo")
 
 PROBE_SEED = 1_000_000_007
@@ -156,13 +158,7 @@ class MismatchProbe:
                 self.dropped += 1
                 log.debug("probe of version %d dropped: no completion came back wholly at that version", r.version)
                 continue
-            import numpy as np
-
-            from moe_grpo.learner.batch import LearnerSequence
-
-            seqs = [LearnerSequence(np.concatenate([c.prompt_ids, c.token_ids]), prompt_len=len(c.prompt_ids),
-                                    routing=c.routing, advantage=0.0, old_logprobs=c.logprobs, versions=c.versions)
-                    for c in r.completions]
+            seqs = [completion_sequence(c, 0.0) for c in r.completions]  # the probe trains on nothing
             r.learner_refs = [a.probe.remote(seqs, r.version) for a in learners]
             self.scoring.append(r)
 
