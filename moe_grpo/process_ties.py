@@ -28,7 +28,7 @@ import time
 from dataclasses import dataclass
 from typing import Iterator
 
-from moe_grpo.processes import SHM_DIR
+from moe_grpo.processes import SHM_DIR, process_alive
 
 TAG_ENV = "MOE_GRPO_OWNER"
 """The environment variable that marks the processes of an owner: `<owner>/<owner pid>/<owner start time>`."""
@@ -138,14 +138,6 @@ def _start_ticks(pid: int) -> int | None:
         return None
 
 
-def _state(pid: int) -> str | None:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return None
-
-
 def owner_key(*parts: str) -> str:
     """An owner name for `tag_processes` from free text (a run directory and an engine name): no '/' or NUL."""
     return hashlib.sha1("\0".join(parts).encode()).hexdigest()[:16]
@@ -206,10 +198,10 @@ def leftovers(owner: str) -> list[Leftover]:
             holder, ticks = (int(x) for x in value.split("/"))
         except ValueError:
             continue
-        if (holder, ticks) == (me, mine) or _state(int(entry)) in (None, "Z", "X"):
+        if (holder, ticks) == (me, mine) or not process_alive(int(entry)):
             continue
         found.append((int(entry), holder))
-        holders.setdefault((holder, ticks), _start_ticks(holder) == ticks and _state(holder) not in ("Z", "X"))
+        holders.setdefault((holder, ticks), _start_ticks(holder) == ticks and process_alive(holder))
     alive = {h for (h, _), up in holders.items() if up}
     out = [Leftover(pid, holder, holder in alive, _command(pid)) for pid, holder in found]
     out += [Leftover(h, h, True, _command(h)) for h in sorted(alive) if h not in {p for p, _ in found}]

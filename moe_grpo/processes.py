@@ -6,22 +6,50 @@ from __future__ import annotations
 import os
 from typing import Iterable
 
+import psutil
+
 SHM_DIR = "/dev/shm"
 
 
-def process_alive(pid: int) -> bool:
-    """False once the process has exited, including as a not yet reaped zombie."""
+GONE_STATES = ("Z", "X")
+"""/proc states of a process that has exited: a zombie (not yet reaped) and dead. It holds no memory and does
+nothing, so it counts as gone."""
+STOPPED_STATES = ("T", "t")
+"""/proc states of a process stopped by a signal (SIGSTOP) or by a tracer: alive, but it answers nothing."""
+
+
+def process_state(pid: int, started: float | None = None) -> str | None:
+    """The process's state letter in /proc/<pid>/stat ("R" running, "S" sleeping, "T" stopped, "t" stopped by a
+    tracer, "Z" zombie, ...); None once it is gone. `started`: its start time as it was seen (psutil's
+    `create_time`); a process started at another time holds a reused pid, and the one seen is gone.
+    Without procfs a signal-0 probe answers: "?" for a process that exists."""
     try:
         with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+            state = f.read().rsplit(")", 1)[1].split()[0]
     except FileNotFoundError:
-        return False
-    except OSError:  # no procfs: fall back to a signal-0 probe
+        return None
+    except (OSError, IndexError):  # no procfs: a signal-0 probe
         try:
             os.kill(pid, 0)
         except ProcessLookupError:
-            return False
-        return True
+            return None
+        except PermissionError:  # another user's process: it exists
+            pass
+        state = "?"
+    if started is not None:
+        try:
+            if abs(psutil.Process(pid).create_time() - started) > 1e-3:
+                return None
+        except psutil.Error:
+            return None
+    return state
+
+
+def process_alive(pid: int, started: float | None = None) -> bool:
+    """False once the process has exited, including as a not yet reaped zombie (and, with `started`, once its pid
+    belongs to a process started at another time: see `process_state`)."""
+    state = process_state(pid, started)
+    return state is not None and state not in GONE_STATES
 
 
 def shm_entries_held(pids: Iterable[int], *, open_files: bool = False, prefixes: tuple[str, ...] = (),

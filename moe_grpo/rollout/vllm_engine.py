@@ -61,7 +61,7 @@ import numpy as np
 
 from moe_grpo.models.hf_names import hf_names
 from moe_grpo.models.spec import MoEModelSpec
-from moe_grpo.processes import SHM_DIR, process_alive, shm_entries_held
+from moe_grpo.processes import SHM_DIR, STOPPED_STATES, process_alive, process_state, shm_entries_held
 from moe_grpo.rollout.export import START_ADAPTER, weight_buckets
 from moe_grpo.rollout.types import Completion, SamplingSettings
 from moe_grpo.routing.trace import RoutingTrace
@@ -98,23 +98,6 @@ def _descendants(roots: Sequence[int]) -> dict[int, float]:
             except psutil.Error:
                 pass
     return out
-
-
-def _state(pid: int, started: float) -> str | None:
-    """psutil's status of the process `pid` started at `started`; None once it is gone (or the pid was reused)."""
-    import psutil
-
-    try:
-        p = psutil.Process(pid)
-        if abs(p.create_time() - started) > 1e-3:
-            return None
-        return p.status()
-    except psutil.Error:
-        return None
-
-
-def _gone(state: str | None) -> bool:
-    return state in (None, "zombie", "dead")
 
 
 def _mapped_shm(pids: Sequence[int]) -> dict[str, int]:
@@ -577,7 +560,7 @@ class VllmEngine:
         """pid -> start time of every process of this engine (engine core and workers) alive now."""
         roots = [int(p.pid) for p in self._core_procs if p.pid]
         procs = {**self._procs, **_descendants(roots)}
-        return {pid: t for pid, t in procs.items() if not _gone(_state(pid, t))}
+        return {pid: t for pid, t in procs.items() if process_alive(pid, t)}
 
     def shm_entries(self) -> list[str]:
         """The /dev/shm entries of this engine (recorded at start and from its live processes) that exist now."""
@@ -998,7 +981,7 @@ class VllmEngine:
         procs = {**self._procs, **alive}
         shm = {**self._shm, **_mapped_shm(list(alive))}
         unresponsive = sorted(pid for pid, t in procs.items()
-                              if _gone(_state(pid, t)) or _state(pid, t) in ("stopped", "tracing-stop"))
+                              if not process_alive(pid, t) or process_state(pid, t) in STOPPED_STATES)
         hard = bool(unresponsive) if kill is None else kill
         if self._loop.is_running():
             async def quiesce() -> None:
@@ -1020,7 +1003,7 @@ class VllmEngine:
 
             done = []
             for pid, started in targets.items():
-                if _gone(_state(pid, started)):
+                if not process_alive(pid, started):
                     continue
                 try:
                     os.kill(pid, signal.SIGKILL)  # works on a stopped process too
@@ -1037,7 +1020,7 @@ class VllmEngine:
                         p.join(0)
                     except Exception:  # noqa: BLE001
                         pass
-                if all(_gone(_state(pid, t)) for pid, t in targets.items()) or time.monotonic() > deadline:
+                if not any(process_alive(pid, t) for pid, t in targets.items()) or time.monotonic() > deadline:
                     return
                 time.sleep(0.02)
 
@@ -1069,7 +1052,7 @@ class VllmEngine:
                 pass
         phases["sweep"] = time.perf_counter() - t0 - sum(phases.values())
         removed = _unlink_shm(shm)
-        left = sorted(pid for pid, t in procs.items() if not _gone(_state(pid, t)))
+        left = sorted(pid for pid, t in procs.items() if process_alive(pid, t))
         self._procs, self._core_procs, self._shm = {}, [], {}
         self.last_shutdown = {"killed": sorted(set(killed)), "unresponsive": unresponsive, "hard": hard,
                               "shm_removed": sorted(removed), "processes_left": left,

@@ -21,20 +21,13 @@ import pytest
 import torch
 from publishing import publish_version
 
+from moe_grpo.processes import process_state
+
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 TIMEOUT_S = 8.0  # rollout.request_timeout_s: a stopped engine is named hung after this
 LONG = dict(n=1, temperature=1.0, max_tokens=400, stop_token_ids=())  # still running when the signal lands
 PROMPTS = [[1, 5, 9, 33, 70], [1, 200, 3, 3, 17, 90, 4], [1, 44]]
-
-
-def _state(pid: int) -> str | None:
-    """The process's state letter, None if it does not exist."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0]
-    except FileNotFoundError:
-        return None
 
 
 def _ppid(pid: int) -> int | None:
@@ -47,7 +40,7 @@ def _ppid(pid: int) -> int | None:
 
 def _remains(pid: int) -> bool:
     """The process still runs (or is stopped), or is an unreaped child of this process."""
-    state = _state(pid)
+    state = process_state(pid)
     if state is None:
         return False
     return state not in ("Z", "X") or _ppid(pid) == os.getpid()
@@ -233,9 +226,9 @@ def test_a_stopped_engine_is_named_hung_and_a_restart_replaces_it(engine, record
         assert not lost.done()
         t1 = time.monotonic()
         out = actor.call("restart", 60.0, timeout=300)
-        left = [(p, _state(p)) for p in pids if _remains(p)]
+        left = [(p, process_state(p)) for p in pids if _remains(p)]
     finally:
-        if _state(old) == "T":
+        if process_state(old) == "T":
             os.kill(old, signal.SIGKILL)  # only if the restart left it behind (the test fails below)
     with pytest.raises(EngineError, match=r"engine engine7: .*(lost|restarting)"):
         lost.result(0)
@@ -280,7 +273,7 @@ def test_a_killed_engine_is_named_dead_and_a_restart_replaces_it(engine, record_
           "removed", out["shm_removed"])
     assert sorted(out["shm_removed"]) == sorted(leaked)
     assert not _still_there(shm), _still_there(shm)
-    assert not [p for p in pids if _remains(p)], [(p, _state(p)) for p in pids]
+    assert not [p for p in pids if _remains(p)], [(p, process_state(p)) for p in pids]
     _restarted_serves_version_1(actor, at_v1, old, restarts, out)
 
 
@@ -303,9 +296,9 @@ def test_shutdown_of_a_half_dead_engine_leaves_no_process_and_no_segment(engine)
         t0 = time.monotonic()
         out = actor.call("shutdown", timeout=120)
         took = time.monotonic() - t0
-        left = [(p, _state(p)) for p in pids if _remains(p)]
+        left = [(p, process_state(p)) for p in pids if _remains(p)]
     finally:
-        if _state(worker) == "T":
+        if process_state(worker) == "T":
             os.kill(worker, signal.SIGKILL)  # only if the shutdown left it behind (the test fails below)
     print("shutdown of a half-dead engine:", round(took, 2), "s; phases",
           {k: round(v, 2) for k, v in out["phases"].items()}, "removed", out["shm_removed"])
