@@ -39,6 +39,7 @@ from moe_grpo.orchestrator.groups import Scoring, drop_failed, score_group, shap
 from moe_grpo.orchestrator.probe import MismatchProbe, probe_due
 from moe_grpo.orchestrator.run_checkpoint import ResumeRefused
 from moe_grpo.orchestrator.state import RunState
+from moe_grpo.sync.sync_metrics import combine_sync_metrics
 
 log = logging.getLogger("moe_grpo")
 
@@ -382,7 +383,7 @@ class Driver:
             busy += max(0.0, stats["busy_seconds"] - self.busy_last.get(slot.name, 0.0))
             self.busy_last[slot.name] = stats["busy_seconds"]
             abort_resubmits += stats.get("resubmitted", 0.0)
-        sync = self.learners_call("sync_metrics", what="reading sync metrics", ranks=1)[0]
+        sync = combine_sync_metrics(self.learners_call("sync_metrics", what="reading sync metrics"))
         self.advance_probe()
         row = step_row(self.run, self.state, metrics, self.train_batch, trained_version=self.state.step - 1,
                        interval=interval, train_seconds=metrics["train_seconds"],

@@ -35,7 +35,7 @@ class LearnerWorker:
         from moe_grpo.learner.parallel import ranks
         from moe_grpo.sync.dtypes import version_dtype
         from moe_grpo.sync.transports import make_publisher
-        from moe_grpo.sync.weight_sync import WeightSync
+        from moe_grpo.sync.weight_sync import DeltaOptions, WeightSync
 
         self.run = run
         self.learner = MegatronLearner(run.model, run.parallel, run.learner, run.megatron,
@@ -46,7 +46,7 @@ class LearnerWorker:
             load_learner_adapter(self.learner, run.init.adapter)
         # Versions travel in the engines' dtype; this rank casts its shards as it writes them.
         self.sync = WeightSync(self.learner, make_publisher(sync, rank),
-                               dtype=version_dtype(run.rollout.dtype, run.lora))
+                               dtype=version_dtype(run.rollout.dtype, run.lora), delta=DeltaOptions.of(run.sync))
         self.loss = run.algo.token_loss(run.rollout.max_tokens)
         self.ranks = ranks()
         self.rank = rank

@@ -4,7 +4,9 @@
 rank has written it, check it against the model the engine serves (name,
 dtype, shape, element count; with LoRA the adapters' rank, alpha, targets and
 shapes - before anything is applied), pin its buffers, and
-let the engine load all of it or roll back. The engine's workers get what
+let the engine load all of it or roll back. Of a delta version an engine that
+serves a published version reloads only the tensors changed since
+(`changed_tensors`). The engine's workers get what
 the transport describes for each bucket (`bucket_sources`: a mapped file, a
 CUDA IPC handle), never a path they would have to interpret. Each engine actor runs it
 (`orchestrator/engine_actor.py`); the driver's engine pool offers every
@@ -37,7 +39,8 @@ def apply_version(engine: Any, transport: WeightReceiver, version: int, *, timeo
     serving = {engine.weight_source[0]: engine.policy_version} if isinstance(engine.weight_source, tuple) else {}
     transport.pin(engine.engine_id, {**serving, slot: version})
     try:
-        engine.load_published(slot, plan, version, sources=transport.bucket_sources(slot, plan), timeout_s=timeout_s)
+        engine.load_published(slot, plan, version, sources=transport.bucket_sources(slot, plan),
+                              only=changed_tensors(engine, transport, version), timeout_s=timeout_s)
     except Exception as e:
         if serving:
             transport.pin(engine.engine_id, serving)
@@ -46,3 +49,15 @@ def apply_version(engine: Any, transport: WeightReceiver, version: int, *, timeo
         raise SyncError(f"{who} failed to load version {version}: {e}") from e
     transport.pin(engine.engine_id, {slot: version})  # its rollback source from now on
     return time.perf_counter() - t0
+
+
+def changed_tensors(engine: Any, transport: WeightReceiver, version: int) -> set[str] | None:
+    """The tensors an engine must reload to go from the version it serves to `version` (delta versions,
+    `sync/delta.py`), or None: all of them. Only an engine that holds a published version whole (its weights came
+    from a transport's slot, nothing broken) may skip tensors; one started or restored from a model directory, or
+    one whose chain of changes the host no longer knows, reloads everything."""
+    changed_since = getattr(transport, "changed_since", None)
+    from_slot = isinstance(getattr(engine, "weight_source", None), tuple)
+    if changed_since is None or not from_slot or getattr(engine, "broken", None):
+        return None
+    return changed_since(engine.policy_version, version)

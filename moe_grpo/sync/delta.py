@@ -14,10 +14,15 @@ routed expert is a handful of such tensors (`experts_unchanged` counts the
 experts none of whose tensors changed). On the wire (the relay, `encode` /
 `decode`) each bucket's changes take the smaller of two encodings:
 
-- "index": per changed tensor, int32 positions (int64 for a tensor of 2**31
-  elements or more) and the values;
-- "bitmap": per changed tensor, one bit per element of the full tensor and
-  the values in position order.
+- "index": per changed shard, int32 indices inside the shard (int64 for a
+  shard of 2**31 elements or more) and the values;
+- "bitmap": per changed shard, one bit per element of the shard and the
+  values in index order.
+
+Indices are the shard's own (its elements in row-major order): the receiver
+knows where each of a rank's shards lies in the full tensor (`Placement`,
+sent once when a relay group meets), so a tensor split over TP ranks costs
+each rank a bitmap of its own slab only.
 
 Applying (`apply_changes`) writes the values at their positions into the
 full-tensor views of a bucket that holds the previous version; a host buffer
@@ -29,7 +34,6 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
@@ -42,23 +46,40 @@ ENCODINGS = ("index", "bitmap")
 _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 """Integer dtype of each element size: changed elements are found by comparing bits, not values."""
 
-_EXPERT = re.compile(r"^(.*\.layers\.(\d+)\.mlp\.experts\.(\d+))\.")
-"""An HF name of a routed expert's tensor: (expert prefix, layer, expert)."""
 
 
 @dataclass(frozen=True)
 class EntryChange:
-    """The changed elements of one full HF tensor (or of one rank's part of it)."""
+    """The changed elements of one rank's shard of a full HF tensor (the whole tensor for an unsplit one)."""
 
     name: str
     positions: torch.Tensor
-    """int64 flat positions inside the full HF tensor, ascending."""
+    """int64 flat positions inside the full HF tensor, in the shard's element order."""
     values: torch.Tensor
     """The new values, in the engine's dtype, one per position."""
+    local: torch.Tensor
+    """int64 flat indices of the changed elements inside the shard, ascending (what travels)."""
+    shard_numel: int
+    """Elements of the shard (a bitmap's length)."""
 
     @property
     def count(self) -> int:
         return int(self.positions.numel())
+
+
+Placement = tuple[Sequence[int], Sequence[int], int]
+"""Where a shard lies in its full HF tensor: (shape, strides, element offset) of a view of the contiguous tensor."""
+
+
+def placed_positions(local: torch.Tensor, placement: Placement) -> torch.Tensor:
+    """Flat positions in the full tensor of the shard's elements `local` (flat indices in the shard)."""
+    shape, strides, offset = placement
+    out = torch.full_like(local, int(offset))
+    rest = local.clone()
+    for size, stride in zip(reversed(list(shape)), reversed(list(strides))):
+        out += (rest % int(size)) * int(stride)
+        rest //= int(size)
+    return out
 
 
 @dataclass
@@ -86,18 +107,16 @@ def _position_dtype(numel: int) -> torch.dtype:
     return torch.int32 if numel < 2**31 else torch.int64
 
 
-def encoded_bucket_bytes(changes: Sequence[EntryChange], numels: dict[str, int], item: int) -> tuple[str, int]:
-    """The smaller encoding of one bucket's changes and its payload bytes (`numels`: full tensor sizes)."""
-    index = sum(c.count * (_position_dtype(numels[c.name]).itemsize + item) for c in changes)
-    bitmap = sum(math.ceil(numels[c.name] / 8) + c.count * item for c in changes)
+def encoded_bucket_bytes(changes: Sequence[EntryChange], item: int) -> tuple[str, int]:
+    """The smaller encoding of one bucket's changes and its payload bytes (`item`: bytes per value)."""
+    index = sum(c.count * (_position_dtype(c.shard_numel).itemsize + item) for c in changes)
+    bitmap = sum(math.ceil(c.shard_numel / 8) + c.count * item for c in changes)
     return ("index", index) if index <= bitmap else ("bitmap", bitmap)
 
 
 def encoded_bytes(delta: VersionDelta, plan: BucketPlan) -> int:
     """What `encode(delta, plan)` carries: the payload of every bucket in its smaller encoding (header aside)."""
-    numels = {e.name: e.numel for b in plan.buckets for e in b.entries}
-    item = plan.torch_dtype.itemsize
-    return sum(encoded_bucket_bytes(cs, numels, item)[1] for cs in delta.changes.values())
+    return sum(encoded_bucket_bytes(cs, plan.torch_dtype.itemsize)[1] for cs in delta.changes.values())
 
 
 def _pack(mask: torch.Tensor) -> torch.Tensor:
@@ -114,59 +133,57 @@ def _unpack(packed: torch.Tensor, numel: int) -> torch.Tensor:
 
 
 def encode(delta: VersionDelta, plan: BucketPlan) -> bytes:
-    """The changes as bytes: an 8-byte header length, a JSON header, then each tensor's positions (or bitmap) and
-    values. Each bucket uses the smaller of the two encodings."""
-    numels = {e.name: e.numel for b in plan.buckets for e in b.entries}
+    """The changes as bytes: an 8-byte header length, a JSON header, then per changed shard its indices (or
+    bitmap) inside the shard and its values. Each bucket uses the smaller of the two encodings."""
     item = plan.torch_dtype.itemsize
     parts: list[bytes] = []
     header: dict = {"version": delta.version, "base": delta.base, "dtype": plan.dtype, "buckets": {}}
     for index, changes in sorted(delta.changes.items()):
-        encoding, _ = encoded_bucket_bytes(changes, numels, item)
+        encoding, _ = encoded_bucket_bytes(changes, item)
         rows = []
         for c in changes:
             if encoding == "index":
-                where = c.positions.to(_position_dtype(numels[c.name])).cpu().contiguous()
+                where = c.local.to(_position_dtype(c.shard_numel)).cpu().contiguous()
             else:
-                mask = torch.zeros(numels[c.name], dtype=torch.bool)
-                mask[c.positions.cpu()] = True
+                mask = torch.zeros(c.shard_numel, dtype=torch.bool)
+                mask[c.local.cpu()] = True
                 where = _pack(mask)
             values = c.values.cpu().contiguous()
-            rows.append([c.name, c.count, where.numel() * where.element_size(), str(where.dtype)[6:]])
+            rows.append([c.name, c.count, where.numel() * where.element_size(), str(where.dtype)[6:], c.shard_numel])
             parts += [where.view(torch.uint8).numpy().tobytes(), values.view(torch.uint8).numpy().tobytes()]
         header["buckets"][str(index)] = [encoding, rows]
     head = json.dumps(header).encode()
     return len(head).to_bytes(8, "little") + head + b"".join(parts)
 
 
-def decode(blob: bytes | memoryview, plan: BucketPlan) -> VersionDelta:
-    """`encode`'s inverse (positions as int64, values in the plan's dtype). Refuses a blob of another dtype or a
-    tensor the plan does not hold."""
+def decode(blob: bytes | memoryview, plan: BucketPlan, placements: dict[str, Placement]) -> VersionDelta:
+    """`encode`'s inverse, for the rank whose shards lie at `placements` (HF name -> `Placement`). Refuses a blob
+    of another dtype, or one naming a tensor this rank holds no shard of or a shard of another size."""
     size = int.from_bytes(bytes(blob[:8]), "little")
     header = json.loads(bytes(blob[8 : 8 + size]))
     if header["dtype"] != plan.dtype:
         raise ValueError(f"delta of version {header['version']} is in {header['dtype']}, the plan in {plan.dtype}")
-    numels = {e.name: e.numel for b in plan.buckets for e in b.entries}
     dtype, item = plan.torch_dtype, plan.torch_dtype.itemsize
     data = torch.frombuffer(bytearray(blob[8 + size :]), dtype=torch.uint8) if len(blob) > 8 + size else None
     at = 0
     out = VersionDelta(int(header["version"]), header["base"])
     for index, (encoding, rows) in header["buckets"].items():
         changes = []
-        for name, count, where_bytes, where_dtype in rows:
-            if name not in numels:
-                raise ValueError(f"delta of version {out.version} names {name!r}, which the plan does not hold")
+        for name, count, where_bytes, where_dtype, shard_numel in rows:
+            placement = placements.get(name)
+            if placement is None or math.prod(placement[0]) != shard_numel:
+                raise ValueError(f"delta of version {out.version} names a {shard_numel}-element shard of {name!r}; "
+                                 f"this rank's is {None if placement is None else list(placement[0])}")
             assert data is not None
-            where = data[at : at + where_bytes]
-            values = data[at + where_bytes : at + where_bytes + count * item].clone().view(dtype)  # unaligned
+            where = data[at : at + where_bytes].clone()  # a copy: views of another dtype need aligned storage
+            values = data[at + where_bytes : at + where_bytes + count * item].clone().view(dtype)
             at += where_bytes + count * item
-            if encoding == "index":
-                positions = where.clone().view(getattr(torch, where_dtype)).long()
-            else:
-                positions = _unpack(where, numels[name]).nonzero().view(-1)
-            if positions.numel() != count:
-                raise ValueError(f"delta of version {out.version}: {name} carries {positions.numel()} positions "
+            local = (where.view(getattr(torch, where_dtype)).long() if encoding == "index"
+                     else _unpack(where, shard_numel).nonzero().view(-1))
+            if local.numel() != count:
+                raise ValueError(f"delta of version {out.version}: {name} carries {local.numel()} positions "
                                  f"for {count} values")
-            changes.append(EntryChange(name, positions, values))
+            changes.append(EntryChange(name, placed_positions(local, placement), values, local, shard_numel))
         out.changes[int(index)] = changes
     return out
 
@@ -180,30 +197,6 @@ def apply_changes(views: dict[str, torch.Tensor], changes: Iterable[EntryChange]
         flat[c.positions.to(flat.device)] = c.values.to(flat.device)
         n += c.count
     return n
-
-
-def expert_bitmaps(names: Iterable[str]) -> dict[int, int]:
-    """Per MoE layer, a bitmap of the routed experts (bit e: expert e) that have a tensor in `names`."""
-    out: dict[int, int] = {}
-    for n in names:
-        m = _EXPERT.match(n)
-        if m:
-            out[int(m.group(2))] = out.get(int(m.group(2)), 0) | (1 << int(m.group(3)))
-    return out
-
-
-def experts_unchanged(held: Sequence[dict[int, int]], changed: Sequence[dict[int, int]]) -> int:
-    """Experts some rank holds (`held`: each rank's `expert_bitmaps` of its tensors) that no rank changed.
-
-    Bitmaps, not names, cross from the ranks: one bit per expert per layer, and an expert split over several
-    ranks (expert TP) is counted once."""
-    held_all: dict[int, int] = {}
-    changed_all: dict[int, int] = {}
-    for maps, into in ((held, held_all), (changed, changed_all)):
-        for m in maps:
-            for layer, bitmap in m.items():
-                into[int(layer)] = into.get(int(layer), 0) | int(bitmap)
-    return sum(bin(bitmap & ~changed_all.get(layer, 0)).count("1") for layer, bitmap in held_all.items())
 
 
 class DeltaTracker:
@@ -230,16 +223,15 @@ class DeltaTracker:
         for index, shards in self.shards.items():
             changes = []
             for i, (name, source, placed) in enumerate(shards):
-                new = source.detach().to(self.dtype, copy=True)
+                new = source.detach().to(self.dtype, memory_format=torch.contiguous_format, copy=True)
                 pending[(index, i)] = new
                 old = self.last.get((index, i)) if self.last is not None else None
                 mask = torch.ones_like(new, dtype=torch.bool) if old is None else bits(new) != bits(old)
-                where = mask.nonzero()
-                if where.numel() == 0:
+                local = mask.view(-1).nonzero().view(-1)
+                if local.numel() == 0:
                     continue
-                strides = torch.tensor(placed.stride(), dtype=torch.int64, device=where.device)
-                positions = placed.storage_offset() + (where * strides).sum(1)
-                changes.append(EntryChange(name, positions.cpu(), new[mask].cpu()))
+                positions = placed_positions(local, (placed.shape, placed.stride(), placed.storage_offset()))
+                changes.append(EntryChange(name, positions.cpu(), new[mask].cpu(), local.cpu(), new.numel()))
             if changes:
                 out.changes[index] = changes
         return out

@@ -35,9 +35,27 @@ from typing import Any
 import torch
 
 from moe_grpo.sync.adapter_gather import local_adapter_writes
+from moe_grpo.sync.delta import DeltaHistory, DeltaTracker, VersionDelta, apply_changes, encoded_bytes
+from moe_grpo.sync.sync_metrics import expert_bitmaps
 from moe_grpo.sync.gather import ShardWrite, local_shard_writes
 from moe_grpo.sync.plan import BucketPlan, plan_buckets
 from moe_grpo.sync.transport import SharedMemoryTransport, SyncError, WeightTransport
+
+DELTA_HISTORY = 16
+"""Versions of changes a rank keeps to bring a recycled buffer forward (`delta.DeltaHistory`)."""
+
+
+@dataclass(frozen=True)
+class DeltaOptions:
+    """`sync.delta`'s settings as the learner ranks use them (sync/config.py documents each)."""
+
+    max_fraction: float = 0.5
+    full_every: int = 0
+
+    @staticmethod
+    def of(sync: Any) -> "DeltaOptions | None":
+        """From the run's `SyncConfig`: None unless `sync.delta`."""
+        return DeltaOptions(sync.delta_max_fraction, sync.full_every) if sync.delta else None
 
 
 @dataclass(frozen=True)
@@ -45,17 +63,44 @@ class SyncReport:
     version: int
     rank: int
     bytes_written: int
-    """Bytes this rank wrote (its shards; replicas write nothing)."""
+    """Bytes this rank sent: its shards (replicas write nothing), or of a delta version their encoded changes."""
     version_bytes: int
     """Bytes of the whole version (every rank's shards, as each host that assembles it holds them)."""
     seconds: float
     """From the call until this rank's shards were written and marked done."""
     slot: str
+    full_bytes: int = 0
+    """Bytes this rank's shards take whole (what it sends of a full version)."""
+    delta: bool = False
+    """Whether this rank sent its changes only."""
+    changed: int = -1
+    """Elements of this rank's shards whose engine-dtype value changed since the last version (-1: not compared)."""
+    elements: int = 0
+    """Elements of this rank's shards."""
+    experts_held: dict[int, int] | None = None
+    experts_changed: dict[int, int] | None = None
+    """Per MoE layer, bitmaps of the routed experts this rank holds a tensor of, and of those it changed."""
 
-    def metrics(self) -> dict[str, float]:
-        """The run record's keys (docs/reference/metrics.md): `sync/seconds`, `sync/bytes` (the version's
-        bytes: the full model, or with LoRA after the first version the adapters only)."""
-        return {"sync/seconds": self.seconds, "sync/bytes": float(self.version_bytes)}
+    def metrics(self) -> dict[str, Any]:
+        """This rank's part of the run record's `sync/*` keys (docs/reference/metrics.md); the driver adds up
+        every rank's (`sync_metrics.combine_sync_metrics`)."""
+        out: dict[str, Any] = {"sync/seconds": self.seconds, "sync/bytes": float(self.bytes_written),
+                               "sync/full_bytes": float(self.full_bytes), "sync/delta": float(self.delta)}
+        if self.changed >= 0:
+            out.update({"sync/changed": float(self.changed), "sync/elements": float(self.elements),
+                        "sync/experts_held": self.experts_held or {}, "sync/experts_changed": self.experts_changed or {}})
+        return out
+
+
+@dataclass
+class _Outgoing:
+    """What one rank sends of a version under `sync.delta`: its changes, or its shards whole."""
+
+    delta: VersionDelta
+    send_changes: bool
+    whole_for_engines: bool
+    """A periodic full version (`full_every`) or one compared with nothing: engines reload all of it."""
+    wire_bytes: int
 
 
 class SyncHandle:
@@ -88,9 +133,10 @@ class WeightSync:
 
     def __init__(self, learner: Any, transport: WeightTransport | None = None, *,
                  max_bucket_bytes: int = 256 << 20, claim_timeout_s: float = 60.0,
-                 dtype: torch.dtype | str | None = None) -> None:
+                 dtype: torch.dtype | str | None = None, delta: DeltaOptions | None = None) -> None:
         """`dtype`: what versions travel in, the engines' (`plan.version_dtype(rollout.dtype, lora)`); None: the
-        learner's parameter dtype (tools and tests that publish without engines)."""
+        learner's parameter dtype (tools and tests that publish without engines). `delta`: send each version
+        after the first as its changes (`sync.delta`; None: every version whole)."""
         self.learner = learner
         self.transport = transport if transport is not None else SharedMemoryTransport()
         self.claim_timeout_s = claim_timeout_s
@@ -125,7 +171,37 @@ class WeightSync:
         self._sizes = {**_sizes(self.writes, item),
                        **{("adapter", i): v for i, v in _sizes(self.adapter_writes, item).items()}}
         """Per bucket: (elements, bytes) this rank writes (adapter-only buckets under ("adapter", index))."""
+        self.delta = delta
+        self._tracker: DeltaTracker | None = None
+        self._history = DeltaHistory(DELTA_HISTORY)
+        if delta is not None:
+            self._start_delta()
         learner.before_update.append(self._wait_pending)
+
+    def _start_delta(self) -> None:
+        if self.adapter_plan is not None:
+            raise ValueError("sync.delta with lora.rank > 0: a LoRA run's versions are its adapters already")
+        if hasattr(self.transport, "bind"):
+            raise ValueError(f"sync.delta over {type(self.transport).__name__}: delta versions over the relay are "
+                             "not built yet; use sync.transport=shm or cuda_ipc")
+        shapes = self.plan.shapes()
+        shards = {i: [(w.name, w.source, w.place(torch.empty(shapes[w.name], device="meta"))) for w in ws]
+                  for i, ws in self.writes.items() if ws}
+        self._tracker = DeltaTracker(self.plan.torch_dtype, shards)
+        self._held = expert_bitmaps(w.name for ws in self.writes.values() for w in ws)
+        self._own_bytes = sum(self._sizes[i][1] for i in self.writes)
+        self._own_elements = sum(self._sizes[i][0] for i in self.writes)
+
+    def _outgoing(self, version: int) -> _Outgoing:
+        """Compare this rank's shards with the last version and choose: its changes, or its shards whole (the
+        first version, a periodic full one, or changes that would take more than `max_fraction` of the bytes)."""
+        assert self._tracker is not None and self.delta is not None
+        delta = self._tracker.diff(version)
+        wire = encoded_bytes(delta, self.plan)
+        periodic = self.delta.full_every > 0 and self._published > 0 and self._published % self.delta.full_every == 0
+        send = delta.base is not None and not periodic and wire <= self.delta.max_fraction * self._own_bytes
+        self._history.record(version, delta if send else None)
+        return _Outgoing(delta, send, periodic or delta.base is None, wire if send else self._own_bytes)
 
     def _bound_copy(self, slot: str, index: Any, full: dict[str, torch.Tensor], writes: list[ShardWrite]) -> "BoundCopy":
         """This bucket's copies with their destinations resolved, reused while the bucket's device buffer is the same.
@@ -163,35 +239,73 @@ class WeightSync:
 
     def _run(self, handle: SyncHandle) -> None:
         t0 = time.perf_counter()
+        out: _Outgoing | None = None
         try:
             adapter_only = self.adapter_plan is not None and self._published > 0
             plan = self.adapter_plan if adapter_only else self.plan
             assert plan is not None
-            all_writes = self.adapter_writes if adapter_only else self.writes
+            out = self._outgoing(handle.version) if self._tracker is not None else None
             slot = self.transport.claim(handle.version, plan, self.rank, self.world, self.claim_timeout_s)
-            elements: dict[int, int] = {}
-            nbytes = 0
-            stream = _copy_stream(all_writes)
-            with torch.no_grad(), (torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()):
-                for bucket in plan.buckets:
-                    writes = all_writes[bucket.index]
-                    elements[bucket.index], size = self._sizes[("adapter", bucket.index) if adapter_only else bucket.index]
-                    if not writes:
-                        continue
-                    if self._local:
-                        with self.transport.bucket_views(slot, bucket, plan.torch_dtype) as full:
-                            self._bound_copy(slot, (adapter_only, bucket.index), full, writes)()
-                    if self._forward is not None:
-                        self._forward(handle.version, bucket)
-                    nbytes += size
-            if stream is not None:
-                stream.synchronize()  # every byte is in the buffers before any engine may read them
+            chain = (self._history.chain(self.transport.slot_base(slot), handle.version)  # type: ignore[attr-defined]
+                     if out is not None and out.send_changes else None)
+            elements, nbytes = self._write(slot, handle.version, plan, adapter_only, chain)
             self.transport.mark_done(slot, handle.version, self.rank, elements)
+            if out is not None:
+                self._log_changes(handle.version, out)
             self._published += 1  # a failed base version is sent whole again next time
-            handle._finish(SyncReport(handle.version, self.rank, nbytes, plan.total_bytes, time.perf_counter() - t0,
-                                      slot), None)
+            handle._finish(self._report(handle.version, slot, plan, nbytes, out, time.perf_counter() - t0), None)
         except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the handle
+            if out is not None:  # the buffers may hold part of it: the next version goes whole
+                self._tracker.forget()  # type: ignore[union-attr]
+                self._history.record(handle.version, None)
             handle._finish(None, e)
+
+    def _write(self, slot: str, version: int, plan: BucketPlan, adapter_only: bool,
+               chain: list[VersionDelta] | None) -> tuple[dict[int, int], int]:
+        """Write this rank's part of every bucket: its shards whole, or (`chain`) the changes that bring what the
+        slot held forward to this version. Returns the elements this rank covers per bucket, and bytes sent."""
+        all_writes = self.adapter_writes if adapter_only else self.writes
+        elements: dict[int, int] = {}
+        nbytes = 0
+        stream = _copy_stream(all_writes)
+        with torch.no_grad(), (torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()):
+            for bucket in plan.buckets:
+                writes = all_writes[bucket.index]
+                elements[bucket.index], size = self._sizes[("adapter", bucket.index) if adapter_only else bucket.index]
+                if not writes:
+                    continue
+                if self._local:
+                    with self.transport.bucket_views(slot, bucket, plan.torch_dtype) as full:
+                        if chain is not None:
+                            for d in chain:
+                                apply_changes(full, d.changes.get(bucket.index, ()))
+                        else:
+                            self._bound_copy(slot, (adapter_only, bucket.index), full, writes)()
+                if self._forward is not None:
+                    self._forward(version, bucket)
+                nbytes += size
+        if stream is not None:
+            stream.synchronize()  # every byte is in the buffers before any engine may read them
+        return elements, nbytes
+
+    def _log_changes(self, version: int, out: _Outgoing) -> None:
+        """Tell this host's engines which tensors changed (all of them for a version they must reload whole)."""
+        assert self._tracker is not None
+        names = None if out.whole_for_engines else sorted(out.delta.names())
+        log = getattr(self.transport, "log_changes", None)
+        if log is not None:
+            log(version, self.rank, out.delta.base, names)
+        self._tracker.commit()
+
+    def _report(self, version: int, slot: str, plan: BucketPlan, nbytes: int, out: _Outgoing | None,
+                seconds: float) -> SyncReport:
+        if out is None:
+            return SyncReport(version, self.rank, nbytes, plan.total_bytes, seconds, slot, full_bytes=nbytes)
+        return SyncReport(version, self.rank, out.wire_bytes, plan.total_bytes, seconds, slot,
+                          full_bytes=self._own_bytes, delta=out.send_changes,
+                          changed=out.delta.changed_elements(), elements=self._own_elements,
+                          experts_held=self._held,
+                          experts_changed=self._held if out.delta.base is None else expert_bitmaps(out.delta.names()))
 
 
 def _by_bucket(plan: BucketPlan, writes: list[ShardWrite]) -> dict[int, list[ShardWrite]]:

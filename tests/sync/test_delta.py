@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from moe_grpo.sync.delta import (DeltaHistory, DeltaTracker, EntryChange, VersionDelta, apply_changes, decode,
-                                 encode, encoded_bytes, expert_bitmaps,
-                                 experts_unchanged)
+                                 encode, encoded_bytes, placed_positions)
+from moe_grpo.sync.sync_metrics import expert_bitmaps, experts_unchanged
 from moe_grpo.sync.plan import ALIGN, Bucket, BucketEntry, BucketPlan
 
 FULL = {"layers.0.self_attn.qkv.weight": (6, 4), "layers.0.mlp.experts.0.up.weight": (8, 3),
@@ -109,7 +109,8 @@ def test_each_bucket_travels_in_the_smaller_encoding_and_decodes_to_the_same_cha
             mask = torch.rand(e.numel, generator=g) < fraction
             mask[0] = True
             pos = mask.nonzero().view(-1)
-            delta.changes[b.index].append(EntryChange(e.name, pos, torch.randn(pos.numel(), generator=g).to(torch.bfloat16)))
+            values = torch.randn(pos.numel(), generator=g).to(torch.bfloat16)
+            delta.changes[b.index].append(EntryChange(e.name, pos, values, pos, e.numel))
     blob = encode(delta, plan)
     header = int.from_bytes(blob[:8], "little")
     assert len(blob) - 8 - header == encoded_bytes(delta, plan)
@@ -117,7 +118,7 @@ def test_each_bucket_travels_in_the_smaller_encoding_and_decodes_to_the_same_cha
     n = delta.changed_elements()
     total = sum(e.numel for b in plan.buckets for e in b.entries)
     assert encoded_bytes(delta, plan) <= min(n * 6, math.ceil(total / 8) + 4 + n * 2)
-    back = decode(blob, plan)
+    back = decode(blob, plan, {e.name: (e.shape, (e.shape[1], 1), 0) for b in plan.buckets for e in b.entries})
     assert (back.version, back.base) == (5, 4)
     for index, changes in delta.changes.items():
         for a, b in zip(changes, back.changes[index]):
@@ -125,15 +126,27 @@ def test_each_bucket_travels_in_the_smaller_encoding_and_decodes_to_the_same_cha
             assert torch.equal(a.values.view(torch.int16), b.values.view(torch.int16))
 
 
-def test_a_delta_in_another_dtype_or_naming_an_unknown_tensor_is_refused() -> None:
-    delta = VersionDelta(2, 1, {0: [EntryChange("layers.0.self_attn.qkv.weight", torch.tensor([1]),
-                                                torch.tensor([1.0], dtype=torch.bfloat16))]})
+def test_a_delta_in_another_dtype_or_for_a_shard_this_rank_does_not_hold_is_refused() -> None:
+    delta = VersionDelta(2, 1, {0: [EntryChange("layers.0.self_attn.qkv.weight", torch.tensor([13]),
+                                                torch.tensor([1.0], dtype=torch.bfloat16), torch.tensor([1]), 12)]})
     blob = encode(delta, _plan())
+    rows = {"layers.0.self_attn.qkv.weight": ((3, 4), (4, 1), 12)}  # rank 1's half of the rows
+    back = decode(blob, _plan(), rows)
+    assert back.changes[0][0].positions.tolist() == [13]
     with pytest.raises(ValueError, match="bfloat16, the plan in float32"):
-        decode(blob, _plan("float32"))
-    other = BucketPlan("toy", "bfloat16", (Bucket(0, (BucketEntry("other.weight", (6, 4), 0),), 64),))
-    with pytest.raises(ValueError, match="names 'layers.0.self_attn.qkv.weight'"):
-        decode(blob, other)
+        decode(blob, _plan("float32"), rows)
+    with pytest.raises(ValueError, match="names a 12-element shard of 'layers.0.self_attn.qkv.weight'"):
+        decode(blob, _plan(), {"layers.0.self_attn.qkv.weight": ((6, 4), (4, 1), 0)})
+    with pytest.raises(ValueError, match="this rank's is None"):
+        decode(blob, _plan(), {})
+
+
+def test_placed_positions_follow_a_strided_slab() -> None:
+    full = torch.arange(60).view(6, 10)
+    slab = full[:, 4:7]  # columns 4..6 of every row: a TP slab along dim 1
+    local = torch.tensor([0, 2, 3, 17])
+    got = placed_positions(local, (slab.shape, slab.stride(), slab.storage_offset()))
+    assert got.tolist() == slab.reshape(-1)[local].tolist()
 
 
 def test_a_chain_brings_an_older_buffer_forward_only_through_versions_it_knows() -> None:
