@@ -3,8 +3,15 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import sys
+import tempfile
+
+from hydra.core.override_parser.overrides_parser import OverridesParser
+
+from moe_grpo.orchestrator.run_dirs import RunDirTaken, check_run_dir
 
 
 def refuse_taken_run_dir(argv: list[str]) -> None:
@@ -12,8 +19,6 @@ def refuse_taken_run_dir(argv: list[str]) -> None:
     `resume=true` is not given. Runs before Hydra, which writes `.hydra/` into the run directory before `main`: a
     refused run writes nothing. (Parsed with Hydra's own override grammar; `main` checks again on the resolved
     directory.)"""
-    from moe_grpo.orchestrator.run_dirs import RunDirTaken, check_run_dir
-
     overrides = parse_overrides(argv)
     if str(overrides.get("cluster.dry_run", "false")).lower() == "true":
         return  # a dry run writes no record
@@ -30,8 +35,6 @@ def refuse_taken_run_dir(argv: list[str]) -> None:
 def parse_overrides(argv: list[str]) -> dict[str, object]:
     """The command line's overrides by key, parsed with Hydra's own grammar ({} when one is malformed: Hydra reports
     it itself, with its position)."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
     args = [a for a in argv if not a.startswith("-")]
     try:
         return {o.key_or_group: o.value() for o in OverridesParser.create().parse_overrides(args)}
@@ -45,9 +48,6 @@ def dry_run_dir(argv: list[str]) -> list[str]:
     overrides = parse_overrides(argv)
     if str(overrides.get("cluster.dry_run", "false")).lower() != "true" or "hydra.run.dir" in overrides:
         return []
-    import atexit
-    import shutil
-    import tempfile
 
     tmp = tempfile.mkdtemp(prefix="moe_grpo-dry-run-")
     atexit.register(shutil.rmtree, tmp, True)

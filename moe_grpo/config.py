@@ -17,6 +17,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Mapping
 
+import yaml
+
 from moe_grpo.algo.config import AlgoConfig
 from moe_grpo.checkpoint.hf_init import InitConfig
 from moe_grpo.data.config import DataConfig
@@ -28,6 +30,7 @@ from moe_grpo.models.options import MegatronOptions
 from moe_grpo.models.spec import MoEModelSpec, spec_from_mapping
 from moe_grpo.orchestrator.config import CheckpointConfig, ClusterConfig, LoggerConfig, RolloutConfig
 from moe_grpo.reward.config import RewardConfig
+from moe_grpo.rollout.lora_serving import max_lora_rank
 from moe_grpo.routing.config import RoutingConfig
 from moe_grpo.sync.config import SyncConfig
 from moe_grpo.validate import at_least
@@ -102,8 +105,6 @@ class RunConfig:
             raise ValueError(f"sync.delta=true with lora.rank={self.lora.rank}: a LoRA run's versions after the first "
                              "are its adapters only already; set sync.delta=false")
         if self.lora.enabled and self.sync.lora_apply == "serve":
-            from moe_grpo.rollout.lora_serving import max_lora_rank
-
             max_lora_rank(self.lora.rank)  # vLLM's limit, refused here rather than when the engines start
         if self.mode not in ("sync", "async"):
             raise ValueError(f"mode={self.mode!r}, expected 'async' or 'sync'")
@@ -277,8 +278,6 @@ def from_hydra(cfg: Any) -> RunConfig:
 
 def load_model_spec(name: str) -> MoEModelSpec:
     """The model description `conf/model/<name>.yaml`, without going through Hydra."""
-    import yaml
-
     path = CONF_DIR / "model" / f"{name}.yaml"
     if not path.is_file():
         known = sorted(p.stem for p in (CONF_DIR / "model").glob("*.yaml"))

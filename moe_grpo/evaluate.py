@@ -11,16 +11,16 @@ import sys
 
 import hydra
 from hydra.core.config_store import ConfigStore
+from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
+
+from moe_grpo.evaluation.config import defaults_tree, from_hydra
+from moe_grpo.evaluation.run import SUMMARY, evaluate
+from moe_grpo.orchestrator.logs import quiet_libraries
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="evaluate")
 def main(cfg: DictConfig) -> None:
-    from hydra.core.hydra_config import HydraConfig
-
-    from moe_grpo.evaluation.config import from_hydra
-    from moe_grpo.evaluation.run import SUMMARY, evaluate
-
     config = from_hydra(cfg)
     out_dir = config.output or HydraConfig.get().runtime.output_dir
     summary = evaluate(config, out_dir)
@@ -32,9 +32,6 @@ def main(cfg: DictConfig) -> None:
 
 
 def cli() -> None:
-    from moe_grpo.evaluation.config import defaults_tree
-    from moe_grpo.orchestrator.logs import quiet_libraries
-
     quiet_libraries()
     ConfigStore.instance().store(name="evaluate_defaults", node=defaults_tree())
     main()

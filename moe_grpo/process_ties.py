@@ -20,12 +20,16 @@ started beside them would find their memory (GPU memory, `/dev/shm` ring buffers
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import hashlib
+import json
 import os
 import signal
+import sys
 import threading
 import time
 from dataclasses import dataclass
+from multiprocessing import context
 from typing import Iterator
 
 from moe_grpo.processes import SHM_DIR, process_alive
@@ -42,9 +46,6 @@ _install_lock = threading.Lock()
 
 def _prctl_pdeathsig() -> bool:
     """PR_SET_PDEATHSIG=SIGKILL for this process; False where Linux's prctl is not there."""
-    import ctypes
-    import sys
-
     if not sys.platform.startswith("linux"):
         return False
     libc = ctypes.CDLL(None, use_errno=True)
@@ -97,8 +98,6 @@ def _install() -> None:
                 _die_with_parent(parent)
 
         os.register_at_fork(before=before, after_in_child=after_in_child)
-
-        from multiprocessing import context
 
         original = context.SpawnProcess._Popen
 
@@ -248,8 +247,6 @@ def record_shm(owner: str, directory: str, entries: dict[str, int]) -> None:
     """Note the /dev/shm entries (name -> inode) this holder's processes created, in `directory` on this host:
     nothing of a SIGKILLed holder removes them (multiprocessing's resource tracker, which would, goes with it), so
     the next holder of `owner` does (`remove_previous_shm`)."""
-    import json
-
     path = _record_path(owner, directory)
     tmp = f"{path}.{os.getpid()}.tmp"
     with open(tmp, "w") as f:
@@ -267,8 +264,6 @@ def remove_previous_shm(owner: str, directory: str) -> list[str]:
     """Remove the /dev/shm entries an earlier holder of `owner` recorded (each only if it is still the same inode),
     and the record; returns the names removed. Call it once that holder's processes are gone (`wait_until_gone`):
     nothing maps them any more."""
-    import json
-
     path = _record_path(owner, directory)
     try:
         with open(path) as f:

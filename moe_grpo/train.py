@@ -15,22 +15,22 @@ import sys
 
 import hydra
 from hydra.core.config_store import ConfigStore
-from omegaconf import DictConfig
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf
+
+from moe_grpo.command_line import dry_run_dir, refuse_taken_run_dir
+from moe_grpo.config import defaults_tree, from_hydra
+from moe_grpo.orchestrator.driver import train
+from moe_grpo.orchestrator.logs import quiet_libraries
+from moe_grpo.orchestrator.placement_plan import PlanRefused, dry_run
+from moe_grpo.orchestrator.run_checkpoint import ResumeRefused
+from moe_grpo.orchestrator.run_dirs import check_run_dir
 
 _exit_code = 0
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> None:
-    from hydra.core.hydra_config import HydraConfig
-    from omegaconf import OmegaConf
-
-    from moe_grpo.config import from_hydra
-    from moe_grpo.orchestrator.driver import train
-    from moe_grpo.orchestrator.placement_plan import PlanRefused
-    from moe_grpo.orchestrator.run_checkpoint import ResumeRefused
-    from moe_grpo.orchestrator.run_dirs import check_run_dir
-
     global _exit_code
     try:
         run = from_hydra(cfg)
@@ -39,8 +39,6 @@ def main(cfg: DictConfig) -> None:
         print(f"[moe_grpo] config error: {e}", file=sys.stderr)
         return
     if run.cluster.dry_run:
-        from moe_grpo.orchestrator.placement_plan import dry_run
-
         _exit_code = dry_run(run)
         return
     run_dir = HydraConfig.get().runtime.output_dir
@@ -76,12 +74,6 @@ RUN_ID = f"{os.getpid()}-{secrets.token_hex(3)}"
 
 
 def cli() -> None:
-    from omegaconf import OmegaConf
-
-    from moe_grpo.command_line import dry_run_dir, refuse_taken_run_dir
-    from moe_grpo.config import defaults_tree
-    from moe_grpo.orchestrator.logs import quiet_libraries
-
     refuse_taken_run_dir(sys.argv[1:])
     sys.argv += dry_run_dir(sys.argv[1:])
     quiet_libraries()

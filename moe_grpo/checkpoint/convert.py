@@ -21,10 +21,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint import FileSystemReader
 
 from moe_grpo.checkpoint.hf_io import CheckpointFileError, SafetensorsDir, ShardedSafetensorsWriter
+from moe_grpo.checkpoint.megatron_stream import load_params, save_streaming
+from moe_grpo.learner.parallel import ParallelLayout, init_distributed
 from moe_grpo.models.hf_config import hf_config_from_spec, read_hf_config, spec_from_hf_config
 from moe_grpo.models.hf_names import ParamMapping, layer_groups, param_mappings, to_hf, to_megatron
+from moe_grpo.models.megatron import MegatronOptions, build_gpt_model, transformer_config
 from moe_grpo.models.spec import SPEC_FILE, MoEModelSpec, read_spec, spec_json
 
 class Progress:
@@ -47,15 +51,11 @@ class Progress:
 
 
 def _single_process() -> None:
-    from moe_grpo.learner.parallel import ParallelLayout, init_distributed
-
     init_distributed(ParallelLayout())
 
 
 def meta_model(spec: MoEModelSpec, dtype: torch.dtype = torch.float32) -> Any:
     """The TP=EP=PP=1 Megatron model on the meta device: the checkpoint's layout, no memory."""
-    from moe_grpo.models.megatron import MegatronOptions, build_gpt_model, transformer_config
-
     _single_process()
     with torch.device("meta"):
         config = transformer_config(spec, MegatronOptions(params_dtype=dtype, perform_initialization=False))
@@ -115,8 +115,6 @@ def hf_to_megatron(hf_dir: str | Path, out_dir: str | Path, *, progress: bool = 
             bar.step(tensor.numel() * tensor.element_size())
         return tensor
 
-    from moe_grpo.checkpoint.megatron_stream import save_streaming
-
     save_streaming(model, param_source, str(target), extra_files={
         SPEC_FILE: spec_json(spec),
         "hf_config.json": json.dumps(read_hf_config(hf_dir), indent=2, sort_keys=True) + "\n",
@@ -127,8 +125,6 @@ def hf_to_megatron(hf_dir: str | Path, out_dir: str | Path, *, progress: bool = 
 def megatron_to_hf(megatron_dir: str | Path, out_dir: str | Path, *, spec: MoEModelSpec | None = None,
                    progress: bool = True) -> MoEModelSpec:
     """Megatron distributed checkpoint -> HF safetensors directory (one file per decoder layer)."""
-    from moe_grpo.checkpoint.megatron_stream import load_params
-
     target, tmp = _staging(out_dir)
     spec = spec or read_spec(megatron_dir)
     dtype = _checkpoint_dtype(megatron_dir)
@@ -160,8 +156,6 @@ def megatron_to_hf(megatron_dir: str | Path, out_dir: str | Path, *, spec: MoEMo
 
 def _checkpoint_dtype(megatron_dir: str | Path) -> torch.dtype:
     """dtype of the embedding as stored in the checkpoint's DCP metadata."""
-    from torch.distributed.checkpoint import FileSystemReader
-
     meta = FileSystemReader(str(megatron_dir)).read_metadata()
     md = meta.state_dict_metadata.get("embedding.word_embeddings.weight")
     return md.properties.dtype if md is not None else torch.float32
@@ -170,8 +164,6 @@ def _checkpoint_dtype(megatron_dir: str | Path) -> torch.dtype:
 def megatron_to_megatron(src_dir: str | Path, out_dir: str | Path, *, dtype: torch.dtype | None = None,
                          progress: bool = True) -> MoEModelSpec:
     """Rewrite a Megatron checkpoint (optionally in another dtype), one decoder layer in memory at a time."""
-    from moe_grpo.checkpoint.megatron_stream import load_params, save_streaming
-
     target, _ = _staging(out_dir)
     spec = read_spec(src_dir)
     src_dtype = _checkpoint_dtype(src_dir)

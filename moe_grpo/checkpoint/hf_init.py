@@ -17,6 +17,7 @@ a staging directory renamed into place.
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import hashlib
 import json
 import logging
@@ -26,6 +27,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from moe_grpo.learner.spawn import run_distributed
+from moe_grpo.models.hf_config import hf_config_from_spec, read_hf_config, spec_from_hf_config
 
 log = logging.getLogger("moe_grpo")
 
@@ -72,8 +76,6 @@ class InitConfig:
 
     def model_spec(self) -> Any:
         """The model description of `hf` (its config.json)."""
-        from moe_grpo.models.hf_config import read_hf_config, spec_from_hf_config
-
         assert self.hf is not None
         return spec_from_hf_config(read_hf_config(self.hf), name=Path(self.hf).resolve().name)
 
@@ -99,10 +101,6 @@ def _convert(hf_dir: str, out_dir: str) -> str:
 
 def cached_megatron(hf_dir: str | Path, cache_root: str | Path, *, timeout_s: float = 3600.0) -> Path:
     """The Megatron checkpoint converted from `hf_dir`: reused from `cache_root` or converted there now."""
-    import fcntl
-
-    from moe_grpo.learner.spawn import run_distributed
-
     root = Path(cache_root)
     root.mkdir(parents=True, exist_ok=True)
     target = root / f"{Path(hf_dir).resolve().name}-{fingerprint(hf_dir)}"
@@ -129,8 +127,6 @@ def engine_dir(hf_dir: str | Path, spec: Any, out_dir: str | Path) -> Path:
     transformers' `save_pretrained` leaves out keys vLLM reads (DeepSeek-V3's `topk_method: noaux_tc` and
     `scoring_func: sigmoid`; without them vLLM builds no e_score_correction_bias and fails to load). The
     checkpoint's own keys win; only missing ones are filled from the model description."""
-    from moe_grpo.models.hf_config import hf_config_from_spec, read_hf_config
-
     src, out = Path(hf_dir).resolve(), Path(out_dir)
     staging = out.with_name(out.name + ".partial")
     shutil.rmtree(staging, ignore_errors=True)

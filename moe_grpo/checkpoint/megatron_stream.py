@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable
 
 import torch
+from torch.distributed.checkpoint import FileSystemWriter, save as dcp_save
 
 ParamSource = Callable[[str], torch.Tensor]
 """Full (TP=EP=PP=1) tensor of one Megatron model parameter, by its model name."""
@@ -81,8 +82,6 @@ def _lazy_strategy(chunks: dict[tuple[str, tuple[int, ...]], ChunkRef], source: 
         _replace_state_dict_keys_with_sharded_keys,
         mcore_to_pyt_state_dict,
     )
-    from torch.distributed.checkpoint import FileSystemWriter
-    from torch.distributed.checkpoint import save as dcp_save
 
     cache: dict[str, torch.Tensor] = {}
 

@@ -59,6 +59,8 @@ from typing import Any, Literal
 
 import torch
 
+from moe_grpo.checkpoint.hf_io import SafetensorsDir, ShardedSafetensorsWriter
+from moe_grpo.learner.lora import PEFT_PREFIX, adapter_sites, hf_module, merge_into_hf
 from moe_grpo.learner.lora_config import LoraConfig
 from moe_grpo.models.spec import MoEModelSpec
 
@@ -82,8 +84,6 @@ _FUSED_KEY = re.compile(
 
 def target_modules_regex(spec: MoEModelSpec, config: LoraConfig, modules: list[str] | None = None) -> str:
     """A regular expression that full-matches the HF name of every adapted module (or of `modules`) and nothing else."""
-    from moe_grpo.learner.lora import adapter_sites, hf_module
-
     if modules is None:
         modules = [hf_module(hf) for m in adapter_sites(spec, config).values() for hf in m.hf]
     leaves = sorted({name.rsplit(".", 1)[1] for name in modules})
@@ -140,8 +140,6 @@ def resolve_experts_form(experts: str, spec: MoEModelSpec) -> str:
 def fuse_expert_adapters(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Per-expert adapters (learner / PEFT module naming) -> PEFT's fused `target_parameters` tensors; every other
     tensor unchanged. gate_up becomes a rank-2r pair: A = [A_gate; A_up], B = [[B_gate, 0], [0, B_up]] per expert."""
-    from moe_grpo.learner.lora import PEFT_PREFIX
-
     out: dict[str, torch.Tensor] = {}
     experts: dict[int, dict[int, dict[str, tuple[torch.Tensor, torch.Tensor]]]] = {}
     for key, value in state.items():
@@ -200,8 +198,6 @@ def unfuse_expert_adapters(weights: dict[str, torch.Tensor], cfg: dict[str, Any]
     projection (module naming); other tensors unchanged. Exact for our export (gate_up rank 2r, block-diagonal B)
     and for PEFT's own rank-r gate_up (A shared by gate and up). B's are rescaled where the fused parameter's
     scale (rank_pattern / alpha_pattern) differs from the adapter's (`adapter_scale(cfg)`) -- by 1.0 for both."""
-    from moe_grpo.learner.lora import PEFT_PREFIX
-
     r = int(cfg["r"])
     targeted = _fused_targets(cfg)
     out: dict[str, torch.Tensor] = {}
@@ -270,8 +266,6 @@ def write_peft_adapter(directory: str | Path, state: dict[str, torch.Tensor], sp
     in the form `experts` names ("auto", "fused", "per_expert"; see the module docstring); staged and renamed into
     place."""
     from safetensors.torch import save_file
-
-    from moe_grpo.learner.lora import PEFT_PREFIX, adapter_sites, hf_module
 
     form = resolve_experts_form(experts, spec)
     modules = [hf_module(hf) for m in adapter_sites(spec, config).values() for hf in m.hf]
@@ -390,9 +384,6 @@ def merge_adapter_checkpoint(base_dir: str | Path, adapter_dir: str | Path, out_
     """Write `base_dir` (an HF safetensors checkpoint) with the PEFT adapter at `adapter_dir` folded into its weights
     (`W + scale * B @ A`) to `out_dir` (must not exist), one safetensors file of the base at a time; config,
     tokenizer and other files are copied. Returns {"merged": modules changed, "tensors": tensors written}."""
-    from moe_grpo.checkpoint.hf_io import SafetensorsDir, ShardedSafetensorsWriter
-    from moe_grpo.learner.lora import PEFT_PREFIX, merge_into_hf
-
     target = Path(out_dir)
     if target.exists():
         raise FileExistsError(f"{target} exists; choose a new destination")

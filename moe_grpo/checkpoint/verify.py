@@ -7,6 +7,10 @@ from typing import Any
 
 import numpy as np
 
+from moe_grpo.learner.parallel import ParallelLayout, gather_by_index
+from moe_grpo.learner.spawn import run_distributed
+from moe_grpo.models.spec import read_spec
+
 
 def sample_sequences(vocab_size: int, n: int = 4, length: int = 24, seed: int = 0) -> list[np.ndarray]:
     rng = np.random.default_rng(seed)
@@ -42,10 +46,8 @@ def megatron_logprobs(megatron_dir: str, tp: int, ep: int, pp: int, seqs: list[n
                       token_dispatcher: str | None = None) -> Any:
     """Runs in every rank of a (tp, ep, pp) group: load the checkpoint, return log-probs on rank 0."""
     from moe_grpo.checkpoint.convert import _checkpoint_dtype
-    from moe_grpo.models.spec import read_spec
     from moe_grpo.learner.batch import LearnerSequence
     from moe_grpo.learner.megatron_learner import LearnerConfig, MegatronLearner
-    from moe_grpo.learner.parallel import ParallelLayout, gather_by_index
     from moe_grpo.models.megatron import MegatronOptions
 
     spec = read_spec(megatron_dir)
@@ -65,9 +67,6 @@ def verify(hf_dir: str | Path, megatron_dir: str | Path, *, tp: int = 1, ep: int
     """Max / mean absolute difference of per-token log-probs between the two checkpoints.
 
     `token_dispatcher`: Megatron's MoE token dispatcher for the layout; None = `default_dispatcher(tp, ep)`."""
-    from moe_grpo.models.spec import read_spec
-    from moe_grpo.learner.spawn import run_distributed
-
     spec = read_spec(megatron_dir)
     seqs = sample_sequences(spec.vocab_size, n=n, length=length)
     ref = hf_logprobs(hf_dir, seqs)

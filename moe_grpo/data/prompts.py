@@ -14,7 +14,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from moe_grpo.data.dataset import BadRow, Rows
-from moe_grpo.data.tasks import Example, eval_examples, make_examples
+from moe_grpo.data.tasks import MARKERS, Example, eval_examples, make_examples
 
 class PromptSource:
     """Training prompts in order, the held-out set, and the dataset rows skipped."""
@@ -65,7 +65,6 @@ class TaskPrompts(PromptSource):
     def longest_prompt(self) -> tuple[int, str]:
         # The generator's longest strings have task.max_len letters; the byte tokenizer gives every string of one
         # length the same number of tokens, a checkpoint's own may not, so the held-out prompts count too.
-        from moe_grpo.data.tasks import MARKERS
 
         letters = (self.task.alphabet * self.task.max_len)[:self.task.max_len]
         generated = len(self.tokenizer.encode(letters + MARKERS[self.task.name]))

@@ -8,6 +8,9 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from omegaconf import OmegaConf
+
+from moe_grpo.config import _field_defaults, _plain, _section
 from moe_grpo.data.config import DataConfig
 from moe_grpo.data.tasks import DATASET_TASKS, TaskConfig
 from moe_grpo.orchestrator.config import RolloutConfig
@@ -66,8 +69,6 @@ class EvaluateConfig:
 
 def defaults_tree() -> dict[str, Any]:
     """The dataclass defaults as Hydra's base config."""
-    from moe_grpo.config import _field_defaults, _plain
-
     tree: dict[str, Any] = {}
     for f in fields(EvaluateConfig):
         if f.name in _SECTIONS:
@@ -79,8 +80,6 @@ def defaults_tree() -> dict[str, Any]:
 
 def from_hydra(cfg: Any) -> EvaluateConfig:
     """Convert the composed config (or a plain dict) into an `EvaluateConfig`; unknown keys are refused by name."""
-    from moe_grpo.config import _section
-
     tree = cfg if isinstance(cfg, dict) else _container(cfg)
     top = {f.name for f in fields(EvaluateConfig)}
     unknown = sorted(set(tree) - top - {"hydra"})
@@ -92,8 +91,6 @@ def from_hydra(cfg: Any) -> EvaluateConfig:
 
 
 def _container(cfg: Any) -> dict[str, Any]:
-    from omegaconf import OmegaConf
-
     return dict(OmegaConf.to_container(cfg, resolve=True))
 
 

@@ -16,9 +16,19 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from tqdm import tqdm
 
+from moe_grpo.checkpoint.hf_init import InitConfig
+from moe_grpo.data.tokenizer import policy_tokenizer
 from moe_grpo.evaluation.config import EvaluateConfig
 from moe_grpo.evaluation.pass_at_k import pass_at_k
+from moe_grpo.orchestrator.groups import sampling_settings
+from moe_grpo.orchestrator.logs import quiet_vllm
+from moe_grpo.orchestrator.run_prompts import held_out_source
+from moe_grpo.reward.functions import Rewards
+from moe_grpo.reward.scoring import held_out_rewards, score_group
+from moe_grpo.rollout.context import context_length
+from moe_grpo.rollout.types import SamplingSettings
 
 log = logging.getLogger("moe_grpo")
 
@@ -29,20 +39,9 @@ ROWS = "evaluation_rows.jsonl"
 def evaluate(cfg: EvaluateConfig, out_dir: str | Path, *, progress: bool = True) -> dict[str, Any]:
     """Score `cfg.policy`; writes `SUMMARY` and `ROWS` (and vLLM's log, `engine.log`) under `out_dir` and returns
     the summary."""
-    from moe_grpo.orchestrator.logs import quiet_vllm
-
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     quiet_vllm(out)  # before vLLM is imported: its log goes to out_dir/engine.log, the console keeps the bar
-    from tqdm import tqdm
-
-    from moe_grpo.checkpoint.hf_init import InitConfig
-    from moe_grpo.orchestrator.run_prompts import held_out_source
-    from moe_grpo.data.tokenizer import policy_tokenizer
-    from moe_grpo.orchestrator.groups import sampling_settings
-    from moe_grpo.reward.functions import Rewards
-    from moe_grpo.rollout.context import context_length
-    from moe_grpo.rollout.types import SamplingSettings
     from moe_grpo.rollout.vllm_engine import VllmEngine
 
     t0 = time.perf_counter()
@@ -93,8 +92,6 @@ def evaluate(cfg: EvaluateConfig, out_dir: str | Path, *, progress: bool = True)
 def _score(cfg: EvaluateConfig, tokenizer: Any, rewards: Any, examples: list[Any],
            done: dict[tuple[int, str], Any]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Per-row results and the summary from the completions; a reward that failed counts as 0 (as in the run)."""
-    from moe_grpo.reward.scoring import held_out_rewards, score_group
-
     greedy_ids = [done[(i, "greedy")][0].token_ids for i in range(len(examples))]
     greedy = held_out_rewards(rewards, tokenizer, examples, greedy_ids)
     rows, correct, failed = [], [], 0

@@ -57,9 +57,10 @@ import re
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 
 from moe_grpo.learner.lora_config import LoraConfig
-from moe_grpo.models.hf_names import ParamMapping, param_mappings
+from moe_grpo.models.hf_names import ParamMapping, hf_shapes, param_mappings
 from moe_grpo.models.spec import MoEModelSpec
 
 PIECES = {"copy": ("w",), "gate_up": ("gate", "up"), "qkv": ("q", "k", "v")}
@@ -109,8 +110,6 @@ def peft_key(hf_weight: str, factor: str) -> str:
 
 def peft_shapes(spec: MoEModelSpec, config: LoraConfig) -> dict[str, tuple[int, int]]:
     """Every adapter tensor of the model in PEFT's naming, with its full shape (A `[r, in]`, B `[out, r]`)."""
-    from moe_grpo.models.hf_names import hf_shapes
-
     shapes = hf_shapes(spec)
     out: dict[str, tuple[int, int]] = {}
     for mapping in adapter_sites(spec, config).values():
@@ -298,8 +297,6 @@ def apply_lora(module: Any, spec: MoEModelSpec, config: LoraConfig, *, seed: int
     {global module name: adapter} for this rank's adapters."""
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
-    from moe_grpo.models.hf_names import hf_shapes
-
     if not config.enabled:
         raise ValueError("apply_lora with lora.rank=0 (adapters off)")
     sites = adapter_sites(spec, config)
@@ -346,8 +343,6 @@ def gather_adapter_state(adapters: dict[str, LoraAdapter], spec: MoEModelSpec,
 
     Adapters are small (r * (in + out) per layer), so each rank's pieces travel as objects; TP shards are
     concatenated in TP order, data-parallel replicas are taken once."""
-    import torch.distributed as dist
-
     mine = _local_pieces(adapters)
     everyone: list[Any] = [None] * dist.get_world_size() if dist.is_initialized() else [mine]
     if dist.is_initialized():

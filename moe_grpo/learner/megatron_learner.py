@@ -7,10 +7,12 @@ data-parallel rank passes its own sequences.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
 import os
+import random
 import re
 import shutil
 from functools import partial
@@ -18,18 +20,24 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
 
 from moe_grpo.algo.corrections import Correction
 from moe_grpo.algo.losses import PolicyLoss, TokenLoss
 from moe_grpo.learner import megatron_write_digests
 from moe_grpo.learner.batch import LearnerSequence, Microbatch, make_microbatches
 from moe_grpo.learner.config import LearnerConfig
+from moe_grpo.learner.lora import apply_lora, gather_adapter_state, load_adapter_state
 from moe_grpo.learner.lora_config import LoraConfig
+from moe_grpo.learner.optimizer import (adam_step, build_ddp_and_optimizer, current_lr, load_optimizer_state,
+                                        lr_scheduler, optimizer_sharded_state_dict, reset_optimizer_state, set_lr)
 from moe_grpo.learner.parallel import ParallelLayout, init_distributed, ranks, seed_everything
 from moe_grpo.models.megatron import MegatronOptions, build_gpt_model, transformer_config
-from moe_grpo.models.spec import MoEModelSpec
-from moe_grpo.routing.replay import RoutingReplayer, check_replay_supported, megatron_token_order
-from moe_grpo.routing.trace import RoutingTrace
+from moe_grpo.models.spec import SPEC_FILE, MoEModelSpec, read_spec, write_spec
+from moe_grpo.routing.replay import (RoutingReplayer, batch_order_from_megatron, check_replay_supported,
+                                     megatron_token_order)
+from moe_grpo.routing.trace import RoutingTrace, RoutingTraceError
 
 
 MAX_SNAPSHOTS = 2
@@ -111,8 +119,6 @@ class MegatronLearner:
         seed_everything(config.seed)
         from megatron.core import parallel_state as ps
 
-        from moe_grpo.learner.optimizer import build_ddp_and_optimizer
-
         self.spec, self.layout, self.config, self.options = spec, layout, config, options
         if (not torch.cuda.is_available() and layout.tensor_parallel > 1 and layout.expert_parallel > 1
                 and options.token_dispatcher == "alltoall"):
@@ -140,8 +146,6 @@ class MegatronLearner:
         self.adapters: dict[str, Any] = {}
         """{global module name: LoraAdapter} of this rank (empty without LoRA)."""
         if lora.enabled:
-            from moe_grpo.learner.lora import apply_lora
-
             self.adapters = apply_lora(module, spec, lora, seed=config.seed)
             # The frozen router's aux-loss-free bias would still move with the load (finalize_model_grads).
             self.mconfig.moe_router_bias_update_rate = 0.0
@@ -173,8 +177,6 @@ class MegatronLearner:
         if n == 0:
             raise ValueError("no sequences given; every data-parallel rank needs at least one")
         if replay:
-            from moe_grpo.routing.trace import RoutingTraceError
-
             for i, s in enumerate(seqs):
                 if s.routing is None:
                     continue  # make_microbatches names every sequence without a trace
@@ -284,8 +286,6 @@ class MegatronLearner:
         Returns `{"used": {moe_index: [b, s, k] per microbatch...}, "free": ...}` in batch order
         for this rank's sequence-parallel slice; tests and the agreement metrics read it.
         """
-        from moe_grpo.routing.replay import batch_order_from_megatron
-
         self.model.eval()
         mbs = self._microbatches(seqs, replay)
 
@@ -652,8 +652,6 @@ class MegatronLearner:
     @property
     def lr(self) -> float:
         """The learning rate the next optimizer step uses (`learner.lr` until `set_lr` or a loaded run state)."""
-        from moe_grpo.learner.optimizer import current_lr
-
         return current_lr(self.optimizer, self.config.lr)
 
     def schedule_lr(self, step: int, total_steps: int, scale: float = 1.0) -> float:
@@ -661,8 +659,6 @@ class MegatronLearner:
         `learner.lr_decay` and `learner.min_lr` say (Megatron's OptimizerParamScheduler), times `scale` (the
         collapse guard's rollbacks lower it); returns it. A function of its arguments only, so a resumed run (its
         step and scale come from the run checkpoint) continues the same schedule. Local: call it on every rank."""
-        from moe_grpo.learner.optimizer import lr_scheduler
-
         for group in self.optimizer.param_groups:  # Megatron reads the peak and the floor from each group
             group["max_lr"] = self.config.lr * scale
             group["min_lr"] = self.config.min_lr * scale
@@ -676,8 +672,6 @@ class MegatronLearner:
     def set_lr(self, lr: float) -> None:
         """Change the learning rate of every param group (dense and expert optimizers alike) from the next step on;
         a rollback multiplies it by a factor. Saved with the run state. Local: call it on every rank."""
-        from moe_grpo.learner.optimizer import set_lr
-
         set_lr(self.optimizer, float(lr))
 
     # ------------------------------------------------------------------ checkpoints
@@ -689,8 +683,6 @@ class MegatronLearner:
         """Collective: write `sharded` as a Megatron distributed checkpoint into a new, empty `directory`, plus the
         model's description (the checkpoint describes its model: export needs no config)."""
         from megatron.core import dist_checkpointing
-
-        from moe_grpo.models.spec import write_spec
 
         rank = torch.distributed.get_rank()
         if rank == 0:
@@ -708,7 +700,6 @@ class MegatronLearner:
         the caller has just `checked`), then load `sharded` from it; a failure names the file (or the directory,
         when Megatron's own error does not)."""
         from megatron.core import dist_checkpointing
-        from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
 
         if not checked:
             check_dist_checkpoint_files(directory)
@@ -752,8 +743,6 @@ class MegatronLearner:
 
     @staticmethod
     def _checkpoint_has_adapters(directory: str) -> bool:
-        from torch.distributed.checkpoint import FileSystemReader
-
         check_dist_checkpoint_files(directory)
         keys = FileSystemReader(directory).read_metadata().state_dict_metadata
         return any(".lora." in k for k in keys)
@@ -761,8 +750,6 @@ class MegatronLearner:
     # ------------------------------------------------------------------ LoRA adapters in PEFT's format
     def adapter_state(self) -> dict[str, torch.Tensor]:
         """Collective: the whole model's adapters as full tensors in PEFT's naming (every rank gets them)."""
-        from moe_grpo.learner.lora import gather_adapter_state
-
         if not self.lora.enabled:
             raise ValueError("this learner has no adapters (lora.rank=0)")
         return gather_adapter_state(self.adapters, self.spec, self.lora)
@@ -770,8 +757,6 @@ class MegatronLearner:
     def set_adapter_state(self, state: dict[str, torch.Tensor]) -> None:
         """Set the adapters from full tensors in PEFT's naming (what `adapter_state` gives); every rank takes its
         shard. `checkpoint/peft.py`'s `load_learner_adapter` reads them from a PEFT adapter directory."""
-        from moe_grpo.learner.lora import load_adapter_state
-
         if not self.lora.enabled:
             raise ValueError("this learner has no adapters (lora.rank=0)")
         self._wait_for_readers()
@@ -796,8 +781,6 @@ class MegatronLearner:
 
     @staticmethod
     def _rng_state() -> dict[str, Any]:
-        import random
-
         from megatron.core import tensor_parallel
 
         kind, keys, pos, has_gauss, gauss = np.random.get_state()
@@ -813,8 +796,6 @@ class MegatronLearner:
 
     @staticmethod
     def _set_rng_state(state: dict[str, Any]) -> None:
-        import random
-
         from megatron.core import tensor_parallel
 
         random.setstate((state["python"][0], tuple(state["python"][1]), state["python"][2]))
@@ -835,8 +816,6 @@ class MegatronLearner:
         generators) and, written last by rank 0, `learner_meta.json` (layout, step count, learning rate, Adam step,
         whether a reference is set, and every file above with its size). Not atomic on its own: the caller writes
         the enclosing directory under a temporary name and renames it."""
-        from moe_grpo.learner.optimizer import adam_step, optimizer_sharded_state_dict
-
         rank = torch.distributed.get_rank()
         if rank == 0:
             os.makedirs(directory, exist_ok=True)
@@ -886,9 +865,6 @@ class MegatronLearner:
         logs why). Every file is checked before anything changes: a missing, truncated or unreadable one raises
         `IncompleteCheckpointError` naming it. After a failure inside Megatron's load the learner is undefined;
         load another checkpoint before training on."""
-        from moe_grpo.learner.optimizer import (load_optimizer_state, optimizer_sharded_state_dict,
-                                                reset_optimizer_state)
-
         dist_dir = os.path.join(directory, RUN_STATE_DIST)
 
         def check() -> tuple[dict[str, Any], Any]:
@@ -942,10 +918,6 @@ class MegatronLearner:
         torch.distributed.barrier()
 
     def _check_same_model(self, dist_dir: str) -> None:
-        import dataclasses
-
-        from moe_grpo.models.spec import SPEC_FILE, read_spec
-
         path = os.path.join(dist_dir, SPEC_FILE)
         try:
             saved = dataclasses.asdict(read_spec(dist_dir))
@@ -1045,8 +1017,6 @@ def read_run_state_meta(directory: str) -> dict[str, Any]:
 def check_dist_checkpoint_files(directory: str) -> None:
     """Every file a Megatron (torch_dist) checkpoint needs is present and long enough: `metadata.json`,
     `common.pt`, torch.distributed.checkpoint's `.metadata` and each data file it points into."""
-    from torch.distributed.checkpoint import FileSystemReader
-
     if not os.path.isdir(directory):
         raise IncompleteCheckpointError(directory, "missing")
     for name in ("metadata.json", "common.pt", ".metadata"):

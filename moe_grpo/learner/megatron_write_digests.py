@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import builtins
 import contextlib
+import importlib
 import inspect
 import json
 import os
@@ -90,8 +91,6 @@ def _open(file: Any, mode: str = "r", *args: Any, **kwargs: Any) -> Any:
 
 
 def _writer_module() -> Any:
-    import importlib
-
     return importlib.import_module(_PATCHED_MODULE)
 
 

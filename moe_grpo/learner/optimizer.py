@@ -15,6 +15,7 @@ step travel beside it (`current_lr` / `set_lr`, `adam_step` / `set_adam_step`).
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Any
 
 from moe_grpo.learner.config import LearnerConfig
@@ -147,8 +148,6 @@ def current_lr(optimizer: Any, default: float) -> float:
 def set_lr(optimizer: Any, lr: float) -> None:
     """Set the learning rate of every param group of every sub-optimizer (times the group's `lr_mult`). 0 is a
     learning rate a schedule reaches (a decay to `min_lr=0` at its last step), so a state saved there loads."""
-    import math
-
     if not (lr >= 0 and math.isfinite(lr)):
         raise ValueError(f"lr={lr}, expected a finite number >= 0")
     for group in optimizer.param_groups:

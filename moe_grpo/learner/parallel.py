@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import datetime
 import os
+import random
 from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
 
 from moe_grpo.validate import at_least
 
@@ -171,9 +174,6 @@ def _run_store(secret: str, timeout: datetime.timedelta) -> Any:
 
 def seed_everything(seed: int) -> None:
     """Same seed on every rank; Megatron's tracker gives TP/EP ranks their own streams."""
-    import random
-
-    import numpy as np
     import torch
     from megatron.core import tensor_parallel
 

@@ -14,8 +14,11 @@ import pickle
 import secrets
 import socket
 import tempfile
+import time
 import traceback
 from typing import Any, Callable
+
+from moe_grpo.learner.parallel import SECRET_ENV
 
 
 def free_port() -> int:
@@ -26,8 +29,6 @@ def free_port() -> int:
 
 def _entry(fn: Callable[..., Any], rank: int, world: int, port: int, out_dir: str, args: tuple, env: dict,
            secret: str) -> None:
-    from moe_grpo.learner.parallel import SECRET_ENV
-
     os.environ.update(env)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **{SECRET_ENV: secret})
@@ -66,7 +67,6 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
                  for r in range(world_size)]
         for p in procs:
             p.start()
-        import time
 
         deadline = time.monotonic() + timeout_s
         for p in procs:

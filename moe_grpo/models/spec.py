@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Literal, Mapping
 
@@ -208,8 +208,6 @@ class MoEModelSpec:
         return self.num_shared_experts * self.moe_ffn_hidden_size if self.num_shared_experts else None
 
     def replace(self, **changes: Any) -> "MoEModelSpec":
-        from dataclasses import replace
-
         return replace(self, **changes)
 
 

@@ -27,18 +27,38 @@ import dataclasses
 import logging
 import os
 import random
+import shutil
 import signal
+import socket
 import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from moe_grpo.checkpoint import hf_init
+from moe_grpo.data.tasks import supervised_sequences
+from moe_grpo.data.tokenizer import load_tokenizer
+from moe_grpo.orchestrator import pools as pool_setup  # the module: tests stand in for its start_ray
+from moe_grpo.orchestrator import run_checkpoint
+from moe_grpo.orchestrator.buffer import RolloutBuffer
 from moe_grpo.orchestrator.engine_pool import EngineFailedError, EnginePool, EngineSlot, Request
-from moe_grpo.orchestrator.groups import Scoring, drop_failed, score_group, shape_group
+from moe_grpo.orchestrator.groups import (Scoring, drop_failed, learner_sequences, prompt_seed, sampling_settings,
+                                          score_group, shape_group)
+from moe_grpo.orchestrator.placement_plan import PlanRefused, build_plan, not_runnable_yet
 from moe_grpo.orchestrator.probe import MismatchProbe, probe_due
+from moe_grpo.orchestrator.process_record import ProcessRecord
 from moe_grpo.orchestrator.run_checkpoint import ResumeRefused
+from moe_grpo.orchestrator.run_dirs import make_sync_root, release_private_dir
+from moe_grpo.orchestrator.run_prompts import engine_context, prompt_source
+from moe_grpo.orchestrator.run_record import RunRecord, step_row
+from moe_grpo.orchestrator.session import SignalRelay, Teardown, keep_handlers_through_ray_shutdown
 from moe_grpo.orchestrator.state import RunState
+from moe_grpo.orchestrator.trackers import check_installed, close_trackers, open_trackers
+from moe_grpo.orchestrator.watch import JumpWatch
+from moe_grpo.processes import process_alive
+from moe_grpo.reward.functions import Rewards
+from moe_grpo.reward.scoring import score_held_out, submit_group
 from moe_grpo.sync.sync_metrics import combine_sync_metrics
 
 log = logging.getLogger("moe_grpo")
@@ -66,10 +86,6 @@ class Driver:
 
     def __init__(self, run: Any, run_dir: str, pools: Any, tokenizer: Any, source: Any, rewards: Any,
                  state: RunState) -> None:
-        from moe_grpo.orchestrator.buffer import RolloutBuffer
-        from moe_grpo.orchestrator.groups import sampling_settings
-        from moe_grpo.orchestrator.watch import JumpWatch
-
         self.run, self.run_dir, self.pools = run, run_dir, pools
         self.tokenizer, self.source, self.rewards, self.state = tokenizer, source, rewards, state
         self.is_async = run.mode == "async"
@@ -137,8 +153,6 @@ class Driver:
 
     def admit(self) -> None:
         """Send prompts: first those to send again (failed engine, resume), then new ones where there is room."""
-        from moe_grpo.orchestrator.groups import prompt_seed
-
         self.admit_retries()
         if not self.engines.up():
             return
@@ -162,8 +176,6 @@ class Driver:
                 self.engines.retry.append(request)
 
     def _probe_sampling(self, seed: int) -> Any:
-        from moe_grpo.orchestrator.groups import sampling_settings
-
         return dataclasses.replace(sampling_settings(self.run, self.tokenizer, seed=seed), n=1)
 
     def advance_probe(self) -> None:
@@ -175,8 +187,6 @@ class Driver:
         self.probe.collect()
 
     def _sampling(self, request: Request) -> Any:
-        from moe_grpo.orchestrator.groups import sampling_settings
-
         return self.greedy if request.kind == "eval" else sampling_settings(self.run, self.tokenizer,
                                                                             seed=request.seed)
 
@@ -186,8 +196,6 @@ class Driver:
 
     def collect(self, ready: list[Any]) -> None:
         """Score finished groups into the buffer; hand weight loads, restarts and failures to the engine pool."""
-        from moe_grpo.reward.scoring import submit_group
-
         for ref in ready:
             if ref in self.train_refs or ref in self.probe.refs():
                 continue
@@ -250,8 +258,6 @@ class Driver:
 
     def start_step(self) -> None:
         """Hand the learner ranks the next batch, if none is training and the buffer holds one."""
-        from moe_grpo.orchestrator.groups import learner_sequences
-
         if self.train_refs:
             return
         groups = self.buffer.take(self.run.algo.prompts_per_step, self.state.step)
@@ -335,8 +341,6 @@ class Driver:
         the exported policy reproduces the final score only if the run's evaluation is of that version)."""
         import ray
 
-        from moe_grpo.reward.scoring import score_held_out
-
         self.engines.settle(block=True)
         examples = self.source.held_out
         self.eval_results = {}
@@ -369,8 +373,6 @@ class Driver:
     def log(self, metrics: dict[str, float]) -> dict[str, float]:
         """The step's line of the run record."""
         import ray
-
-        from moe_grpo.orchestrator.run_record import step_row
 
         now = time.perf_counter()
         interval = max(now - self.t_last, 1e-9)
@@ -428,7 +430,6 @@ class Driver:
         if self.state.rollbacks >= cfg.max_rollbacks:
             raise RuntimeError(f"collapse guard: {seen}, after {self.state.rollbacks} rollback(s) "
                                f"(routing.max_rollbacks={cfg.max_rollbacks}); stopping. {self._checkpoint_hint()}")
-        from moe_grpo.orchestrator import run_checkpoint
 
         jump_began = self.state.step - self.watch.in_a_row + 1
         target = run_checkpoint.rollback_target(self.run_dir, jump_began)
@@ -489,8 +490,6 @@ class Driver:
 
     def checkpoint(self, reason: str) -> Path:
         """Write a run checkpoint of the current step (no training step may be in flight)."""
-        from moe_grpo.orchestrator import run_checkpoint
-
         assert not self.train_refs, "a checkpoint is taken between steps"
         t0 = time.perf_counter()
         self.take_finished()
@@ -541,10 +540,6 @@ class Driver:
         when its connection closes, and a child the actor forked keeps it open: megatron-core's checkpoint writer
         forks one per write bucket, so a rank SIGKILLed while writing a checkpoint would otherwise leave its call
         pending until cluster.learner_timeout_s. (Ranks on other hosts: by Ray's word or that timeout.)"""
-        import socket
-
-        from moe_grpo.processes import process_alive
-
         here = socket.gethostname()
         for rank, info in enumerate(self.pools.infos):
             pid = info.get("pid")
@@ -624,7 +619,6 @@ def check_schedule(run: Any, saved: dict[str, Any]) -> None:
 def _warm_start(run: Any, learners: list[Any], infos: list[dict[str, Any]], tokenizer: Any, source: Any) -> list[float]:
     import ray
 
-    from moe_grpo.data.tasks import supervised_sequences
     from moe_grpo.learner.batch import LearnerSequence
 
     batches = []
@@ -652,8 +646,6 @@ class InitialWeights:
     def __call__(self, learners: list[Any]) -> str:
         import ray
 
-        from moe_grpo.checkpoint import hf_init
-
         infos = ray.get([a.info.remote() for a in learners])
         t0 = time.perf_counter()
         if self.resume_from is not None:
@@ -680,20 +672,8 @@ def train(run: Any, run_dir: str | Path, *, learner_cls: type | None = None) -> 
     """Run `run.steps` optimizer steps (from the newest checkpoint with `run.resume`); returns a summary.
 
     `learner_cls`: a `LearnerWorker` subclass to run instead (tests inject slow or failing learners)."""
-    import shutil
-
     import ray
 
-    from moe_grpo.checkpoint import hf_init
-    from moe_grpo.orchestrator.run_prompts import engine_context, prompt_source
-    from moe_grpo.data.tokenizer import load_tokenizer
-    from moe_grpo.orchestrator import run_checkpoint
-    from moe_grpo.orchestrator.pools import start_pools, start_ray, stop_pools
-    from moe_grpo.orchestrator.run_dirs import make_sync_root, release_private_dir
-    from moe_grpo.orchestrator.process_record import ProcessRecord
-    from moe_grpo.orchestrator.run_record import RunRecord
-    from moe_grpo.orchestrator.session import SignalRelay, Teardown, keep_handlers_through_ray_shutdown
-    from moe_grpo.orchestrator.trackers import check_installed, close_trackers, open_trackers
     from moe_grpo.sync.layout import host_root
 
     check_installed(run.logger)  # a missing tracker package fails now, not after the pools took minutes to start
@@ -735,14 +715,14 @@ def train(run: Any, run_dir: str | Path, *, learner_cls: type | None = None) -> 
         state.tracker_runs = {t.key: t.run_id for t in trackers}
         keep_handlers_through_ray_shutdown()  # before Ray: its shutdown would reset SIGTERM under Python's feet
         ray_was_up = ray.is_initialized()  # the caller's connection: left to the caller
-        private_dir = start_ray(run.cluster, run_dir)
+        private_dir = pool_setup.start_ray(run.cluster, run_dir)
         ray_own = private_dir is not None  # a cluster of the run's own: its shutdown ends everything of the run
         signals.install()  # after Ray, whose own SIGTERM handler would exit without cleaning up
         processes.update()
         t0 = time.perf_counter()
         initial = InitialWeights(run, run_dir, tokenizer, source, state, resume_from)
-        pools = start_pools(run, run_dir, sync_name, initial, learner_cls,
-                            bundle_nodes=plan.bundle_nodes() if plan.pinned else None)
+        pools = pool_setup.start_pools(run, run_dir, sync_name, initial, learner_cls,
+                                       bundle_nodes=plan.bundle_nodes() if plan.pinned else None)
         log.info("pools up in %.0fs: %d engine(s), %d learner rank(s) (%.2fM parameters on rank 0)",
                  time.perf_counter() - t0, len(pools.engines), len(pools.learners), pools.infos[0]["parameters"] / 1e6)
         driver = signals.driver = Driver(run, run_dir, pools, tokenizer, source, rewards, state)
@@ -778,7 +758,7 @@ def train(run: Any, run_dir: str | Path, *, learner_cls: type | None = None) -> 
         teardown.add("the run record", lambda: _close_record(record))
         teardown.add("the trackers", lambda: close_trackers(trackers, outcome))
         teardown.add("the sync hosts", lambda: _stop_sync_hosts(pools, sync_report))
-        teardown.add("the pools", lambda: stop_pools(pools, list(driver.engines.handles().values())
+        teardown.add("the pools", lambda: pool_setup.stop_pools(pools, list(driver.engines.handles().values())
                                                      if driver is not None else None,
                                                      release=not ray_own, disconnect=not ray_was_up))
         teardown.add("the private directory", lambda: release_private_dir(private_dir, run_dir))
@@ -800,8 +780,6 @@ def run_to_end(driver: Driver) -> str | None:
     """The schedule, the final checkpoint and the policy's export. Returns the signal that stopped the run once its
     checkpoint was written (a SIGTERM that lands after the last step stops it at the final checkpoint, the export
     left to the resumed run), or None when the run finished."""
-    from moe_grpo.orchestrator import run_checkpoint
-
     try:
         driver.run_schedule()
         last, step = driver.last_checkpoint, driver.state.step
@@ -834,8 +812,6 @@ def checked_plan(run: Any) -> tuple[Any, Any]:
     """Log the placement plan (orchestrator/placement_plan.py); return it and `run` with what it decided (a slurm
     plan's nodes, learner ranks and GPUs per actor). Raises PlanRefused with every reason for a plan that cannot
     run."""
-    from moe_grpo.orchestrator.placement_plan import PlanRefused, build_plan, not_runnable_yet
-
     plan = build_plan(run, seq_len=run.rollout.max_model_len)
     log.info("%s", plan.render())
     if not plan.ok:
@@ -847,8 +823,6 @@ def checked_plan(run: Any) -> tuple[Any, Any]:
 
 
 def _rewards(run: Any) -> Any:
-    from moe_grpo.reward.functions import Rewards
-
     return Rewards(*run.reward.resolved(run.task.name), timeout_s=run.reward.timeout_s, workers=run.reward.workers)
 
 

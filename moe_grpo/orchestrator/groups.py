@@ -8,6 +8,12 @@ from typing import Any
 
 import numpy as np
 
+from moe_grpo.algo.advantages import group_relative_advantages
+from moe_grpo.algo.shaping import carries_signal, overlong_penalty
+from moe_grpo.orchestrator.buffer import Group
+from moe_grpo.reward.scoring import group_scored
+from moe_grpo.rollout.types import SamplingSettings
+
 log = logging.getLogger("moe_grpo")
 
 DYNAMIC_SAMPLING_PATIENCE = 10
@@ -18,8 +24,6 @@ solved or hopeless."""
 
 def sampling_settings(run: Any, tokenizer: Any, *, greedy: bool = False, seed: int | None = None) -> Any:
     """The engines' sampling for training rollouts (or greedy, for evaluation)."""
-    from moe_grpo.rollout.types import SamplingSettings
-
     stops = tuple(tokenizer.stop_ids)
     if greedy:
         return SamplingSettings(n=1, temperature=0.0, max_tokens=run.rollout.max_tokens, stop_token_ids=stops)
@@ -75,10 +79,6 @@ def score_group(run: Any, example: Any, completions: list[Any], state: Any, engi
                 scores: Any) -> Any:
     """The group of `completions` with rewards (their `Scores`) and advantages, or None when it cannot be trained
     on (counted in `state`)."""
-    from moe_grpo.algo.advantages import group_relative_advantages
-    from moe_grpo.orchestrator.buffer import Group
-    from moe_grpo.reward.scoring import group_scored
-
     # Samples whose reward raised, timed out or was NaN are counted and left out; the rest of the group trains.
     kept, values, failed = group_scored(rewards, example, scores)
     state.reward_failed += failed
@@ -93,9 +93,6 @@ def shape_group(run: Any, group: Any, state: Any) -> Any:
 
     Overlong shaping changes the advantages only: `group.rewards` stay the task's, so `reward/mean` means the
     same under every loss. Dynamic sampling drops a group whose (shaped) rewards are all equal."""
-    from moe_grpo.algo.advantages import group_relative_advantages
-    from moe_grpo.algo.shaping import carries_signal, overlong_penalty
-
     if group is None:
         return None
     shaped = group.rewards.astype(np.float64)

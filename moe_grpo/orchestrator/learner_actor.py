@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
+import ctypes
 import os
+import signal
+import socket
+import sys
 import time
 from typing import Any, Sequence
+
+from moe_grpo.learner.parallel import SECRET_ENV, ranks
+from moe_grpo.orchestrator.logs import quiet_libraries
+from moe_grpo.sync.dtypes import version_dtype
 
 
 class LearnerWorker:
@@ -14,9 +22,6 @@ class LearnerWorker:
                  cpus: list[int] | None = None, secret: str = "") -> None:
         """`sync`: the run's `SyncLayout` (or a shared-memory root directory); `secret`: the run's rendezvous
         secret (the driver's; only holders get into the learners' store)."""
-        from moe_grpo.learner.parallel import SECRET_ENV
-        from moe_grpo.orchestrator.logs import quiet_libraries
-
         quiet_libraries()
         children_die_with_their_parent()
         # This process's own environment: readable by its user only (/proc/<pid>/environ is 0400).
@@ -32,8 +37,6 @@ class LearnerWorker:
         torch.set_num_threads(max(1, len(cpus) if cpus else int(run.cluster.learner_cpus)))
         from moe_grpo.checkpoint.peft import load_learner_adapter
         from moe_grpo.learner.megatron_learner import MegatronLearner
-        from moe_grpo.learner.parallel import ranks
-        from moe_grpo.sync.dtypes import version_dtype
         from moe_grpo.sync.transports import make_publisher
         from moe_grpo.sync.weight_sync import DeltaOptions, WeightSync
 
@@ -56,8 +59,6 @@ class LearnerWorker:
         """The learning-rate schedule's scale (a rollback or a resumed run's `lr` sets it)."""
 
     def info(self) -> dict[str, Any]:
-        import socket
-
         return {**self.ranks, "parameters": sum(p.numel() for p in self.learner.module.parameters()), "pid": os.getpid(),
                 "host": socket.gethostname()}
 
@@ -167,10 +168,6 @@ def children_die_with_their_parent() -> None:
     are orphaned, wait on their queue forever, and keep this actor's inherited Ray connection open, so Ray never
     learns the rank died. Linux's PR_SET_PDEATHSIG, set in each child right after the fork, ends them with it.
     (Forks happen on the actor's main thread, which lives as long as the process.)"""
-    import ctypes
-    import signal
-    import sys
-
     if not sys.platform.startswith("linux"):
         return
     libc = ctypes.CDLL(None, use_errno=True)

@@ -26,15 +26,20 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
+import numpy as np
+
+from moe_grpo.data.tokenizer import load_tokenizer
 from moe_grpo.models.param_count import param_counts
 from moe_grpo.orchestrator.checkpoint_time import CheckpointTime, checkpoint_bytes, measure_write_gbps
-from moe_grpo.orchestrator.cluster_env import (NodeFacts, RunCommand, local_facts, run_command_stdout,
-                                               signal_warning_s, slurm_facts)
+from moe_grpo.orchestrator.cluster_env import (NodeFacts, RunCommand, local_facts, run_command_stdout, signal_warning_s,
+                                               slurm_facts)
 from moe_grpo.orchestrator.memory_estimate import (DTYPE_BYTES, GIB, RESERVED_GIB, EngineMemory, RankMemory,
                                                    TrainingShape, engine_memory, rank_memory)
+from moe_grpo.orchestrator.run_prompts import engine_context, prompt_source
 from moe_grpo.sync.dtypes import version_dtype
 
 
@@ -616,13 +621,6 @@ def pin_bundles(bundles: list[dict[str, float]], bundle_nodes: Sequence[str | No
 def dry_run(run: Any) -> int:
     """`cluster.dry_run=true`: print the placement plan (the prompts are read for the context length, nothing is
     started) and return the exit status: 0 when it fits, 2 with the reasons when it is refused."""
-    import sys
-
-    import numpy as np
-
-    from moe_grpo.orchestrator.run_prompts import engine_context, prompt_source
-    from moe_grpo.data.tokenizer import load_tokenizer
-
     seq_len = run.rollout.max_model_len
     if not seq_len:
         try:

@@ -30,6 +30,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
+from moe_grpo.orchestrator.engine_pool import Request
 from moe_grpo.orchestrator.groups import completion_sequence
 
 log = logging.getLogger("moe_grpo")
@@ -112,8 +113,6 @@ class MismatchProbe:
             self._submit(r, pool)
 
     def _submit(self, r: ProbeRound, pool: Any) -> None:
-        from moe_grpo.orchestrator.engine_pool import Request
-
         if not r.waiting:
             return
         for name in sorted(r.waiting):

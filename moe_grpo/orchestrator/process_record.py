@@ -16,6 +16,8 @@ import time
 from pathlib import Path
 from typing import Any, Iterable
 
+import psutil
+
 from moe_grpo.processes import SHM_DIR, shm_entries_held
 
 FULL_SCAN_S = 30.0
@@ -53,8 +55,6 @@ class ProcessRecord:
         """Add the run's processes alive now (the driver's descendants started since the run began, the learner ranks'
         and engines' processes and theirs: on a cluster joined by address they are not the driver's) and the
         /dev/shm entries they map or hold open."""
-        import psutil
-
         roots = [self.driver] + [p for p in self.learners if isinstance(p, int)] + [p for p in self.engines.values() if p]
         found: dict[int, float] = {}
         for root in roots:
@@ -110,8 +110,6 @@ def left_behind(record: dict[str, Any]) -> dict[str, list[str]]:
     """What a finished run's `processes.json` (`record`, as read back) names that is still there: its processes alive
     (a zombie is not; nor the process asking, which is the driver of a run it called in-process) and its /dev/shm
     entries (the same inode) and weight slots; empty lists when nothing is."""
-    import psutil
-
     procs = []
     for pid, started in (record.get("pids") or {}).items():
         if int(pid) == os.getpid():

@@ -25,6 +25,7 @@ import logging
 import os
 import pickle
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -81,8 +82,6 @@ HASH_THREADS = max(1, min(8, os.cpu_count() or 1))
 def _sha256_all(paths: list[Path], *, fsync: bool = False) -> list[str]:
     """`_sha256` of each path, several files at a time (hashlib lets go of the GIL while it hashes): a real model's
     checkpoint is many shard files, hashed at about 0.8 GB/s per core."""
-    from concurrent.futures import ThreadPoolExecutor
-
     if len(paths) < 2:
         return [_sha256(p, fsync=fsync) for p in paths]
     with ThreadPoolExecutor(max_workers=min(len(paths), HASH_THREADS)) as pool:

@@ -14,6 +14,9 @@ import sys
 from pathlib import Path
 from typing import Any, Mapping
 
+import numpy as np
+from tqdm import tqdm
+
 REQUIRED_KEYS = (
     "step", "policy_version", "reward/mean", "reward/std", "mismatch/kl", "mismatch/router_disagreement",
     "mismatch/probe_version", "train/rollout_kl", "train/router_disagreement", "offpolicy/kl",
@@ -67,8 +70,6 @@ class RunRecord:
         self._trackers: list[Any] = list(trackers or [])
         self._bar: Any = None
         if progress:
-            from tqdm import tqdm
-
             self._bar = tqdm(total=total_steps, initial=len(self.rows), desc="train", unit="step", dynamic_ncols=True,
                              file=sys.stderr)
 
@@ -169,8 +170,6 @@ def step_row(run: Any, state: Any, metrics: dict[str, float], groups: list[Any],
              interval: float, train_seconds: float, infer_busy: float, rollout_tokens: int, sync: dict[str, float],
              buffer: Any, engines: Any, abort_resubmits: float) -> dict[str, float]:
     """One optimizer step's line of metrics.jsonl, from the learner's metrics and the driver's state."""
-    import numpy as np
-
     rewards = np.concatenate([g.rewards for g in groups])
     stale = np.concatenate([trained_version - c.versions for g in groups for c in g.completions])
     train_tokens = sum(len(c.prompt_ids) + len(c.token_ids) - 1 for g in groups for c in g.completions)

@@ -11,6 +11,7 @@ directory when the run ends. On one host
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import secrets
 import shutil
@@ -18,7 +19,11 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from moe_grpo.sync.layout import SyncLayout, resolve_transport
+from moe_grpo.learner.rendezvous import RunStoreServer
+from moe_grpo.orchestrator.run_dirs import make_owned_dir, release, remove_orphaned_sync_roots
+from moe_grpo.sync.layout import SyncLayout, host_root, resolve_transport
+from moe_grpo.sync.shard_relay import ShardReceiver
+from moe_grpo.sync.transport import SharedMemoryTransport, secure_root
 
 log = logging.getLogger("moe_grpo")
 
@@ -44,10 +49,6 @@ class SyncHostAgent:
     """One per sync host of a relay run (a Ray actor pinned to that node)."""
 
     def __init__(self, layout: SyncLayout, host: str, serve_store: bool) -> None:
-        from moe_grpo.orchestrator.run_dirs import make_owned_dir, remove_orphaned_sync_roots
-        from moe_grpo.sync.layout import host_root
-        from moe_grpo.sync.transport import SharedMemoryTransport, secure_root
-
         self.layout, self.host = layout, host
         root = host_root(layout.root)
         secure_root(root)
@@ -59,8 +60,6 @@ class SyncHostAgent:
         self.server = None
         if serve_store:
             import ray
-
-            from moe_grpo.learner.rendezvous import RunStoreServer
 
             self.server = RunStoreServer(ray.util.get_node_ip_address(), 0, layout.secret)
         self.stop = threading.Event()
@@ -75,8 +74,6 @@ class SyncHostAgent:
 
     def start(self, layout: SyncLayout) -> list[int]:
         """Receive, in a thread each, every learner rank that relays shards here; returns those ranks."""
-        from moe_grpo.sync.shard_relay import ShardReceiver
-
         self.layout = layout
         for rank in layout.streams_into(self.host):
             receiver = ShardReceiver(self.transport, layout.group(rank), layout.member(rank, self.host), rank,
@@ -106,8 +103,6 @@ class SyncHostAgent:
 
     def close(self) -> None:
         """Stop receiving and remove this host's buffers of the run."""
-        from moe_grpo.orchestrator.run_dirs import release
-
         self.stop.set()
         shutil.rmtree(self.transport.root, ignore_errors=True)
         release(str(self.transport.root))
@@ -121,7 +116,6 @@ def start_sync_hosts(layout: SyncLayout) -> tuple[SyncLayout, list[Any]]:
 
     if layout.transport != "relay" or not any(layout.stream_targets(r) for r in range(layout.world)):
         return layout, []  # every rank writes where the engines read: nothing to relay
-    import dataclasses
 
     layout = dataclasses.replace(layout, secret=secrets.token_hex(32))
     agent_cls = ray.remote(SyncHostAgent)

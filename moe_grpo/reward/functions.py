@@ -18,6 +18,8 @@ samples, naming its exit code, and is replaced the same way.
 
 from __future__ import annotations
 
+import asyncio
+import ctypes
 import importlib
 import inspect
 import json
@@ -38,6 +40,8 @@ from multiprocessing import Pipe
 from multiprocessing.connection import Connection
 from queue import LifoQueue
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
+
+import numpy as np
 
 if TYPE_CHECKING:
     import numpy as np
@@ -96,8 +100,6 @@ class Scores:
 
     @property
     def failed(self) -> np.ndarray:
-        import numpy as np
-
         return ~np.isfinite(self.rewards)
 
 
@@ -154,8 +156,6 @@ class Rewards:
     def score(self, prompts: Sequence[str], completions: Sequence[str],
               fields: Mapping[str, Sequence[Any]] | None = None) -> Scores:
         """The weighted reward per sample; a sample is NaN (failed) when any function failed on it."""
-        import numpy as np
-
         n = len(completions)
         total = np.zeros(n, np.float64)
         cols = {k: list(v) for k, v in (fields or {}).items()}
@@ -357,8 +357,6 @@ def _serve(fd: str, path: str, parent: str, deathsig: str) -> None:
     parent_pid = int(parent)
     if deathsig == "1":
         try:
-            import ctypes
-
             ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG (Linux)
         except Exception:  # noqa: BLE001 - not Linux: the watcher thread below still notices
             pass
@@ -390,8 +388,6 @@ def _serve(fd: str, path: str, parent: str, deathsig: str) -> None:
             out = fn(prompts, completions, **kwargs)
             if inspect.isawaitable(out):  # an async function (or a plain one that returned a coroutine)
                 if loop is None:
-                    import asyncio
-
                     loop = asyncio.new_event_loop()  # the worker's own, kept across calls
                     asyncio.set_event_loop(loop)
                 out = loop.run_until_complete(out)

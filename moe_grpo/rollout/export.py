@@ -10,10 +10,15 @@ from typing import Any, Iterable
 
 import torch
 
+from moe_grpo.checkpoint.hf_init import copy_tokenizer
+from moe_grpo.checkpoint.hf_io import SafetensorsDir
+from moe_grpo.checkpoint.peft import write_peft_adapter
 from moe_grpo.data.tokenizer import write_tokenizer
-from moe_grpo.models.hf_config import hf_config_from_spec
-from moe_grpo.models.hf_names import layer_groups, param_mappings, to_hf
+from moe_grpo.learner.lora import merge_into_hf
+from moe_grpo.models.hf_config import hf_config_from_spec, read_hf_config
+from moe_grpo.models.hf_names import hf_names, layer_groups, param_mappings, to_hf
 from moe_grpo.models.spec import MoEModelSpec
+from moe_grpo.rollout.lora_merge import is_adapter_name
 
 START_ADAPTER = "adapter"
 """A LoRA run's start directory: the frozen base in the directory, this subdirectory the PEFT adapter of the version
@@ -68,8 +73,6 @@ def export_model_dir(spec: MoEModelSpec, hf_state: dict[str, torch.Tensor], dire
     if source_dir is None:
         cfg.update(bos_token_id=1, eos_token_id=2, pad_token_id=0)
     else:
-        from moe_grpo.models.hf_config import read_hf_config
-
         original = read_hf_config(source_dir)
         tokens = {k: original[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in original}
         cfg = {**original, **cfg, **tokens}
@@ -81,8 +84,6 @@ def export_model_dir(spec: MoEModelSpec, hf_state: dict[str, torch.Tensor], dire
     if source_dir is None:
         write_tokenizer(tmp, spec.vocab_size)
     else:
-        from moe_grpo.checkpoint.hf_init import copy_tokenizer
-
         if not copy_tokenizer(source_dir, tmp):
             raise FileNotFoundError(f"{source_dir} has no tokenizer files to export with the policy")
     if target.exists():
@@ -99,12 +100,6 @@ def export_lora_version(spec: MoEModelSpec, lora: Any, tensors: dict[str, torch.
     `<directory>/adapter` (PEFT format; `VllmEngine(lora=...)` applies it at start). An adapter-only version
     becomes the merged model (base read from `base_dir`, the start directory) with its adapter in
     `<directory>/peft_adapter`. Returns (the directory, whether the version was a base version)."""
-    from moe_grpo.checkpoint.hf_io import SafetensorsDir
-    from moe_grpo.checkpoint.peft import write_peft_adapter
-    from moe_grpo.learner.lora import merge_into_hf
-    from moe_grpo.models.hf_names import hf_names
-    from moe_grpo.rollout.lora_merge import is_adapter_name
-
     adapter = {k: v for k, v in tensors.items() if is_adapter_name(k)}
     base = {k: v for k, v in tensors.items() if not is_adapter_name(k)}
     if base:

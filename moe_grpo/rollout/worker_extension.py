@@ -17,6 +17,8 @@ get no rows.
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import os
 import time
 from functools import partial
@@ -38,8 +40,6 @@ class RoutingCaptureExtension:
     # ---------------------------------------------------------------- setup
     def moe_grpo_install(self, capture: bool = True) -> dict[str, Any]:
         from vllm.model_executor.layers.fused_moe.router.base_router import BaseRouter
-
-        from moe_grpo.rollout import vllm_patches
 
         runner = self.model_runner  # type: ignore[attr-defined]
         model = runner.get_model()
@@ -163,8 +163,6 @@ class RoutingCaptureExtension:
 
     def moe_grpo_set_reload_patch(self, on: bool) -> bool:
         """Tests only: show that reloading experts on CPU is wrong without the vLLM patch."""
-        from moe_grpo.rollout import vllm_patches
-
         if on:
             vllm_patches.apply_cpu_moe_reload_prepack()
         else:
@@ -173,8 +171,6 @@ class RoutingCaptureExtension:
 
     def moe_grpo_set_rotary_patch(self, on: bool) -> int:
         """Tests only: serve with or without the CPU rotary patch (DeepSeek-V2/V3 attention); returns modules rebound."""
-        from moe_grpo.rollout import vllm_patches
-
         if on:
             vllm_patches.apply_cpu_rotary_multihead_3d()
         else:
@@ -204,8 +200,6 @@ class RoutingCaptureExtension:
     def moe_grpo_weight_digests(self) -> dict[str, str]:
         """sha256 of every parameter and buffer of the served model, as vLLM holds them (fused, repacked): two
         loads that leave the same bits give the same digests."""
-        import hashlib
-
         import torch
 
         model = self.model_runner.get_model()  # type: ignore[attr-defined]
@@ -236,8 +230,6 @@ class RoutingCaptureExtension:
     def moe_grpo_merge_adapter(self, sources: list[dict], scale: float) -> int:
         """Serve W0 + scale * B @ A for the adapters in `sources` (published buckets, as `open_bucket` takes them,
         or {"kind": "safetensors", "path": ...}: a PEFT adapter file). Returns the HF weights reloaded."""
-        import contextlib
-
         from safetensors.torch import load_file
 
         from moe_grpo.sync.transports import open_bucket

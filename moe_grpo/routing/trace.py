@@ -11,6 +11,7 @@ published MoE has more experts).
 from __future__ import annotations
 
 import io
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -146,8 +147,6 @@ class RoutingTrace:
 
 def save_traces(path: str, traces: "list[RoutingTrace]") -> None:
     """Several traces (one per sequence) in one .npz file; written to a temp file and renamed."""
-    import os
-
     if not traces:
         raise RoutingTraceError("no traces to save")
     experts = {t.num_experts for t in traces}
