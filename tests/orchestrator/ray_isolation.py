@@ -20,6 +20,7 @@ def main(run_dir: str) -> None:
     listening.sample()  # Ray's GCS, raylet, agents, monitor, this driver's and a worker's servers are all up now
     info = {"private": private, "mode": oct(os.stat(private).st_mode & 0o777), "worker_rpc": seen,
             "session": ray._private.worker._global_node.get_session_dir_path(),  # noqa: SLF001
+            "job_runtime_env": dict(ray.get_runtime_context().runtime_env),
             "nodes": len(ray.nodes()), "node_addresses": [n["NodeManagerAddress"] for n in ray.nodes()],
             "listening": sorted(f"{ip} ({name})" for ip, name in listening.ports),
             "outside": listening.reachable_from_outside()}
