@@ -577,10 +577,13 @@ class MegatronLearner:
         return tuple(out.tolist())  # type: ignore[return-value]
 
     # ------------------------------------------------------------------ the mismatch probe
-    def snapshot_weights(self, version: int) -> None:
+    def snapshot_weights(self, version: int, dtype: torch.dtype | None = None) -> None:
         """Keep a copy of the weights being published as `version`, for `probe` once an engine serves it (the
-        learner trains on meanwhile). At most `MAX_SNAPSHOTS` are kept, the oldest dropped first."""
-        self._snapshots[version] = [p.detach().clone() for p in self.module.parameters()]
+        learner trains on meanwhile). At most `MAX_SNAPSHOTS` are kept, the oldest dropped first. `dtype`: what
+        the version travels in; the copy holds the weights rounded to it (in the learner's dtype), as the engines
+        hold them, so the probe measures the engine-vs-learner gap on the same weights."""
+        self._snapshots[version] = [p.detach().clone() if dtype is None or dtype == p.dtype
+                                    else p.detach().to(dtype).to(p.dtype) for p in self.module.parameters()]
         while len(self._snapshots) > MAX_SNAPSHOTS:
             self._snapshots.pop(min(self._snapshots))
 

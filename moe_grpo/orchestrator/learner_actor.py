@@ -94,9 +94,9 @@ class LearnerWorker:
 
     def publish(self, version: int, background: bool, snapshot: bool = False) -> None:
         """Write this rank's shards as `version` (in the background: overlapped with the next step); `snapshot`:
-        keep a copy of these weights for the mismatch probe of this version."""
+        keep a copy of these weights for the mismatch probe of this version (rounded to the version's dtype)."""
         if snapshot:
-            self.learner.snapshot_weights(version)
+            self.learner.snapshot_weights(version, self.sync.plan.torch_dtype)  # as the engines hold them
         self._collect()
         self._handle = self.sync.sync(version, background=background)
         if not background:

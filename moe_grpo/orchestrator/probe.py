@@ -4,7 +4,10 @@ What a step's training batch shows as KL(rollout || learner) is mostly policy
 drift in async runs (tokens sampled by older weights), not the numerical gap
 between the engine and the learner that routing replay exists for. The probe
 measures that gap alone: when version v is published the learner ranks keep a
-copy of v's weights; each engine, once it serves v, samples a few fixed prompts
+copy of v's weights, rounded to the dtype v travels in (`rollout.dtype`) as the
+engines hold it, so a bf16 engine is compared on the weights it serves (with
+the fp32 weights, on the default model at step 20, the rounding was 72% of the
+KL with replay off and 8% with it on); each engine, once it serves v, samples a few fixed prompts
 (fixed seeds, one sample each); the learner scores those completions with v's
 weights, routing replayed (R3) and free. Every engine is probed, so each sync
 is also checked end to end (a wrong shard shows up as a large KL).
