@@ -18,10 +18,11 @@ Nothing here is called by the learner, which only publishes
 
 from __future__ import annotations
 
+import re
 import time
-from typing import Any
+from typing import Any, Iterable
 
-from moe_grpo.sync.plan import check_plan
+from moe_grpo.sync.plan import BucketPlan, check_plan
 from moe_grpo.sync.transport import SyncError, WeightReceiver
 
 
@@ -40,7 +41,7 @@ def apply_version(engine: Any, transport: WeightReceiver, version: int, *, timeo
     transport.pin(engine.engine_id, {**serving, slot: version})
     try:
         engine.load_published(slot, plan, version, sources=transport.bucket_sources(slot, plan),
-                              only=changed_tensors(engine, transport, version), timeout_s=timeout_s)
+                              only=changed_tensors(engine, transport, version, plan), timeout_s=timeout_s)
     except Exception as e:
         if serving:
             transport.pin(engine.engine_id, serving)
@@ -51,7 +52,7 @@ def apply_version(engine: Any, transport: WeightReceiver, version: int, *, timeo
     return time.perf_counter() - t0
 
 
-def changed_tensors(engine: Any, transport: WeightReceiver, version: int) -> set[str] | None:
+def changed_tensors(engine: Any, transport: WeightReceiver, version: int, plan: BucketPlan) -> set[str] | None:
     """The tensors an engine must reload to go from the version it serves to `version` (delta versions,
     `sync/delta.py`), or None: all of them. Only an engine that holds a published version whole (its weights came
     from a transport's slot, nothing broken) may skip tensors; one started or restored from a model directory, or
@@ -60,4 +61,24 @@ def changed_tensors(engine: Any, transport: WeightReceiver, version: int) -> set
     from_slot = isinstance(getattr(engine, "weight_source", None), tuple)
     if changed_since is None or not from_slot or getattr(engine, "broken", None):
         return None
-    return changed_since(engine.policy_version, version)
+    changed = changed_since(engine.policy_version, version)
+    if changed is None:
+        return None
+    return reload_groups(changed, plan.shapes())
+
+
+_LAYER_PART = re.compile(r"^(.*\.layers\.\d+\.)(mlp\.(?:experts|shared_experts|gate)\.|[^.]+\.)")
+"""The part of a decoder layer an HF tensor belongs to: attention, routed experts, shared experts, router, the
+rest of the MLP, or a norm."""
+
+
+def reload_groups(changed: set[str], names: Iterable[str]) -> set[str]:
+    """`changed` grown to whole parts of decoder layers (`_LAYER_PART`): what an engine must reload together.
+
+    vLLM 0.32 reloads weights layer by layer (`model_loader/reload/layerwise.py`): a module that receives only
+    some of its weights is rebuilt from fresh storage, so its other weights would be garbage. One module's HF
+    tensors always lie in one part (q/k/v and MLA's fused projections in attention, gate/up in their MLP, every
+    routed expert of a layer in its FusedMoE, the router's bias with its weight); tensors outside decoder layers
+    (embeddings, the final norm, the LM head) are modules of their own."""
+    parts = {m.group(0) for n in changed if (m := _LAYER_PART.match(n))}
+    return set(changed) | {n for n in names if (m := _LAYER_PART.match(n)) and m.group(0) in parts}

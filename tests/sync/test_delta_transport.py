@@ -65,3 +65,22 @@ def test_an_engine_behind_by_a_delta_gets_only_the_changed_tensors_of_each_bucke
     assert [[e[0] for e in s["entries"]] for s in cut] == [[first], [last]]
     assert cut[0]["path"] == sources[0]["path"] and cut[1]["path"] == sources[-1]["path"]
     assert sources_of(sources, set()) == []
+
+
+def test_an_engine_reloads_whole_parts_of_a_layer_never_part_of_a_vllm_module() -> None:
+    """vLLM rebuilds a module that gets only some of its weights from fresh storage: reloading q_proj without k/v
+    (one qkv module) or one expert without the rest of its FusedMoE gave NaN log-probs in
+    tests/sync/test_delta_engine.py before whole parts were reloaded."""
+    from moe_grpo.sync.deliver import reload_groups
+
+    names = [f"model.layers.1.self_attn.{p}_proj.weight" for p in "qkvo"]
+    names += [f"model.layers.1.mlp.experts.{e}.{p}_proj.weight" for e in range(3) for p in ("gate", "up", "down")]
+    names += ["model.layers.1.mlp.gate.weight", "model.layers.1.mlp.gate.e_score_correction_bias",
+              "model.layers.0.mlp.up_proj.weight", "model.layers.0.mlp.down_proj.weight",
+              "model.layers.1.input_layernorm.weight", "model.embed_tokens.weight", "lm_head.weight"]
+    got = reload_groups({"model.layers.1.self_attn.q_proj.weight", "model.layers.1.mlp.experts.2.up_proj.weight",
+                         "model.layers.1.mlp.gate.e_score_correction_bias", "lm_head.weight"}, names)
+    assert got == ({f"model.layers.1.self_attn.{p}_proj.weight" for p in "qkvo"}
+                   | {n for n in names if ".experts." in n}
+                   | {"model.layers.1.mlp.gate.weight", "model.layers.1.mlp.gate.e_score_correction_bias",
+                      "lm_head.weight"})
