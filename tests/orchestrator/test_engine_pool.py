@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 ray = pytest.importorskip("ray")
-pytestmark = pytest.mark.slow  # a Ray cluster per module
+pytestmark = pytest.mark.slow  # Ray (the session cluster)
 
 from moe_grpo.orchestrator.engine_pool import EngineFailedError, EnginePool, EngineSlot, Request  # noqa: E402
 
@@ -49,8 +49,13 @@ class FakeEngine:
 
 
 @pytest.fixture(scope="module", autouse=True)
-def local_ray():
-    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR")
+def local_ray(session_ray_address):
+    """This process joins the test session's Ray cluster (tests/ray_session.py) rather than starting one of its own
+    (~5 s: `ray.init`, its first worker, `ray.shutdown`); what is tested runs on actors of this module's job, which
+    Ray ends when the module disconnects."""
+    from moe_grpo.orchestrator.pools import join_ray
+
+    join_ray(session_ray_address)
     yield
     ray.shutdown()
 
