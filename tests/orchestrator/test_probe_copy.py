@@ -51,8 +51,8 @@ def probe_after_publish(run, root: str) -> dict:
 
 def test_with_bf16_engines_the_probe_scores_with_the_weights_rounded_as_the_engines_hold_them(tmp_path):
     """Would have caught: the probe scoring a bf16 engine's samples with the learner's fp32 weights, so that its KL
-    mixes the engine's numerics with the weights' rounding (on the default model at step 20 the rounding was 72%
-    of the KL with replay off; see the issue 33 report) instead of measuring the gap on the same weights."""
+    mixes the engine's numerics with the weights' rounding (see probe.py's docstring for the figures) instead of
+    measuring the gap on the same weights."""
     run = run_config(["rollout.dtype=bfloat16"])
     out = run_distributed(probe_after_publish, 1, run, str(tmp_path / "shm"))[0]
     assert out["dtype"] == "torch.float32"  # the learner's own weights stay fp32
