@@ -8,9 +8,10 @@ copy of v's weights, rounded to the dtype v travels in (`rollout.dtype`) as the
 engines hold it, so a bf16 engine is compared on the weights it serves (scored
 with the fp32 weights instead, 512 probe samples of the default model at step
 20 of two bf16 runs gave a KL 10-38% higher and 14-21% more router
-disagreement: the weights' rounding on top of the bf16 arithmetic); each engine, once it serves v, samples a few fixed prompts
-(fixed seeds, one sample each); the learner scores those completions with v's
-weights, routing replayed (R3) and free. Every engine is probed, so each sync
+disagreement: the weights' rounding on top of the bf16 arithmetic); each
+engine, once it serves v, samples a few fixed prompts (fixed seeds, one sample
+each); the learner scores those completions with v's weights, routing replayed
+(R3) and free. Every engine is probed, so each sync
 is also checked end to end (a wrong shard shows up as a large KL).
 
 The probe never blocks the schedule: requests and learner calls are collected

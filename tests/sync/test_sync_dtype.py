@@ -171,7 +171,8 @@ def test_a_bf16_engine_after_a_sync_holds_the_weights_cast_to_bf16_bit_for_bit(t
              for k, t in learner_fp32.items()}  # the engine starts on weights the learner does not hold
     engine = VllmEngine(export_model_dir(spec, other, tmp_path / "model"), spec, max_model_len=128, max_num_seqs=4,
                         dtype="bfloat16")
-    transport, fp32_transport = SharedMemoryTransport(str(tmp_path / "bf16")), SharedMemoryTransport(str(tmp_path / "fp32"))
+    transport = SharedMemoryTransport(str(tmp_path / "bf16"))
+    fp32_transport = SharedMemoryTransport(str(tmp_path / "fp32"))
     try:
         started = engine.weight_digests()
         publish_version(fp32_transport, 1, spec, tensors=learner_fp32)
