@@ -109,6 +109,9 @@ def default_root() -> str:
 
 _DIR_MODE, _FILE_MODE = 0o700, 0o600
 
+_INFO_HEAD = 96
+"""Bytes at the head of a slot's version.json that name its version, world and base (`_slot_info`)."""
+
 CHANGE_LOG = 64
 """Versions whose changed-tensor lists each host keeps (an engine further behind reloads everything)."""
 
@@ -217,7 +220,7 @@ class SharedMemoryTransport:
         if slots < 1:
             raise ValueError(f"slots={slots}, expected at least 1")
         self.root, self.slots = secure_root(root or default_root()), slots
-        self._info_cache: dict[str, tuple[tuple[int, int, int], dict]] = {}
+        self._info_cache: dict[str, tuple[tuple[int, bytes], dict]] = {}
         self._plan_json: tuple[BucketPlan | None, str, str] = (None, "", "")
         try:
             _mkdir_private(self.root / "pins")
@@ -249,16 +252,19 @@ class SharedMemoryTransport:
         return out
 
     def _slot_info(self, slot: Path) -> dict | None:
-        """The slot's version.json, parsed again only when the file changed (it holds the whole plan: ~0.2 MB
-        for a 2400-tensor model, and every claim reads every slot's)."""
+        """The slot's version.json, parsed again only when its head changed (it holds the whole plan: ~0.2 MB
+        for a 2400-tensor model, and every claim reads every slot's). The head - version, world and base, written
+        first - identifies the file: inode numbers and coarse mtimes repeat on a disk-backed root when versions
+        follow each other within a clock tick, and a cache keyed by them served a replaced file's old version."""
         path = Path(slot) / "version.json"
         try:
-            st = os.stat(path)
-            key = (st.st_ino, st.st_mtime_ns, st.st_size)
-            hit = self._info_cache.get(str(path))
-            if hit is not None and hit[0] == key:
-                return hit[1]
-            info = json.loads(path.read_text())
+            with open(path, "rb") as f:
+                head = f.read(_INFO_HEAD)
+                key = (os.fstat(f.fileno()).st_size, head)
+                hit = self._info_cache.get(str(path))
+                if hit is not None and hit[0] == key:
+                    return hit[1]
+                info = json.loads(head + f.read())
         except (OSError, ValueError):
             return None
         self._info_cache[str(path)] = (key, info)
@@ -311,10 +317,11 @@ class SharedMemoryTransport:
 
     def _write_version(self, slot: Path, version: int, world: int, base: int | None, quoted: str, text: str) -> None:
         path = slot / "version.json"
-        _write_text(path, f'{{"version": {int(version)}, "world": {int(world)}, "base": {json.dumps(base)}, '
-                          f'"plan": {quoted}}}')
-        st = os.stat(path)  # what we wrote needs no parsing when the next claim looks at this slot
-        self._info_cache[str(path)] = ((st.st_ino, st.st_mtime_ns, st.st_size),
+        data = (f'{{"version": {int(version)}, "world": {int(world)}, "base": {json.dumps(base)}, '
+                f'"plan": {quoted}}}').encode()
+        _write_text(path, data.decode())
+        # What we wrote needs no parsing when the next claim looks at this slot.
+        self._info_cache[str(path)] = ((len(data), data[:_INFO_HEAD]),
                                        {"version": int(version), "world": int(world), "base": base, "plan": text})
 
     def forget_base(self, slot: str) -> None:
@@ -475,7 +482,9 @@ class SharedMemoryTransport:
             for slot, version in slots.items():
                 info = self._slot_info(Path(slot))
                 if not info or info["version"] != version:
-                    raise SyncError(f"version {version} is gone from {slot} (a newer version reused the buffer)")
+                    now = f"version {info['version']}" if info else "nothing readable"
+                    raise SyncError(f"version {version} is gone from {slot} (a newer version reused the buffer: it "
+                                    f"holds {now})")
             _write_json(self.root / "pins" / f"{engine_id}.json",
                         {"pid": os.getpid(), "slots": {Path(s).name: v for s, v in slots.items()}})
 

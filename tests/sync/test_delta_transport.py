@@ -84,3 +84,21 @@ def test_an_engine_reloads_whole_parts_of_a_layer_never_part_of_a_vllm_module() 
                    | {n for n in names if ".experts." in n}
                    | {"model.layers.1.mlp.gate.weight", "model.layers.1.mlp.gate.e_score_correction_bias",
                       "lm_head.weight"})
+
+
+def test_a_slot_rewritten_within_one_clock_tick_is_read_anew(tmp_path) -> None:
+    """On a disk-backed root a replaced version.json can come back with the same inode number, size and (coarse)
+    mtime; a cache keyed by those served the old version, and a relay receiver waited 60 s for a version that was
+    there (seen in tests/sync/test_shard_relay.py's delta test, about one run in four)."""
+    import os
+    from pathlib import Path
+
+    transport = SharedMemoryTransport(str(tmp_path / "sync"))
+    plan = plan_buckets(tiny_spec(), torch.bfloat16, 1 << 20)
+    slot = _publish(transport, 3, plan)
+    assert transport.find(3) == slot
+    path = Path(slot) / "version.json"
+    st = os.stat(path)
+    path.write_text(path.read_text().replace('"version": 3', '"version": 5', 1))  # same inode, same size
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert transport.find(5) == slot and transport.find(3) is None
