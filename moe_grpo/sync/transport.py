@@ -337,13 +337,21 @@ class SharedMemoryTransport:
         return None if info is None else info.get("base")
 
     def _drop_extra_slots(self, keep: Path, pinned: set[str]) -> None:
+        """Remove slots beyond `slots` that nobody pins, never one still being written: a version newer than the
+        newest complete one has writers at work (a relay receiver fills a slot it found, before it pins it). An
+        unfinished version older than that was abandoned (its writers have finished newer ones)."""
         slots = self._slots()
+        newest = self.latest_complete()
         for slot in reversed(slots):
             if len(slots) <= self.slots:
                 return
-            if slot != keep and slot.name not in pinned:
-                shutil.rmtree(slot, ignore_errors=True)
-                slots.remove(slot)
+            if slot == keep or slot.name in pinned:
+                continue
+            info = self._slot_info(slot)
+            if info is not None and self._missing(slot, info) and (newest is None or info["version"] > newest):
+                continue
+            shutil.rmtree(slot, ignore_errors=True)
+            slots.remove(slot)
 
     def _bucket_file(self, slot: str, bucket: Bucket) -> str:
         path = bucket_path(slot, bucket.index)

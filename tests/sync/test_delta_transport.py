@@ -102,3 +102,25 @@ def test_a_slot_rewritten_within_one_clock_tick_is_read_anew(tmp_path) -> None:
     path.write_text(path.read_text().replace('"version": 3', '"version": 5', 1))  # same inode, same size
     os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
     assert transport.find(5) == slot and transport.find(3) is None
+
+
+def test_an_extra_slot_still_being_written_is_never_removed(tmp_path) -> None:
+    """A relay receiver fills the slot it found for a version before it pins it; removing that slot (it was an
+    extra one, unpinned) failed the receiver with FileNotFoundError and stalled every later version."""
+    import os
+
+    transport = SharedMemoryTransport(str(tmp_path / "sync"), slots=2)
+    plan = plan_buckets(tiny_spec(), torch.bfloat16, 1 << 20)
+    s1, s2 = _publish(transport, 1, plan), _publish(transport, 2, plan)
+    transport.pin("engine0", {s1: 1, s2: 2})  # both pinned: version 3 opens an extra slot
+    s3 = transport.claim(3, plan, 0, 2)
+    transport.mark_done(s3, 3, 0, {b.index: 1 for b in plan.buckets})  # rank 1's receiver is still writing
+    transport.unpin("engine0")
+    s4 = transport.claim(4, plan, 0, 2)
+    assert os.path.isdir(s3) and transport.find(3) == s3, "the version in progress was removed"
+    assert s4 == s1 and len(transport._slots()) == 2  # the oldest finished slot reused, the other one removed
+    for rank in (0, 1):
+        transport.mark_done(s4, 4, rank, {b.index: 1 for b in plan.buckets})
+    transport.pin("engine0", {s4: 4})
+    s5 = transport.claim(5, plan, 0, 1)  # rank 1 never finished version 3, and version 4 is complete
+    assert not os.path.exists(s3) and {str(p) for p in transport._slots()} == {s4, s5}
