@@ -49,8 +49,8 @@ class SyncConfig:
     (`sync/delta.py`): engines reload only the tensors that changed, a routed expert no step touched costs nothing.
     Exact: engines hold bit for bit what a full version gives. Pays off with `rollout.dtype=bfloat16`, where most
     small updates do not move a bf16 value; in float32 nearly every element changes every step and versions fall
-    back to full (`delta_max_fraction`). Off by default until measured on a real model. Shared memory and
-    `cuda_ipc` only: the relay and LoRA runs (whose versions are adapters already) refuse it."""
+    back to full (`delta_max_fraction`). Over the relay only the encoded changes cross hosts. Off by default
+    until measured on a real model. LoRA runs (whose versions are adapters already) refuse it."""
     delta_max_fraction: float = 0.5
     """A learner rank sends its shards whole when their encoded delta would exceed this fraction of their bytes."""
     full_every: int = 0
@@ -68,6 +68,4 @@ class SyncConfig:
         if not 0.0 < self.delta_max_fraction <= 1.0:
             raise refuse("sync.delta_max_fraction", self.delta_max_fraction, "a fraction in (0, 1]")
         at_least("sync.full_every", self.full_every, 0)
-        if self.delta and self.transport == "relay":
-            raise refuse("sync.delta", self.delta, "false with sync.transport=relay (delta versions over the relay "
-                         "are not built yet)")
+

@@ -31,9 +31,13 @@ from typing import Any
 
 import torch
 
+from moe_grpo.sync.delta import DeltaHistory, VersionDelta, apply_changes, decode
 from moe_grpo.sync.plan import BucketPlan
 from moe_grpo.sync.relay import RelayGroup, _Broadcaster
 from moe_grpo.sync.transport import SharedMemoryTransport, SyncError
+
+DELTA_HISTORY = 16
+"""Versions of a rank's changes a receiver keeps to bring a recycled slot forward."""
 
 READY_WAIT_S = 1.0
 """How often a receiver waiting for its rank's first publish checks whether it should stop."""
@@ -70,6 +74,7 @@ class ShardSender:
         self.broadcast: _Broadcaster | None = None
         self.bytes_sent = 0
         self.seconds = 0.0
+        self.delta_version: int | None = None
 
     def _connect(self) -> None:
         from moe_grpo.learner.rendezvous import RunStore
@@ -81,17 +86,26 @@ class ShardSender:
         self.broadcast(torch.tensor([len(setup)], dtype=torch.int64), "the shard layout's size")
         self.broadcast(torch.frombuffer(bytearray(setup), dtype=torch.uint8), "the shard layout")
 
-    def begin(self, version: int) -> None:
-        """Announce `version` (its buckets follow, in plan order, those this rank writes into)."""
+    def begin(self, version: int, changes: bytes | None = None) -> None:
+        """Announce `version`: with `changes` (a delta version, `delta.encode`) they follow at once and nothing
+        more of it is sent; otherwise its buckets follow, in plan order, those this rank writes into."""
         if self.broadcast is None:
             self._connect()
         assert self.broadcast is not None
-        self.broadcast(torch.tensor([version], dtype=torch.int64), f"the header of version {version}")
+        t0 = time.perf_counter()
+        size = -1 if changes is None else len(changes)
+        self.broadcast(torch.tensor([version, size], dtype=torch.int64), f"the header of version {version}")
+        self.delta_version = version if changes is not None else None
+        if changes:
+            self.broadcast(torch.frombuffer(bytearray(changes), dtype=torch.uint8), f"the changes of version {version}")
+            self.bytes_sent += len(changes)
+        self.seconds += time.perf_counter() - t0
 
     def send_bucket(self, version: int, index: int) -> None:
-        """Pack this rank's shards of bucket `index` into the staging buffer and broadcast them."""
+        """Pack this rank's shards of bucket `index` into the staging buffer and broadcast them (nothing for a
+        delta version: its changes went with the header)."""
         assert self.broadcast is not None, "begin(version) first"
-        if index not in self.writes:
+        if index not in self.writes or self.delta_version == version:
             return
         t0 = time.perf_counter()
         dtype, pos = self.plan.torch_dtype, 0
@@ -125,7 +139,10 @@ class ShardReceiver:
         self.sizes: dict[int, list[int]] = {}
         self.staging = torch.empty(0, dtype=torch.uint8)
         self.received: list[int] = []
-        """Versions received whole, in order."""
+        """Versions received (whole or as changes), in order."""
+        self.history = DeltaHistory(DELTA_HISTORY)
+        self.last_slot: str | None = None
+        """The slot this rank's previous version went into (pinned: a delta's fallback copies its shards from it)."""
 
     def connect(self, stop: threading.Event) -> bool:
         """Wait until the rank sends its first version (or `stop`), meet the group, read the shard layout."""
@@ -151,13 +168,40 @@ class ShardReceiver:
     def receive(self) -> int | None:
         """Block until the rank's next version is in this host's buffers (returns it) or the rank closed (None)."""
         assert self.broadcast is not None and self.plan is not None, "connect() first"
-        header = torch.zeros(1, dtype=torch.int64)
+        header = torch.zeros(2, dtype=torch.int64)
         self.broadcast(header, "the version header")
-        version = int(header[0])
+        version, size = int(header[0]), int(header[1])
         if version < 0:
             return None
+        delta = self._receive_changes(version, size) if size >= 0 else None
+        self.history.record(version, delta)
+        slot = self.transport.claim(version, self.plan, self.rank, self.world, self.group.timeout_s, claims=self.claims)
+        if delta is None:
+            elements = self._receive_whole(version, slot)
+        else:
+            elements = self._apply_changes(version, slot, delta)
+        # Pinned before it is complete: once every rank is done a claim could otherwise take it for a newer version
+        # before this rank's next changes are applied from it.
+        self.transport.pin(f"relay-r{self.rank}", {slot: version})
+        self.transport.mark_done(slot, version, self.rank, elements)
+        self.transport.log_changes(version, self.rank, None if delta is None else delta.base,
+                                   None if delta is None else sorted(delta.names()))
+        self.last_slot = slot
+        self.received.append(version)
+        return version
+
+    def _receive_changes(self, version: int, size: int) -> VersionDelta:
+        assert self.broadcast is not None and self.plan is not None
+        blob = torch.zeros(size, dtype=torch.uint8)
+        if size:
+            self.broadcast(blob, f"the changes of version {version}")
+        placements = {name: (shape, stride, offset) for rows in self.layout.values()
+                      for name, shape, stride, offset in rows}
+        return decode(memoryview(blob.numpy()), self.plan, placements)
+
+    def _receive_whole(self, version: int, slot: str) -> dict[int, int]:
+        assert self.broadcast is not None and self.plan is not None
         plan, dtype, item = self.plan, self.plan.torch_dtype, self.plan.torch_dtype.itemsize
-        slot = self.transport.claim(version, plan, self.rank, self.world, self.group.timeout_s, claims=self.claims)
         elements: dict[int, int] = {}
         for b in plan.buckets:
             rows = self.layout.get(b.index)
@@ -174,7 +218,43 @@ class ShardReceiver:
                         staging[pos : pos + n * item].view(dtype).view(shape))
                     pos += n * item
             elements[b.index] = sum(numel)
-        self.transport.mark_done(slot, version, self.rank, elements)
-        self.received.append(version)
-        return version
+        return elements
 
+    def _apply_changes(self, version: int, slot: str, delta: VersionDelta) -> dict[int, int]:
+        """Bring this rank's shards in `slot` to `version`: the chain of changes from what the slot held, or (a
+        link unknown: a fresh slot, a version between sent whole) its shards copied from the slot its previous
+        version went into, then this version's changes."""
+        assert self.plan is not None
+        chain = self.history.chain(self.transport.slot_base(slot), version)
+        if chain is None:
+            if self.last_slot is None or delta.base is None or self.received[-1:] != [delta.base]:
+                raise SyncError(f"relay of learner rank {self.rank}: version {version} came as changes against "
+                                f"version {delta.base}, which this host does not hold (last received: "
+                                f"{self.received[-1:] or 'none'})")
+            self._copy_own(self.last_slot, slot)
+            chain = [delta]
+        dtype = self.plan.torch_dtype
+        with torch.no_grad():
+            for b in self.plan.buckets:
+                if b.index not in self.layout:
+                    continue
+                with self.transport.bucket_views(slot, b, dtype) as full:
+                    for d in chain:
+                        apply_changes(full, d.changes.get(b.index, ()))
+        return {i: sum(n) for i, n in self.sizes.items()}
+
+    def _copy_own(self, source: str, slot: str) -> None:
+        """This rank's shards (only its own: other ranks' receivers write theirs) from `source` into `slot`."""
+        assert self.plan is not None
+        dtype = self.plan.torch_dtype
+        with torch.no_grad():
+            for b in self.plan.buckets:
+                rows = self.layout.get(b.index)
+                if not rows:
+                    continue
+                with self.transport.bucket_views(source, b, dtype) as old, \
+                        self.transport.bucket_views(slot, b, dtype) as new:
+                    for name, shape, stride, offset in rows:
+                        src, dst = old[name], new[name]
+                        dst.as_strided(shape, stride, dst.storage_offset() + offset).copy_(
+                            src.as_strided(shape, stride, src.storage_offset() + offset))

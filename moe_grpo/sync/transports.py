@@ -10,7 +10,7 @@
 | transport | publisher (learner rank) | receiver (engine) | worker opens |
 |---|---|---|---|
 | shm | its host's `SharedMemoryTransport` | the same root | the bucket file, mapped |
-| relay | its host's buffers if a sync host, plus `ShardSender` to every other sync host | its host's buffers, filled by `ShardReceiver`s there | the bucket file, mapped |
+| relay | its host's buffers if a sync host, plus `ShardSender` to every other sync host (a delta version: its encoded changes only) | its host's buffers, filled by `ShardReceiver`s there | the bucket file, mapped |
 | cuda_ipc | `CudaIpcTransport` (buffers in rank 0's GPU memory) | the same | the buffer, by CUDA IPC handle |
 """
 
@@ -69,13 +69,23 @@ class RelayPublisher:
 
         self.sender = ShardSender(self.layout.group(self.rank), self.rank, plan, writes)
 
-    def claim(self, version: int, plan: BucketPlan, rank: int, world: int, timeout_s: float = 60.0) -> str:
+    def claim(self, version: int, plan: BucketPlan, rank: int, world: int, timeout_s: float = 60.0, *,
+              changes: bytes | None = None) -> str:
+        """Announce `version` to the other sync hosts (with `changes`: a delta version, sent at once) and claim
+        this host's slot for it ("" when this host holds no copy)."""
         if self.sender is None:
             raise RuntimeError("RelayPublisher.bind(plan, writes) must come before the first claim")
-        self.sender.begin(version)
+        self.sender.begin(version, changes)
         if self.local is None:
             return ""
         return self.local.claim(version, plan, rank, world, timeout_s, claims=self.claims)
+
+    def slot_base(self, slot: str) -> int | None:
+        return self.local.slot_base(slot) if self.local is not None and slot else None
+
+    def log_changes(self, version: int, rank: int, base: int | None, names: list[str] | None) -> None:
+        if self.local is not None:
+            self.local.log_changes(version, rank, base, names)
 
     def bucket_views(self, slot: str, bucket: Bucket, dtype: torch.dtype) -> Any:
         assert self.local is not None, "a rank on a host without engines writes nothing locally"

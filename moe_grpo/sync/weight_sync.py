@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from moe_grpo.sync.adapter_gather import local_adapter_writes
-from moe_grpo.sync.delta import DeltaHistory, DeltaTracker, VersionDelta, apply_changes, encoded_bytes
+from moe_grpo.sync.delta import DeltaHistory, DeltaTracker, VersionDelta, apply_changes, encode, encoded_bytes
 from moe_grpo.sync.sync_metrics import expert_bitmaps
 from moe_grpo.sync.gather import ShardWrite, local_shard_writes
 from moe_grpo.sync.plan import BucketPlan, plan_buckets
@@ -181,9 +181,6 @@ class WeightSync:
     def _start_delta(self) -> None:
         if self.adapter_plan is not None:
             raise ValueError("sync.delta with lora.rank > 0: a LoRA run's versions are its adapters already")
-        if hasattr(self.transport, "bind"):
-            raise ValueError(f"sync.delta over {type(self.transport).__name__}: delta versions over the relay are "
-                             "not built yet; use sync.transport=shm or cuda_ipc")
         shapes = self.plan.shapes()
         shards = {i: [(w.name, w.source, w.place(torch.empty(shapes[w.name], device="meta"))) for w in ws]
                   for i, ws in self.writes.items() if ws}
@@ -245,9 +242,9 @@ class WeightSync:
             plan = self.adapter_plan if adapter_only else self.plan
             assert plan is not None
             out = self._outgoing(handle.version) if self._tracker is not None else None
-            slot = self.transport.claim(handle.version, plan, self.rank, self.world, self.claim_timeout_s)
+            slot = self._claim(handle.version, plan, out)
             chain = (self._history.chain(self.transport.slot_base(slot), handle.version)  # type: ignore[attr-defined]
-                     if out is not None and out.send_changes else None)
+                     if out is not None and out.send_changes and self._local else None)
             elements, nbytes = self._write(slot, handle.version, plan, adapter_only, chain)
             self.transport.mark_done(slot, handle.version, self.rank, elements)
             if out is not None:
@@ -259,6 +256,15 @@ class WeightSync:
                 self._tracker.forget()  # type: ignore[union-attr]
                 self._history.record(handle.version, None)
             handle._finish(None, e)
+
+    def _claim(self, version: int, plan: BucketPlan, out: _Outgoing | None) -> str:
+        """The slot this rank writes `version` into; a relaying transport also sends a delta version's encoded
+        changes to the other hosts now (its buckets then carry nothing more)."""
+        if self._forward is not None and out is not None:
+            changes = encode(out.delta, plan) if out.send_changes else None
+            return self.transport.claim(version, plan, self.rank, self.world,  # type: ignore[call-arg]
+                                        self.claim_timeout_s, changes=changes)
+        return self.transport.claim(version, plan, self.rank, self.world, self.claim_timeout_s)
 
     def _write(self, slot: str, version: int, plan: BucketPlan, adapter_only: bool,
                chain: list[VersionDelta] | None) -> tuple[dict[int, int], int]:

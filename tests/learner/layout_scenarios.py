@@ -299,9 +299,10 @@ def intrude_on_the_learner_store() -> dict:
     return out
 
 
-def publish_versions(tp: int, ep: int, versions: list, where, roots: list | None = None) -> dict:
-    """A seeded learner at (tp, ep) publishes `versions` (its weights scaled by 1.5 before each after the first)
-    through `where` (a root, or a SyncLayout with `roots[rank]` standing for this rank's host root).
+def publish_versions(tp: int, ep: int, versions: list, where, roots: list | None = None, delta: bool = False) -> dict:
+    """A seeded learner at (tp, ep) publishes `versions` (its weights scaled by 1.5 before each after the first;
+    with `delta`, in bf16 as delta versions, a few elements of every third parameter moved instead) through
+    `where` (a root, or a SyncLayout with `roots[rank]` standing for this rank's host root).
     Returns {version: bytes this rank wrote or relayed}."""
     import os
 
@@ -311,19 +312,24 @@ def publish_versions(tp: int, ep: int, versions: list, where, roots: list | None
     from moe_grpo.learner.parallel import ParallelLayout
     from moe_grpo.sync.config import ROOT_ENV
     from moe_grpo.sync.transports import make_publisher
-    from moe_grpo.sync.weight_sync import WeightSync
+    from moe_grpo.sync.weight_sync import DeltaOptions, WeightSync
 
     rank = int(os.environ["RANK"])
     if roots is not None:
         os.environ[ROOT_ENV] = roots[rank]  # this rank's "host"
     learner = MegatronLearner(tiny_spec(), ParallelLayout(tp, ep, 1), LearnerConfig(seed=3))
-    sync = WeightSync(learner, make_publisher(where, rank), max_bucket_bytes=1 << 16)
+    options = DeltaOptions() if delta else None
+    sync = WeightSync(learner, make_publisher(where, rank), max_bucket_bytes=1 << 16,
+                      dtype="bfloat16" if delta else None, delta=options)
     out = {}
     for i, version in enumerate(versions):
         if i:
             with torch.no_grad():
-                for p in learner.module.parameters():
-                    p.mul_(1.5)
+                for j, p in enumerate(learner.module.parameters()):
+                    if not delta:
+                        p.mul_(1.5)
+                    elif (i + j) % 3 == 0:
+                        p.view(-1)[i : i + 50] += 0.1
         out[version] = sync.sync(version).wait().bytes_written
     if hasattr(sync.transport, "close_relay"):
         sync.transport.close_relay()

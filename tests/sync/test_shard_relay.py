@@ -79,3 +79,47 @@ def test_a_learner_split_across_hosts_publishes_whole_versions_on_every_sync_hos
             a, b = want.read_version(version), transport.read_version(version)
             assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), (h, version)
     server.close()
+
+
+@pytest.mark.multiprocess
+def test_delta_versions_cross_hosts_as_their_changes_only_and_land_bit_exact(tmp_path):
+    """sync.delta over the relay: each rank sends a version's encoded changes once; the other host brings its
+    buffers forward (a chain through its recycled slots, or its shards copied from the slot of its previous
+    version then the changes) to exactly what a one-host sync of the same weights writes."""
+    versions = [1, 2, 3, 4, 5]
+    reference = str(tmp_path / "one_host")
+    run_distributed(S.publish_versions, 2, 2, 1, versions, reference, None, True)
+    want = SharedMemoryTransport(reference)
+    secret = secrets.token_hex(32)
+    server = RunStoreServer("127.0.0.1", 0, secret)
+    roots = {"B": str(tmp_path / "hostB"), "A": str(tmp_path / "hostA")}
+    layout = SyncLayout("relay", "run-7-8", rank_hosts=("B", "A"), engine_hosts=("A",), store=("127.0.0.1", server.port),
+                        secret=secret, timeout_s=60)
+    hosts = {h: SharedMemoryTransport(f"{roots[h]}/{layout.run_name}") for h in roots}
+    hosts["A"].pin("engine-a", {})  # an engine that pins nothing yet
+    got: dict = {}
+    stop = threading.Event()
+    threads = [threading.Thread(target=_receive, args=(hosts[h], layout, r, h, got, stop))
+               for h in roots for r in layout.streams_into(h)]
+    for t in threads:
+        t.start()
+    try:
+        written = run_distributed(S.publish_versions, 2, 2, 1, versions, layout, [roots["B"], roots["A"]], True,
+                                  timeout_s=300)
+    finally:
+        stop.set()
+    for t in threads:
+        t.join(30)
+    assert got == {("A", 0): versions, ("B", 1): versions}
+    full = sum(w[1] for w in written)  # version 1 goes whole
+    for v in versions[1:]:
+        sent = sum(w[v] for w in written)
+        assert 0 < sent < full / 20, (v, sent, full)  # ~50 changed elements per moved parameter
+    for h, transport in hosts.items():
+        assert transport.latest_complete() == versions[-1]
+        for version in versions[-2:]:  # the two slots a host keeps
+            a, b = want.read_version(version), transport.read_version(version)
+            assert a.keys() == b.keys() and all(torch.equal(a[k].view(torch.int16), b[k].view(torch.int16))
+                                                for k in a), (h, version)
+        assert transport.changed_since(versions[-2], versions[-1]) not in (None, set())
+    server.close()
