@@ -11,7 +11,6 @@ from moe_grpo.deferred_imports import DEFERRED
 PACKAGE = Path(__file__).resolve().parents[1] / "moe_grpo"
 
 PENDING = {
-    "moe_grpo/sync/": "weight sync is being changed under issue 33; its imports move when that lands",
     "moe_grpo/orchestrator/engine_actor.py": "being changed under issue 30 (test time); its imports move after",
     "moe_grpo/orchestrator/pools.py": "being changed under issue 30 (test time); its imports move after",
 }

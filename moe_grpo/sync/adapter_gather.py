@@ -22,6 +22,7 @@ from typing import Any, Callable
 
 import torch
 
+from moe_grpo.learner.lora import peft_key, peft_shapes
 from moe_grpo.sync.gather import ShardPlacementError, ShardWrite
 
 
@@ -38,8 +39,6 @@ def adapter_writes(adapters: dict[str, Any], shapes: dict[str, tuple[int, ...]],
     """The writes of this rank's adapters (`{global module name: LoraAdapter}`), checked against the full PEFT
     `shapes`. `dp_first` / `edp_first`: whether this rank is the first data-parallel (dense adapters) /
     expert-data-parallel (expert adapters) replica; the others write nothing."""
-    from moe_grpo.learner.lora import peft_key
-
     writes: list[ShardWrite] = []
     for name, adapter in adapters.items():
         first = edp_first if ".mlp.experts." in name else dp_first
@@ -72,8 +71,6 @@ def adapter_writes(adapters: dict[str, Any], shapes: dict[str, tuple[int, ...]],
 def local_adapter_writes(learner: Any) -> list[ShardWrite]:
     """This learner rank's adapter writes for one sync (`learner.adapters`, `learner.lora`)."""
     from megatron.core import parallel_state as ps
-
-    from moe_grpo.learner.lora import peft_shapes
 
     return adapter_writes(learner.adapters, peft_shapes(learner.spec, learner.lora),
                           dp_first=ps.get_data_parallel_rank(with_context_parallel=True) == 0,

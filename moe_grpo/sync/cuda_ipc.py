@@ -38,9 +38,10 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import torch
+from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
 from moe_grpo.sync.plan import Bucket, BucketPlan
-from moe_grpo.sync.transport import SharedMemoryTransport, SyncError, _write_json
+from moe_grpo.sync.transport import SharedMemoryTransport, SyncError, _write_json, default_root
 
 IPC_FILE = "ipc.json"
 
@@ -55,8 +56,6 @@ def _decode(value: Any) -> Any:
 
 def share_handle(buffer: torch.Tensor) -> dict[str, Any]:
     """The JSON-able CUDA IPC description of a whole 1-D uint8 CUDA buffer (torch's `reduce_tensor` fields)."""
-    from torch.multiprocessing.reductions import reduce_tensor
-
     if buffer.device.type != "cuda" or buffer.dtype != torch.uint8 or buffer.dim() != 1:
         raise ValueError(f"share_handle takes a 1-D uint8 CUDA tensor, got {buffer.dtype} {list(buffer.shape)} "
                          f"on {buffer.device}")
@@ -71,8 +70,6 @@ def share_handle(buffer: torch.Tensor) -> dict[str, Any]:
 
 def open_handle(desc: dict[str, Any]) -> torch.Tensor:
     """Open a buffer another process shared with `share_handle` (device memory, no copy)."""
-    from torch.multiprocessing.reductions import rebuild_cuda_tensor
-
     return rebuild_cuda_tensor(
         torch.Tensor, torch.Size(desc["size"]), tuple(desc["stride"]), desc["offset"], torch.UntypedStorage,
         torch.uint8, desc["device"], _decode(desc["handle"]), desc["storage_bytes"], desc["storage_offset"], False,
@@ -103,8 +100,6 @@ class CudaIpcTransport(SharedMemoryTransport):
     def __init__(self, root: str | None = None, slots: int = 2, device: torch.device | int | str | None = None) -> None:
         if not torch.cuda.is_available():
             raise SyncError("CudaIpcTransport needs CUDA: torch.cuda.is_available() is False in this process")
-        from moe_grpo.sync.transport import default_root
-
         super().__init__(root or default_root() + "_ipc", slots)
         self.device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
         if self.device.type != "cuda":

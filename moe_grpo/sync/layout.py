@@ -17,12 +17,11 @@ from dataclasses import dataclass, field
 
 from moe_grpo.sync.config import ROOT_ENV
 from moe_grpo.sync.relay import RelayGroup
+from moe_grpo.sync.transport import default_root
 
 
 def host_root(root: str | None = None) -> str:
     """This host's weight-buffer directory: `root` (sync.root), else $MOE_GRPO_SYNC_ROOT, else the default."""
-    from moe_grpo.sync.transport import default_root
-
     return root or os.environ.get(ROOT_ENV) or default_root()
 
 

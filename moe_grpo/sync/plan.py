@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from moe_grpo.learner.lora import adapter_sites, peft_key, peft_shapes
 from moe_grpo.models.hf_names import hf_shapes, layer_groups, param_mappings
 from moe_grpo.models.spec import MoEModelSpec
 from moe_grpo.sync.dtypes import version_dtype
@@ -150,8 +151,6 @@ def _bucketed(groups: list[list[tuple[str, tuple[int, ...]]]], item: int, max_bu
 
 def adapter_groups(spec: MoEModelSpec, lora: Any) -> list[list[tuple[str, tuple[int, ...]]]]:
     """The adapter tensors (PEFT names, full shapes) grouped by decoder layer, in model order."""
-    from moe_grpo.learner.lora import adapter_sites, peft_key, peft_shapes
-
     shapes = peft_shapes(spec, lora)
     groups: dict[str, list[tuple[str, tuple[int, ...]]]] = {}
     for site, mapping in adapter_sites(spec, lora).items():
@@ -208,8 +207,6 @@ def check_plan(plan: BucketPlan, spec: MoEModelSpec, lora: Any = None, engine_dt
             if getattr(plan.lora, field) != want:
                 raise ValueError(f"the version's adapters have {field}={getattr(plan.lora, field)!r}, the engine "
                                  f"expects lora.{field}={want!r}")
-        from moe_grpo.learner.lora import peft_shapes
-
         expected.update(peft_shapes(spec, lora))
     if plan.lora is None or plan.lora.base:
         expected.update(hf_shapes(spec))

@@ -25,7 +25,9 @@ from datetime import timedelta
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
+from moe_grpo.learner.rendezvous import RunStore, RunStoreServer
 from moe_grpo.sync.plan import BucketPlan
 from moe_grpo.sync.transport import SharedMemoryTransport, SyncError
 
@@ -61,10 +63,6 @@ class RelayGroup:
 
 class _Broadcaster:
     def __init__(self, group: RelayGroup, rank: int, role: str) -> None:
-        import torch.distributed as dist
-
-        from moe_grpo.learner.rendezvous import RunStore, RunStoreServer
-
         self.group, self.rank, self.role = group, rank, role
         timeout = timedelta(seconds=group.timeout_s)
         # The sender serves the store (kept as long as the group: gloo's pairs were set up through it).
@@ -74,8 +72,6 @@ class _Broadcaster:
         self.pg = dist.ProcessGroupGloo(store, rank, group.world, timeout)
 
     def __call__(self, tensor: torch.Tensor, what: str) -> None:
-        import torch.distributed as dist
-
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
         try:

@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from moe_grpo.learner.rendezvous import RunStore
 from moe_grpo.sync.delta import DeltaHistory, VersionDelta, apply_changes, decode
 from moe_grpo.sync.plan import BucketPlan
 from moe_grpo.sync.relay import RelayGroup, _Broadcaster
@@ -77,8 +78,6 @@ class ShardSender:
         self.delta_version: int | None = None
 
     def _connect(self) -> None:
-        from moe_grpo.learner.rendezvous import RunStore
-
         RunStore(self.group.host, self.group.port, self.group.secret,
                  timedelta(seconds=self.group.timeout_s)).set(_ready_key(self.group), b"1")
         self.broadcast = _Broadcaster(self.group, 0, f"shard sender of learner rank {self.rank}")
@@ -146,8 +145,6 @@ class ShardReceiver:
 
     def connect(self, stop: threading.Event) -> bool:
         """Wait until the rank sends its first version (or `stop`), meet the group, read the shard layout."""
-        from moe_grpo.learner.rendezvous import RunStore
-
         store = RunStore(self.group.host, self.group.port, self.group.secret, timedelta(seconds=self.group.timeout_s))
         while not store.check([_ready_key(self.group)]):
             if stop.wait(READY_WAIT_S):

@@ -43,6 +43,7 @@ from typing import Collection, Iterator, Protocol
 
 import torch
 
+from moe_grpo.processes import process_alive
 from moe_grpo.sync.plan import Bucket, BucketPlan
 
 
@@ -189,16 +190,6 @@ def secure_root(root: str | os.PathLike[str]) -> Path:
     return root
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _write_json(path: Path, value: object) -> None:
     """Write `value` to `path` atomically (a 0600 temporary file renamed into place)."""
     _write_text(path, json.dumps(value))
@@ -245,7 +236,7 @@ class SharedMemoryTransport:
                 pin = json.loads(p.read_text())
             except (OSError, ValueError):
                 continue
-            if _pid_alive(int(pin["pid"])):
+            if process_alive(int(pin["pid"])):
                 out[p.stem] = {k: int(v) for k, v in pin["slots"].items()}
             else:
                 p.unlink(missing_ok=True)

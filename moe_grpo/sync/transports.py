@@ -21,17 +21,17 @@ from typing import Any, Iterator
 
 import torch
 
+from moe_grpo.sync.cuda_ipc import CudaIpcTransport, device_views, open_handle
 from moe_grpo.sync.layout import SyncLayout
-from moe_grpo.sync.plan import Bucket, BucketPlan
-from moe_grpo.sync.transport import SharedMemoryTransport, WeightReceiver, WeightTransport
+from moe_grpo.sync.plan import DTYPES, Bucket, BucketEntry, BucketPlan
+from moe_grpo.sync.shard_relay import ShardSender
+from moe_grpo.sync.transport import SharedMemoryTransport, WeightReceiver, WeightTransport, read_bucket
 
 
 def _local(where: SyncLayout | str, slots: int | None = None) -> SharedMemoryTransport:
     if isinstance(where, str):
         return SharedMemoryTransport(where)
     if where.transport == "cuda_ipc":
-        from moe_grpo.sync.cuda_ipc import CudaIpcTransport
-
         return CudaIpcTransport(where.path(), where.slots)
     return SharedMemoryTransport(where.path(), where.slots)
 
@@ -65,8 +65,6 @@ class RelayPublisher:
 
     def bind(self, plan: BucketPlan, writes: dict[int, list[Any]]) -> None:
         """The rank's shard writes (fixed for the run): their places are sent once, when the group meets."""
-        from moe_grpo.sync.shard_relay import ShardSender
-
         self.sender = ShardSender(self.layout.group(self.rank), self.rank, plan, writes)
 
     def claim(self, version: int, plan: BucketPlan, rank: int, world: int, timeout_s: float = 60.0, *,
@@ -113,18 +111,12 @@ class RelayPublisher:
 @contextlib.contextmanager
 def open_bucket(source: dict[str, Any]) -> Iterator[dict[str, torch.Tensor]]:
     """The HF-named tensors of one bucket a receiver described (`bucket_sources`), without a copy."""
-    from moe_grpo.sync.plan import DTYPES, BucketEntry
-
     bucket = Bucket(0, tuple(BucketEntry(n, tuple(s), o) for n, s, o in source["entries"]), int(source["nbytes"]))
     dtype = DTYPES[source["dtype"]]
     if source["kind"] == "shm":
-        from moe_grpo.sync.transport import read_bucket
-
         with read_bucket(source["path"], bucket, dtype) as tensors:
             yield tensors
     elif source["kind"] == "cuda_ipc":
-        from moe_grpo.sync.cuda_ipc import device_views, open_handle
-
         yield device_views(open_handle(source["handle"]), bucket, dtype)
     else:
         raise ValueError(f"bucket source of kind {source['kind']!r}, expected 'shm' or 'cuda_ipc'")
