@@ -104,14 +104,14 @@ class RunRecord:
 
 
 def plot(rows: list[dict[str, float]], path: Path) -> Path:
-    """Reward (train and held-out), mismatch KL, router disagreement and staleness per step."""
+    """Reward (train and held-out), mismatch KL, router disagreement, staleness and the weight sync per step."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     steps = [r["step"] for r in rows]
-    fig, axes = plt.subplots(2, 2, figsize=(11, 7), sharex=True)
+    fig, axes = plt.subplots(3, 2, figsize=(11, 10), sharex=True)
     ax = axes[0][0]
     ax.plot(steps, [r["reward/mean"] for r in rows], label="train (sampled)")
     evals = sorted({(r["eval/step"], r["eval/reward/mean"]) for r in rows if r.get("eval/step", -1) >= 0})
@@ -134,7 +134,16 @@ def plot(rows: list[dict[str, float]], path: Path) -> Path:
     axes[1][1].plot(steps, [r["staleness/max"] for r in rows], label="max")
     axes[1][1].set_title("staleness (versions)")
     axes[1][1].legend()
-    for a in axes[1]:
+    ax = axes[2][0]
+    ax.plot(steps, [_value(r, "sync/bytes") / _value(r, "sync/full_bytes") for r in rows], ".-",
+            label="bytes sent / a full version")
+    ax.plot(steps, [_value(r, "sync/changed_fraction") for r in rows], label="elements changed (sync.delta)")
+    ax.set_title("weight sync: what each version carried")
+    ax.set_ylim(0, 1.05)
+    ax.legend(fontsize=8)
+    axes[2][1].plot(steps, [_value(r, "sync/seconds") for r in rows])
+    axes[2][1].set_title("weight sync: seconds (slowest learner rank)")
+    for a in axes[2]:
         a.set_xlabel("step")
     fig.tight_layout()
     fig.savefig(path, dpi=90)
@@ -161,9 +170,9 @@ def _row(line: str) -> dict[str, Any]:
 
 
 def _value(row: dict[str, Any], key: str) -> float:
-    """A row's value as a float for plotting (NaN where missing or not measured)."""
+    """A row's value as a float for plotting (NaN where missing, not measured or zero-sized)."""
     value = row.get(key)
-    return float(value) if isinstance(value, (int, float)) else float("nan")
+    return float(value) if isinstance(value, (int, float)) and (value or key != "sync/full_bytes") else float("nan")
 
 
 def step_row(run: Any, state: Any, metrics: dict[str, float], groups: list[Any], *, trained_version: int,
