@@ -202,29 +202,30 @@ def apply_changes(views: dict[str, torch.Tensor], changes: Iterable[EntryChange]
 class DeltaTracker:
     """One rank's last published engine-dtype values of its shards, and the changes of each new version.
 
-    `shards`: per bucket index, (HF name, the rank's source tensor, where that source lands in the full HF tensor
-    as (storage offset, strides, shape) of a view of a contiguous tensor of the full shape)."""
+    `shards`: per bucket index, (HF name, the rank's source tensor, a view of a contiguous meta tensor of the full
+    HF shape showing where that source lands in it). Holds one engine-dtype copy of the rank's shards (2 bytes
+    per parameter for bf16); a diff casts one shard at a time beside it."""
 
     def __init__(self, dtype: torch.dtype, shards: dict[int, list[tuple[str, torch.Tensor, torch.Tensor]]]) -> None:
         self.dtype = dtype
         self.shards = shards
-        """bucket -> [(HF name, source, placed: a view of a meta tensor of the full shape)]."""
         self.last: dict[tuple[int, int], torch.Tensor] | None = None
         """The engine-dtype values of the last version, per (bucket, shard); None before the first version."""
         self.last_version: int | None = None
-        self._pending: tuple[int, dict[tuple[int, int], torch.Tensor]] | None = None
+        self._diffed: int | None = None
+
+    def _cast(self, source: torch.Tensor) -> torch.Tensor:
+        return source.detach().to(self.dtype, memory_format=torch.contiguous_format, copy=True)
 
     def diff(self, version: int) -> VersionDelta:
         """The changes of the current weights against the last version (call `commit` once they are published).
         Before any version, every element is a change."""
         out = VersionDelta(version, self.last_version if self.last is not None else None)
-        pending: dict[tuple[int, int], torch.Tensor] = {}
-        self._pending = (version, pending)
+        self._diffed = version
         for index, shards in self.shards.items():
             changes = []
             for i, (name, source, placed) in enumerate(shards):
-                new = source.detach().to(self.dtype, memory_format=torch.contiguous_format, copy=True)
-                pending[(index, i)] = new
+                new = self._cast(source)
                 old = self.last.get((index, i)) if self.last is not None else None
                 mask = torch.ones_like(new, dtype=torch.bool) if old is None else bits(new) != bits(old)
                 local = mask.view(-1).nonzero().view(-1)
@@ -237,14 +238,22 @@ class DeltaTracker:
         return out
 
     def commit(self) -> None:
-        """The version `diff` looked at was published: its values are the base of the next diff."""
-        assert self._pending is not None, "commit() without diff()"
-        self.last_version, self.last = self._pending
-        self._pending = None
+        """The version `diff` looked at was published: its values are the base of the next diff. The sources are
+        as `diff` saw them (a publish ends before the next optimizer step changes them), so they are cast again
+        into the kept copy in place rather than held twice during the sync."""
+        assert self._diffed is not None, "commit() without diff()"
+        last = self.last if self.last is not None else {}
+        for index, shards in self.shards.items():
+            for i, (_, source, _) in enumerate(shards):
+                if (index, i) in last:
+                    last[(index, i)].copy_(source.detach())  # the same rounding as .to(dtype)
+                else:
+                    last[(index, i)] = self._cast(source)
+        self.last, self.last_version, self._diffed = last, self._diffed, None
 
     def forget(self) -> None:
         """The last publish failed part-way: the next version is compared with nothing (sent whole)."""
-        self.last, self.last_version, self._pending = None, None, None
+        self.last, self.last_version, self._diffed = None, None, None
 
 
 class DeltaHistory:
