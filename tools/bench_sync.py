@@ -51,6 +51,11 @@ Qwen3-30B-A3B and DeepSeek-V3 in bf16.
 
     .venv/bin/python tools/bench_sync.py --lora [--model deepseek_moe] [--lora-rank 16]
 
+With `--delta`, delta versions against full versions from real optimizer steps at three learning rates, over
+shared memory and the relay, with the projection to Qwen3-30B-A3B and DeepSeek-V3 (tools/bench_sync_delta.py).
+
+    .venv/bin/python tools/bench_sync.py --delta [--delta-steps 5]
+
 Last line: one JSON object with `sync_vs_memcpy_ratio` and `projected_deepseek_v3_seconds`
 (DeepSeek-V3's bf16 bytes at the measured sync rate on this machine); with `--lora`,
 `lora_bytes_ratio` (measured), `lora_bytes_ratio_qwen3_30b_a3b` and
@@ -369,7 +374,15 @@ def main() -> None:
     ap.add_argument("--lora-rank", type=int, default=16, help="--lora: adapter rank (alpha = 2 * rank)")
     ap.add_argument("--lora-targets", default="attention,experts",
                     help="--lora: comma-separated lora.targets (attention, dense_mlp, experts, shared_experts)")
+    ap.add_argument("--delta", action="store_true",
+                    help="delta versions against full versions from real optimizer steps (tools/bench_sync_delta.py)")
+    ap.add_argument("--delta-steps", type=int, default=5, help="--delta: optimizer steps per model and rate")
     args = ap.parse_args()
+    if args.delta:
+        import bench_sync_delta  # tools/ is sys.path[0] when this file runs as a script
+
+        print(json.dumps(bench_sync_delta.run(args)))
+        return
     import warnings
 
     warnings.filterwarnings("ignore")
