@@ -1,10 +1,11 @@
-"""An engine whose vLLM engine core is SIGKILLed between two delta versions (sync.delta) is restarted as the engine
+"""Engines that die between two delta versions (sync.delta). An engine whose vLLM engine core is SIGKILLed between two delta versions (sync.delta) is restarted as the engine
 pool restarts it (`VllmEngine.restart`, what `EngineWorker.restart` runs) and then catches up on a delta version
 (`apply_version`, what the pool's catch-up runs): it serves that version bit for bit as a full load of it.
 
 One engine of its own (not the session's: its processes are killed), on a random model directory, so a restart
 that fell back to the model directory's weights, or a chain of changes applied on top of them, shows in the
-digests. Engine starts: two (the engine's and its restart's).
+digests. Engine starts: two (the engine's and its restart's). And the engines that must not take a chain of
+changes at all: one replaced by a new actor (it starts from the model directory) or one whose restore failed.
 """
 
 from __future__ import annotations
@@ -19,7 +20,38 @@ from test_delta_engine import publish_sparse_versions
 
 from moe_grpo.learner.spawn import run_distributed
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+
+def test_an_engine_that_no_longer_holds_a_published_version_reloads_every_tensor(tmp_path):
+    """Would have caught: a replacement engine actor (the pool's answer to a dead actor: it starts from the model
+    directory) or an engine whose restore failed after a restart (`broken`) taking only the changes since the
+    version it claims, on top of weights that are not that version."""
+    from types import SimpleNamespace
+
+    import layout_scenarios as S
+    from moe_grpo.sync.deliver import changed_tensors
+    from moe_grpo.sync.plan import plan_buckets
+    from moe_grpo.sync.transport import SharedMemoryTransport
+
+    transport = SharedMemoryTransport(str(tmp_path / "sync"), slots=4)
+    plan = plan_buckets(S.tiny_spec(), torch.float32, 1 << 16)
+    names = sorted(plan.shapes())
+    slots = {}
+    for version, base, changed in [(1, None, None), (2, 1, [names[0]]), (3, 2, [names[-1]])]:
+        slots[version] = transport.claim(version, plan, 0, 1)
+        transport.mark_done(slots[version], version, 0, {b.index: sum(e.numel for e in b.entries)
+                                                          for b in plan.buckets})
+        transport.log_changes(version, 0, base, changed)
+    on_slot = SimpleNamespace(policy_version=2, weight_source=(slots[2], plan, None), broken=None)
+    assert changed_tensors(on_slot, transport, 3, plan) == {names[-1]}  # holds version 2 whole: the chain
+    replaced = SimpleNamespace(policy_version=2, weight_source="model_dir", broken=None)
+    assert changed_tensors(replaced, transport, 3, plan) is None
+    new_actor = SimpleNamespace(policy_version=0, weight_source="model_dir", broken=None)
+    assert changed_tensors(new_actor, transport, 3, plan) is None
+    restore_failed = SimpleNamespace(policy_version=2, weight_source=(slots[2], plan, None),
+                                     broken="restarted but could not reload version 2")
+    assert changed_tensors(restore_failed, transport, 3, plan) is None
+    transport.close()
 
 
 def _random_model(spec, directory):
@@ -48,6 +80,8 @@ def _kill_engine_core(engine) -> None:
         time.sleep(0.05)
 
 
+@pytest.mark.vllm
+@pytest.mark.slow
 def test_an_engine_killed_between_delta_versions_is_restarted_and_caught_up_exactly(tmp_path):
     """Would have caught: a restarted engine that reloads the model directory (or part of its version) and then
     takes only a delta's changed tensors on top of it; a catch-up that takes a chain of changes from a version
