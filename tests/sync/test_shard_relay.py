@@ -43,15 +43,12 @@ def _receive(transport, layout, rank, host, got, stop):
         got[(host, rank)] = receiver.received
 
 
-@pytest.mark.multiprocess
-@pytest.mark.parametrize("tp,ep", [(1, 2), (2, 1)], ids=["EP=2", "TP=2"])
-def test_a_learner_split_across_hosts_publishes_whole_versions_on_every_sync_host(tmp_path, tp, ep):
-    """Rank 0 on host B (no engine), rank 1 on host A (the engine's): each rank writes on its own host and relays
-    its shards to the other; both hosts end up with every version bit-exact as a one-host sync writes it."""
+def _relay_across_two_hosts(tmp_path, tp: int, ep: int, versions: list, delta: bool) -> tuple:
+    """Rank 0 on host B (no engine), rank 1 on host A (the engine's) publish `versions` through the relay, a
+    receiver thread per (host, sending rank); returns (what a one-host sync of the same weights wrote, each
+    host's transport, what each receiver received, each rank's bytes per version)."""
     reference = str(tmp_path / "one_host")
-    run_distributed(S.publish_versions, 2, tp, ep, [1, 2], reference)
-    want = SharedMemoryTransport(reference)
-
+    run_distributed(S.publish_versions, 2, tp, ep, versions, reference, None, delta)
     secret = secrets.token_hex(32)
     server = RunStoreServer("127.0.0.1", 0, secret)
     roots = {"B": str(tmp_path / "hostB"), "A": str(tmp_path / "hostA")}
@@ -65,12 +62,22 @@ def test_a_learner_split_across_hosts_publishes_whole_versions_on_every_sync_hos
     for t in threads:
         t.start()
     try:
-        written = run_distributed(S.publish_versions, 2, tp, ep, [1, 2], layout, [roots["B"], roots["A"]],
+        written = run_distributed(S.publish_versions, 2, tp, ep, versions, layout, [roots["B"], roots["A"]], delta,
                                   timeout_s=300)
     finally:
         stop.set()
-    for t in threads:
-        t.join(30)
+        for t in threads:
+            t.join(30)
+        server.close()
+    return SharedMemoryTransport(reference), hosts, got, written
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("tp,ep", [(1, 2), (2, 1)], ids=["EP=2", "TP=2"])
+def test_a_learner_split_across_hosts_publishes_whole_versions_on_every_sync_host(tmp_path, tp, ep):
+    """Rank 0 on host B (no engine), rank 1 on host A (the engine's): each rank writes on its own host and relays
+    its shards to the other; both hosts end up with every version bit-exact as a one-host sync writes it."""
+    want, hosts, got, written = _relay_across_two_hosts(tmp_path, tp, ep, [1, 2], delta=False)
     assert got == {("A", 0): [1, 2], ("B", 1): [1, 2]}, "each host received each rank's part of each version once"
     assert all(w[1] > 0 and w[1] == w[2] for w in written)
     for h, transport in hosts.items():
@@ -78,7 +85,6 @@ def test_a_learner_split_across_hosts_publishes_whole_versions_on_every_sync_hos
         for version in (1, 2):
             a, b = want.read_version(version), transport.read_version(version)
             assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), (h, version)
-    server.close()
 
 
 @pytest.mark.multiprocess
@@ -87,29 +93,7 @@ def test_delta_versions_cross_hosts_as_their_changes_only_and_land_bit_exact(tmp
     buffers forward (a chain through its recycled slots, or its shards copied from the slot of its previous
     version then the changes) to exactly what a one-host sync of the same weights writes."""
     versions = [1, 2, 3, 4, 5]
-    reference = str(tmp_path / "one_host")
-    run_distributed(S.publish_versions, 2, 2, 1, versions, reference, None, True)
-    want = SharedMemoryTransport(reference)
-    secret = secrets.token_hex(32)
-    server = RunStoreServer("127.0.0.1", 0, secret)
-    roots = {"B": str(tmp_path / "hostB"), "A": str(tmp_path / "hostA")}
-    layout = SyncLayout("relay", "run-7-8", rank_hosts=("B", "A"), engine_hosts=("A",), store=("127.0.0.1", server.port),
-                        secret=secret, timeout_s=60)
-    hosts = {h: SharedMemoryTransport(f"{roots[h]}/{layout.run_name}") for h in roots}
-    hosts["A"].pin("engine-a", {})  # an engine that pins nothing yet
-    got: dict = {}
-    stop = threading.Event()
-    threads = [threading.Thread(target=_receive, args=(hosts[h], layout, r, h, got, stop))
-               for h in roots for r in layout.streams_into(h)]
-    for t in threads:
-        t.start()
-    try:
-        written = run_distributed(S.publish_versions, 2, 2, 1, versions, layout, [roots["B"], roots["A"]], True,
-                                  timeout_s=300)
-    finally:
-        stop.set()
-    for t in threads:
-        t.join(30)
+    want, hosts, got, written = _relay_across_two_hosts(tmp_path, 2, 1, versions, delta=True)
     assert got == {("A", 0): versions, ("B", 1): versions}
     full = sum(w[1] for w in written)  # version 1 goes whole
     for v in versions[1:]:
@@ -122,4 +106,3 @@ def test_delta_versions_cross_hosts_as_their_changes_only_and_land_bit_exact(tmp
             assert a.keys() == b.keys() and all(torch.equal(a[k].view(torch.int16), b[k].view(torch.int16))
                                                 for k in a), (h, version)
         assert transport.changed_since(versions[-2], versions[-1]) not in (None, set())
-    server.close()
