@@ -280,6 +280,11 @@ class SharedMemoryTransport:
             raise SyncError(f"sync of version {version}: {who} claimed no buffer in {self.root} within {timeout_s:.0f} s")
         with self._lock():
             pinned = {s for pins in self._pins().values() for s in pins}
+            for s in self._slots():  # an unfinished attempt at this version or a later one was abandoned (its
+                info = self._slot_info(s)  # writers are gone: this version is being claimed anew); left, it would
+                if (s.name not in pinned and info is not None and info["version"] >= version  # answer find()
+                        and self._missing(s, info)):
+                    shutil.rmtree(s, ignore_errors=True)
             slots = self._slots()
             # A slot whose version some rank is still writing is not free either (a slow rank's late
             # writes would land in the new version).

@@ -124,3 +124,18 @@ def test_an_extra_slot_still_being_written_is_never_removed(tmp_path) -> None:
     transport.pin("engine0", {s4: 4})
     s5 = transport.claim(5, plan, 0, 1)  # rank 1 never finished version 3, and version 4 is complete
     assert not os.path.exists(s3) and {str(p) for p in transport._slots()} == {s4, s5}
+
+
+def test_a_version_claimed_again_after_an_unfinished_attempt_is_found_in_its_new_slot(tmp_path) -> None:
+    """A learner killed while writing version 3 leaves a slot labelled 3 that never completes; the next claim of
+    version 3 (the engine still serves 2) must not leave that slot for find() to answer with (engines then waited
+    120 s for 'rank 0' on the abandoned slot: tests/sync/test_sync.py after ac6a064)."""
+    transport = SharedMemoryTransport(str(tmp_path / "sync"), slots=2)
+    plan = plan_buckets(tiny_spec(), torch.bfloat16, 1 << 20)
+    s1, s2 = _publish(transport, 1, plan), _publish(transport, 2, plan)
+    transport.pin("engine0", {s1: 1, s2: 2})
+    dead = transport.claim(3, plan, 0, 1)  # never marked done
+    again = _publish(transport, 3, plan)
+    assert transport.find(3) == again
+    assert transport.wait_complete(3, timeout_s=1)[0] == again
+    assert dead == again or not __import__("os").path.exists(dead)
