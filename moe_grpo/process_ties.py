@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from multiprocessing import context
 from typing import Iterator
 
-from moe_grpo.processes import SHM_DIR, process_alive
+from moe_grpo.processes import SHM_DIR, process_alive, start_ticks
 
 TAG_ENV = "MOE_GRPO_OWNER"
 """The environment variable that marks the processes of an owner: `<owner>/<owner pid>/<owner start time>`."""
@@ -128,15 +128,6 @@ def started_processes_die_with_this_thread() -> Iterator[None]:
 
 
 # ---------------------------------------------------------------------- finding an earlier owner's processes
-def _start_ticks(pid: int) -> int | None:
-    """The process's start time (clock ticks since boot, /proc/<pid>/stat field 22); None if it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return int(f.read().rsplit(")", 1)[1].split()[19])
-    except (OSError, ValueError, IndexError):
-        return None
-
-
 def owner_key(*parts: str) -> str:
     """An owner name for `tag_processes` from free text (a run directory and an engine name): no '/' or NUL."""
     return hashlib.sha1("\0".join(parts).encode()).hexdigest()[:16]
@@ -145,7 +136,7 @@ def owner_key(*parts: str) -> str:
 def tag_processes(owner: str) -> str:
     """Mark this process as `owner`'s current holder: every process started from here on carries the mark."""
     pid = os.getpid()
-    tag = f"{owner}/{pid}/{_start_ticks(pid)}"
+    tag = f"{owner}/{pid}/{start_ticks(pid)}"
     os.environ[TAG_ENV] = tag
     return tag
 
@@ -177,7 +168,7 @@ def leftovers(owner: str) -> list[Leftover]:
     """Processes on this host, other than this one's, marked by an earlier holder of `owner`, that are still
     there (a zombie is gone: it holds no memory), and those holders themselves. Processes of other users are not
     readable and not listed."""
-    me, mine = os.getpid(), _start_ticks(os.getpid())
+    me, mine = os.getpid(), start_ticks(os.getpid())
     holders: dict[tuple[int, int], bool] = {}
     found: list[tuple[int, int]] = []
     prefix = f"{TAG_ENV}={owner}/".encode()
@@ -200,7 +191,7 @@ def leftovers(owner: str) -> list[Leftover]:
         if (holder, ticks) == (me, mine) or not process_alive(int(entry)):
             continue
         found.append((int(entry), holder))
-        holders.setdefault((holder, ticks), _start_ticks(holder) == ticks and process_alive(holder))
+        holders.setdefault((holder, ticks), start_ticks(holder) == ticks and process_alive(holder))
     alive = {h for (h, _), up in holders.items() if up}
     out = [Leftover(pid, holder, holder in alive, _command(pid)) for pid, holder in found]
     out += [Leftover(h, h, True, _command(h)) for h in sorted(alive) if h not in {p for p, _ in found}]

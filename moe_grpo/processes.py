@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 from typing import Iterable
 
-import psutil
 
 SHM_DIR = "/dev/shm"
 
@@ -18,34 +17,43 @@ STOPPED_STATES = ("T", "t")
 """/proc states of a process stopped by a signal (SIGSTOP) or by a tracer: alive, but it answers nothing."""
 
 
-def process_state(pid: int, started: float | None = None) -> str | None:
-    """The process's state letter in /proc/<pid>/stat ("R" running, "S" sleeping, "T" stopped, "t" stopped by a
-    tracer, "Z" zombie, ...); None once it is gone. `started`: its start time as it was seen (psutil's
-    `create_time`); a process started at another time holds a reused pid, and the one seen is gone.
-    Without procfs a signal-0 probe answers: "?" for a process that exists."""
+def start_ticks(pid: int) -> int | None:
+    """The process's start time: clock ticks since boot (/proc/<pid>/stat field 22); None if it is gone or there is
+    no procfs. Unlike psutil's `create_time` (those ticks plus /proc/stat's boot time, which moves by a second when
+    the system clock is adjusted) it never changes, so it tells a reused pid from the process seen before."""
     try:
         with open(f"/proc/{pid}/stat") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
+            return int(f.read().rsplit(")", 1)[1].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def process_state(pid: int, started: int | None = None) -> str | None:
+    """The process's state letter in /proc/<pid>/stat ("R" running, "S" sleeping, "T" stopped, "t" stopped by a
+    tracer, "Z" zombie, ...); None once it is gone. `started`: its `start_ticks` as they were seen; a process
+    started at another time holds a reused pid, and the one seen is gone. (Compared as epoch seconds from psutil,
+    with a 1 ms tolerance, a clock adjustment during a long test session made a stopped engine worker look gone,
+    and the engine's shutdown left it.) Without procfs a signal-0 probe answers: "?" for a process that exists."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        state = fields[0]
+        if started is not None and int(fields[19]) != started:
+            return None
+        return state
     except FileNotFoundError:
         return None
-    except (OSError, IndexError):  # no procfs: a signal-0 probe
+    except (OSError, IndexError, ValueError):  # no procfs: a signal-0 probe
         try:
             os.kill(pid, 0)
         except ProcessLookupError:
             return None
         except PermissionError:  # another user's process: it exists
             pass
-        state = "?"
-    if started is not None:
-        try:
-            if abs(psutil.Process(pid).create_time() - started) > 1e-3:
-                return None
-        except psutil.Error:
-            return None
-    return state
+        return "?"
 
 
-def process_alive(pid: int, started: float | None = None) -> bool:
+def process_alive(pid: int, started: int | None = None) -> bool:
     """False once the process has exited, including as a not yet reaped zombie (and, with `started`, once its pid
     belongs to a process started at another time: see `process_state`)."""
     state = process_state(pid, started)

@@ -9,9 +9,8 @@ import subprocess
 import sys
 import time
 
-import psutil
 
-from moe_grpo.processes import process_alive, process_state
+from moe_grpo.processes import process_alive, process_state, start_ticks
 
 
 def _sleeper() -> subprocess.Popen:
@@ -54,14 +53,14 @@ def test_a_stopped_process_is_alive_and_says_so():
 
 
 def test_a_pid_now_held_by_another_process_is_not_the_one_started_then():
-    """With the start time it was seen with (psutil's create_time), a pid that now belongs to a later process
+    """With the start time it was seen with (its start ticks), a pid that now belongs to a later process
     is gone: the engine's reaper must not SIGKILL a stranger that reused an engine worker's pid."""
     child = _sleeper()
     try:
-        started = psutil.Process(child.pid).create_time()
-        assert process_alive(child.pid, started)
-        assert process_state(child.pid, started - 5.0) is None, "another start time: another process"
-        assert not process_alive(child.pid, started - 5.0)
+        started = start_ticks(child.pid)
+        assert started is not None and process_alive(child.pid, started)
+        assert process_state(child.pid, started - 5) is None, "another start time: another process"
+        assert not process_alive(child.pid, started - 5)
     finally:
         child.kill()
         child.wait()

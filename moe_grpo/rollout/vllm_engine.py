@@ -71,7 +71,7 @@ from moe_grpo.models.hf_config import read_hf_config, vllm_hf_overrides
 from moe_grpo.models.hf_names import hf_names
 from moe_grpo.models.spec import MoEModelSpec
 from moe_grpo.process_ties import started_processes_die_with_this_thread
-from moe_grpo.processes import SHM_DIR, STOPPED_STATES, process_alive, process_state, shm_entries_held
+from moe_grpo.processes import SHM_DIR, STOPPED_STATES, process_alive, process_state, shm_entries_held, start_ticks
 from moe_grpo.rollout import lora_serving
 from moe_grpo.rollout.export import START_ADAPTER, weight_buckets
 from moe_grpo.rollout.lora_merge import is_adapter_name
@@ -95,9 +95,9 @@ CPU) and the lock the executor shares with its workers (a multiprocessing semaph
 names are random, so an engine's own are found by what its processes map (`_mapped_shm`)."""
 
 
-def _descendants(roots: Sequence[int]) -> dict[int, float]:
-    """pid -> start time, for `roots` and every process below them that exists now."""
-    out: dict[int, float] = {}
+def _descendants(roots: Sequence[int]) -> dict[int, int]:
+    """pid -> start time (`processes.start_ticks`), for `roots` and every process below them that exists now."""
+    out: dict[int, int] = {}
     for pid in roots:
         try:
             root = psutil.Process(pid)
@@ -105,10 +105,9 @@ def _descendants(roots: Sequence[int]) -> dict[int, float]:
         except psutil.Error:
             continue
         for p in procs:
-            try:
-                out[p.pid] = p.create_time()
-            except psutil.Error:
-                pass
+            ticks = start_ticks(p.pid)
+            if ticks is not None:
+                out[p.pid] = ticks
     return out
 
 
@@ -323,7 +322,7 @@ class VllmEngine:
         self._tasks: set[asyncio.Task] = set()  # every sampling / scoring task, failed with EngineError at shutdown
         self._closing: str | None = None
         """Why the engine serves no more requests (shut down, restarting), or None while it serves."""
-        self._procs: dict[int, float] = {}  # pid -> start time of each vLLM process of this engine
+        self._procs: dict[int, int] = {}  # pid -> start ticks of each vLLM process of this engine
         self._core_procs: list[Any] = []  # vLLM's engine-core Process objects (this process reaps them)
         self._shm: dict[str, int] = {}  # /dev/shm entries of this engine (name -> inode)
         self.last_shutdown: dict[str, Any] = {}
@@ -543,7 +542,7 @@ class VllmEngine:
         self._procs = _descendants([int(p.pid) for p in self._core_procs if p.pid])
         self._shm = _mapped_shm(list(self._procs))
 
-    def processes(self) -> dict[int, float]:
+    def processes(self) -> dict[int, int]:
         """pid -> start time of every process of this engine (engine core and workers) alive now."""
         roots = [int(p.pid) for p in self._core_procs if p.pid]
         procs = {**self._procs, **_descendants(roots)}
@@ -981,7 +980,7 @@ class VllmEngine:
             except Exception:  # noqa: BLE001 - bounded; the kill below ends whatever still waits
                 pass
 
-        def kill_all(targets: dict[int, float]) -> list[int]:
+        def kill_all(targets: dict[int, int]) -> list[int]:
             done = []
             for pid, started in targets.items():
                 if not process_alive(pid, started):
@@ -993,7 +992,7 @@ class VllmEngine:
                     pass
             return done
 
-        def wait_gone(targets: dict[int, float], limit_s: float) -> None:
+        def wait_gone(targets: dict[int, int], limit_s: float) -> None:
             deadline = time.monotonic() + limit_s
             while True:
                 for p in self._core_procs:  # reap our children (vLLM leaves a SIGKILLed engine core a zombie)
