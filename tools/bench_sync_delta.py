@@ -56,16 +56,31 @@ VERL = {"qwen3_30b_a3b_full_s": 32.2, "qwen3_30b_a3b_delta_s": 7.1, "qwen3_235b_
 """verl's published delta-sync figures (issue 33)."""
 
 
+STEP_BYTES = 1
+"""Bytes per varint step assumed in projections: an optimizer step at these learning rates moves a changed bf16
+value by fewer than 64 units in its last place (the measured delta bytes above carry the real steps)."""
+
+
 def log(msg: str) -> None:
     print(f"[bench_sync --delta {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
-def delta_bytes(elements: int, changed_fraction: float, item: int = 2, position: int = 4) -> int:
-    """Bytes of a delta version of `elements` values at `changed_fraction`, in the smaller encoding
-    (delta.encoded_bucket_bytes: indices `position + item` bytes per change, or a bitmap of 1 bit per element
-    + `item` bytes per change), taken over the whole version as one bucket (headers aside)."""
+def _varint_len(value: int) -> int:
+    """Bytes of `value` as a LEB128 varint (what delta.py's varint encoding spends on a gap or a step)."""
+    return max(1, math.ceil(max(int(value), 1).bit_length() / 7))
+
+
+def delta_bytes(elements: int, changed_fraction: float, item: int = 2, position: int = 4,
+                step_bytes: int | None = None) -> int:
+    """Bytes of a delta version of `elements` values at `changed_fraction`, in the smallest encoding
+    (delta.encoded_bucket_bytes: indices `position + item` bytes per change; a bitmap of 1 bit per element +
+    `item` bytes per change; with `step_bytes`, varint gaps (the mean gap's length) + varint steps of
+    `step_bytes` each), taken over the whole version as one bucket (headers aside)."""
     changes = changed_fraction * elements
-    return int(min(changes * (position + item), math.ceil(elements / 8) + changes * item))
+    sizes = [changes * (position + item), math.ceil(elements / 8) + changes * item]
+    if step_bytes is not None and changes:
+        sizes.append(changes * (_varint_len(round(1 / changed_fraction)) + step_bytes))
+    return int(min(sizes))
 
 
 def project(model: str, changed_fraction: float, link_bytes_per_s: float = LINK_BYTES_PER_S) -> dict[str, float]:
@@ -75,7 +90,7 @@ def project(model: str, changed_fraction: float, link_bytes_per_s: float = LINK_
     from moe_grpo.sync.plan import plan_buckets
 
     full = plan_buckets(load_model_spec(model), "bfloat16").total_bytes
-    delta = delta_bytes(full // 2, changed_fraction)
+    delta = delta_bytes(full // 2, changed_fraction, step_bytes=STEP_BYTES)
     return {"full_bytes": full, "delta_bytes": delta, "full_seconds": full / link_bytes_per_s,
             "delta_seconds": delta / link_bytes_per_s}
 

@@ -12,12 +12,18 @@ the changes gives exactly the bits a full version would carry.
 A tensor with no changed element costs nothing: not an entry, not a bit. A
 routed expert is a handful of such tensors (`experts_unchanged` counts the
 experts none of whose tensors changed). On the wire (the relay, `encode` /
-`decode`) each bucket's changes take the smaller of two encodings:
+`decode`) each bucket's changes take the smallest of three encodings:
 
 - "index": per changed shard, int32 indices inside the shard (int64 for a
   shard of 2**31 elements or more) and the values;
 - "bitmap": per changed shard, one bit per element of the shard and the
-  values in index order.
+  values in index order;
+- "varint": per changed shard, the gaps between changed indices and the steps
+  of the values' bit patterns (new - old), each as a LEB128 varint. A small
+  optimizer step moves a changed bf16 value by a few units in its last place,
+  so a change costs about 2 bytes, the same as its value: the wire carries about
+  the changed fraction of a full version (at 3% changed: 9% with the index or
+  bitmap encodings). The receiver adds the steps to the base version it holds.
 
 Indices are the shard's own (its elements in row-major order): the receiver
 knows where each of a rank's shards lies in the full tensor (`Placement`,
@@ -35,8 +41,9 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
+import numpy as np
 import torch
 
 from moe_grpo.sync.plan import BucketPlan
@@ -61,6 +68,10 @@ class EntryChange:
     """int64 flat indices of the changed elements inside the shard, ascending (what travels)."""
     shard_numel: int
     """Elements of the shard (a bitmap's length)."""
+    steps: torch.Tensor | None = None
+    """int64 differences of the new values' bit patterns from the old ones (None: no old values, a first
+    version): a small weight update moves a bf16 value by a few units in its last place, which a varint carries
+    in one byte."""
 
     @property
     def count(self) -> int:
@@ -107,15 +118,73 @@ def _position_dtype(numel: int) -> torch.dtype:
     return torch.int32 if numel < 2**31 else torch.int64
 
 
+def _varint_sizes(x: np.ndarray) -> np.ndarray:
+    """Bytes of each unsigned value as a LEB128 varint (7 bits a byte)."""
+    n = np.ones(x.shape, dtype=np.int64)
+    rest = x >> np.uint64(7)
+    while rest.any():
+        n += rest > 0
+        rest >>= np.uint64(7)
+    return n
+
+
+def _varint(x: np.ndarray) -> np.ndarray:
+    """Unsigned values as LEB128 varints, one after another (vectorised: one pass per byte of the longest)."""
+    x = x.astype(np.uint64)
+    n = _varint_sizes(x)
+    out = np.empty(int(n.sum()), dtype=np.uint8)
+    starts = np.cumsum(n) - n
+    for k in range(int(n.max(initial=0))):
+        sel = n > k
+        byte = (x[sel] >> np.uint64(7 * k)) & np.uint64(127)
+        out[starts[sel] + k] = (byte | (np.uint64(128) * (n[sel] > k + 1))).astype(np.uint8)
+    return out
+
+
+def _unvarint(buf: np.ndarray, count: int) -> tuple[np.ndarray, int]:
+    """The first `count` LEB128 varints of `buf`, and the bytes they took."""
+    if count == 0:
+        return np.zeros(0, dtype=np.uint64), 0
+    ends = np.flatnonzero(buf < 128)[:count]
+    if len(ends) < count:
+        raise ValueError(f"a varint section holds {len(ends)} values, expected {count}")
+    starts = np.concatenate([[0], ends[:-1] + 1])
+    lens = ends - starts + 1
+    out = np.zeros(count, dtype=np.uint64)
+    for k in range(int(lens.max())):
+        sel = lens > k
+        out[sel] |= (buf[starts[sel] + k].astype(np.uint64) & np.uint64(127)) << np.uint64(7 * k)
+    return out, int(ends[-1]) + 1
+
+
+def _zigzag(v: torch.Tensor) -> np.ndarray:
+    x = v.cpu().numpy().astype(np.int64)
+    return ((x << 1) ^ (x >> 63)).astype(np.uint64)
+
+
+def _unzigzag(u: np.ndarray) -> np.ndarray:
+    return ((u >> np.uint64(1)).astype(np.int64)) ^ -((u & np.uint64(1)).astype(np.int64))
+
+
+def _gaps(local: torch.Tensor) -> np.ndarray:
+    """Ascending indices as their gaps (the first from -1), all >= 1."""
+    x = local.cpu().numpy().astype(np.int64)
+    return np.diff(x, prepend=-1).astype(np.uint64)
+
+
 def encoded_bucket_bytes(changes: Sequence[EntryChange], item: int) -> tuple[str, int]:
-    """The smaller encoding of one bucket's changes and its payload bytes (`item`: bytes per value)."""
-    index = sum(c.count * (_position_dtype(c.shard_numel).itemsize + item) for c in changes)
-    bitmap = sum(math.ceil(c.shard_numel / 8) + c.count * item for c in changes)
-    return ("index", index) if index <= bitmap else ("bitmap", bitmap)
+    """The smallest encoding of one bucket's changes and its payload bytes (`item`: bytes per value)."""
+    sizes = {"index": sum(c.count * (_position_dtype(c.shard_numel).itemsize + item) for c in changes),
+             "bitmap": sum(math.ceil(c.shard_numel / 8) + c.count * item for c in changes)}
+    if all(c.steps is not None for c in changes):
+        sizes["varint"] = sum(int(_varint_sizes(_gaps(c.local)).sum() + _varint_sizes(_zigzag(c.steps)).sum())
+                              for c in changes)
+    encoding = min(sizes, key=lambda k: (sizes[k], k))
+    return encoding, sizes[encoding]
 
 
 def encoded_bytes(delta: VersionDelta, plan: BucketPlan) -> int:
-    """What `encode(delta, plan)` carries: the payload of every bucket in its smaller encoding (header aside)."""
+    """What `encode(delta, plan)` carries: the payload of every bucket in its smallest encoding (header aside)."""
     return sum(encoded_bucket_bytes(cs, plan.torch_dtype.itemsize)[1] for cs in delta.changes.values())
 
 
@@ -134,7 +203,8 @@ def _unpack(packed: torch.Tensor, numel: int) -> torch.Tensor:
 
 def encode(delta: VersionDelta, plan: BucketPlan) -> bytes:
     """The changes as bytes: an 8-byte header length, a JSON header, then per changed shard its indices (or
-    bitmap) inside the shard and its values. Each bucket uses the smaller of the two encodings."""
+    bitmap, or varint gaps) inside the shard and its values (or, with varint gaps, the varint steps of their bit
+    patterns). Each bucket uses the smallest encoding."""
     item = plan.torch_dtype.itemsize
     parts: list[bytes] = []
     header: dict = {"version": delta.version, "base": delta.base, "dtype": plan.dtype, "buckets": {}}
@@ -142,6 +212,12 @@ def encode(delta: VersionDelta, plan: BucketPlan) -> bytes:
         encoding, _ = encoded_bucket_bytes(changes, item)
         rows = []
         for c in changes:
+            if encoding == "varint":
+                assert c.steps is not None
+                gaps, steps = _varint(_gaps(c.local)), _varint(_zigzag(c.steps))
+                rows.append([c.name, c.count, len(gaps), "varint", c.shard_numel, len(steps)])
+                parts += [gaps.tobytes(), steps.tobytes()]
+                continue
             if encoding == "index":
                 where = c.local.to(_position_dtype(c.shard_numel)).cpu().contiguous()
             else:
@@ -149,43 +225,67 @@ def encode(delta: VersionDelta, plan: BucketPlan) -> bytes:
                 mask[c.local.cpu()] = True
                 where = _pack(mask)
             values = c.values.cpu().contiguous()
-            rows.append([c.name, c.count, where.numel() * where.element_size(), str(where.dtype)[6:], c.shard_numel])
+            rows.append([c.name, c.count, where.numel() * where.element_size(), str(where.dtype)[6:], c.shard_numel,
+                         c.count * item])
             parts += [where.view(torch.uint8).numpy().tobytes(), values.view(torch.uint8).numpy().tobytes()]
         header["buckets"][str(index)] = [encoding, rows]
     head = json.dumps(header).encode()
     return len(head).to_bytes(8, "little") + head + b"".join(parts)
 
 
-def decode(blob: bytes | memoryview, plan: BucketPlan, placements: dict[str, Placement]) -> VersionDelta:
-    """`encode`'s inverse, for the rank whose shards lie at `placements` (HF name -> `Placement`). Refuses a blob
-    of another dtype, or one naming a tensor this rank holds no shard of or a shard of another size."""
+OldValues = Callable[[str, torch.Tensor], torch.Tensor]
+"""(HF name, flat indices inside this rank's shard) -> the base version's values there: what varint steps add to."""
+
+
+def decode(blob: bytes | memoryview, plan: BucketPlan, placements: dict[str, Placement],
+           old_values: OldValues | None = None) -> VersionDelta:
+    """`encode`'s inverse, for the rank whose shards lie at `placements` (HF name -> `Placement`); `old_values`
+    reads the base version's values (needed for a bucket in varint steps). Refuses a blob of another dtype, or
+    one naming a tensor this rank holds no shard of or a shard of another size."""
     size = int.from_bytes(bytes(blob[:8]), "little")
     header = json.loads(bytes(blob[8 : 8 + size]))
     if header["dtype"] != plan.dtype:
         raise ValueError(f"delta of version {header['version']} is in {header['dtype']}, the plan in {plan.dtype}")
-    dtype, item = plan.torch_dtype, plan.torch_dtype.itemsize
-    data = torch.frombuffer(bytearray(blob[8 + size :]), dtype=torch.uint8) if len(blob) > 8 + size else None
+    dtype = plan.torch_dtype
+    data = np.frombuffer(bytes(blob[8 + size :]), dtype=np.uint8)
     at = 0
     out = VersionDelta(int(header["version"]), header["base"])
     for index, (encoding, rows) in header["buckets"].items():
         changes = []
-        for name, count, where_bytes, where_dtype, shard_numel in rows:
+        for name, count, where_bytes, where_dtype, shard_numel, value_bytes in rows:
             placement = placements.get(name)
             if placement is None or math.prod(placement[0]) != shard_numel:
                 raise ValueError(f"delta of version {out.version} names a {shard_numel}-element shard of {name!r}; "
                                  f"this rank's is {None if placement is None else list(placement[0])}")
-            assert data is not None
-            where = data[at : at + where_bytes].clone()  # a copy: views of another dtype need aligned storage
-            values = data[at + where_bytes : at + where_bytes + count * item].clone().view(dtype)
-            at += where_bytes + count * item
-            local = (where.view(getattr(torch, where_dtype)).long() if encoding == "index"
-                     else _unpack(where, shard_numel).nonzero().view(-1))
-            if local.numel() != count:
+            where, values = data[at : at + where_bytes], data[at + where_bytes : at + where_bytes + value_bytes]
+            at += where_bytes + value_bytes
+            if encoding == "varint":
+                if old_values is None:
+                    raise ValueError(f"delta of version {out.version}: {name} carries steps from version "
+                                     f"{out.base}, and no values of that version were given")
+                local = torch.from_numpy(np.cumsum(_unvarint(where, count)[0].astype(np.int64)) - 1)
+                steps = torch.from_numpy(_unzigzag(_unvarint(values, count)[0]))
+                new = _stepped(old_values(name, local), steps)
+            else:
+                raw = torch.from_numpy(where.copy())  # a copy: views of another dtype need aligned storage
+                local = (raw.view(getattr(torch, where_dtype)).long() if encoding == "index"
+                         else _unpack(raw, shard_numel).nonzero().view(-1))
+                new = torch.from_numpy(values.copy()).view(dtype)
+                steps = None
+            if local.numel() != count or new.numel() != count:
                 raise ValueError(f"delta of version {out.version}: {name} carries {local.numel()} positions "
                                  f"for {count} values")
-            changes.append(EntryChange(name, placed_positions(local, placement), values, local, shard_numel))
+            changes.append(EntryChange(name, placed_positions(local, placement), new, local, shard_numel, steps))
         out.changes[int(index)] = changes
     return out
+
+
+def _stepped(old: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+    """`old` with each bit pattern moved by its step (wrapping within the element's width)."""
+    width = old.element_size() * 8
+    moved = (bits(old.contiguous()).to(torch.int64) + steps) & ((1 << width) - 1)
+    moved = torch.where(moved >= 1 << (width - 1), moved - (1 << width), moved)  # back to the signed view
+    return moved.to(_INT_VIEW[old.element_size()]).view(old.dtype)
 
 
 def apply_changes(views: dict[str, torch.Tensor], changes: Iterable[EntryChange]) -> int:
@@ -232,7 +332,9 @@ class DeltaTracker:
                 if local.numel() == 0:
                     continue
                 positions = placed_positions(local, (placed.shape, placed.stride(), placed.storage_offset()))
-                changes.append(EntryChange(name, positions.cpu(), new[mask].cpu(), local.cpu(), new.numel()))
+                steps = None if old is None else (bits(new)[mask].to(torch.int64) - bits(old)[mask].to(torch.int64))
+                changes.append(EntryChange(name, positions.cpu(), new[mask].cpu(), local.cpu(), new.numel(),
+                                           None if steps is None else steps.cpu()))
             if changes:
                 out.changes[index] = changes
         return out

@@ -23,6 +23,7 @@ each rank's share times the hosts that need it.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import time
@@ -135,6 +136,8 @@ class ShardReceiver:
         self.broadcast: _Broadcaster | None = None
         self.plan: BucketPlan | None = None
         self.layout: dict[int, list[list]] = {}
+        self.bucket_of: dict[str, int] = {}
+        self.placed: dict[str, tuple] = {}
         self.sizes: dict[int, list[int]] = {}
         self.staging = torch.empty(0, dtype=torch.uint8)
         self.received: list[int] = []
@@ -157,6 +160,10 @@ class ShardReceiver:
         setup = json.loads(bytes(raw.numpy()).decode())
         self.plan = BucketPlan.from_json(setup["plan"])
         self.layout = {int(k): v for k, v in setup["placements"].items()}
+        self.bucket_of = self.plan.bucket_of()
+        self.placed = {name: (shape, stride, offset) for rows in self.layout.values()
+                       for name, shape, stride, offset in rows}
+        """Where each of the rank's shards lies in its full tensor (`delta.Placement`), by HF name."""
         item = self.plan.torch_dtype.itemsize
         self.sizes = {i: [int(torch.Size(shape).numel()) for _, shape, _, _ in rows] for i, rows in self.layout.items()}
         self.staging = torch.empty(max((sum(n) * item for n in self.sizes.values()), default=0), dtype=torch.uint8)
@@ -192,9 +199,27 @@ class ShardReceiver:
         blob = torch.zeros(size, dtype=torch.uint8)
         if size:
             self.broadcast(blob, f"the changes of version {version}")
-        placements = {name: (shape, stride, offset) for rows in self.layout.values()
-                      for name, shape, stride, offset in rows}
-        return decode(memoryview(blob.numpy()), self.plan, placements)
+        with contextlib.ExitStack() as stack:
+            opened: dict[int, dict[str, torch.Tensor]] = {}  # each bucket of the base mapped once, not per tensor
+
+            def old_values(name: str, local: torch.Tensor) -> torch.Tensor:
+                """This rank's values of `name` at flat shard indices `local` in the version it received last
+                (its slot is pinned): what a version's varint steps are added to."""
+                if self.last_slot is None:
+                    raise SyncError(f"relay of learner rank {self.rank}: changes arrived before any whole version")
+                index = self.bucket_of[name]
+                if index not in opened:
+                    opened[index] = stack.enter_context(self.transport.bucket_views(
+                        self.last_slot, self.plan.buckets[index], self.plan.torch_dtype))  # type: ignore[union-attr]
+                t, (shape, stride, offset) = opened[index][name], self.placed[name]
+                return t.as_strided(shape, stride, t.storage_offset() + offset).reshape(-1)[local].clone()
+
+            delta = decode(memoryview(blob.numpy()), self.plan, self.placed, old_values)
+        if delta.base is None or self.received[-1:] != [delta.base]:
+            raise SyncError(f"relay of learner rank {self.rank}: version {version} came as changes against "
+                            f"version {delta.base}, which this host does not hold (last received: "
+                            f"{self.received[-1:] or 'none'})")
+        return delta
 
     def _receive_whole(self, version: int, slot: str) -> dict[int, int]:
         assert self.broadcast is not None and self.plan is not None
@@ -223,11 +248,8 @@ class ShardReceiver:
         version went into, then this version's changes."""
         assert self.plan is not None
         chain = self.history.chain(self.transport.slot_base(slot), version)
-        if chain is None:
-            if self.last_slot is None or delta.base is None or self.received[-1:] != [delta.base]:
-                raise SyncError(f"relay of learner rank {self.rank}: version {version} came as changes against "
-                                f"version {delta.base}, which this host does not hold (last received: "
-                                f"{self.received[-1:] or 'none'})")
+        if chain is None:  # `_receive_changes` checked that the slot of the last version holds the base
+            assert self.last_slot is not None
             self._copy_own(self.last_slot, slot)
             chain = [delta]
         dtype = self.plan.torch_dtype

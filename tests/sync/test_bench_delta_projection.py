@@ -31,4 +31,19 @@ def test_projection_is_the_models_bf16_bytes_over_the_link():
     assert p["delta_bytes"] == 0
     q = bench.project("deepseek_v3", 0.0005)
     assert 2 * 650e9 < q["full_bytes"] < 2 * 690e9
-    assert q["delta_bytes"] == pytest.approx(q["full_bytes"] / 2 * 0.0005 * 6, rel=1e-6)
+    # 1 in 2000 changed: a 2-byte varint gap and a 1-byte step per change (6 bytes as int32 index + value)
+    assert q["delta_bytes"] == pytest.approx(q["full_bytes"] / 2 * 0.0005 * 3, rel=1e-6)
+
+
+@pytest.mark.parametrize("gap", [3, 200, 40_000])
+def test_projected_varint_bytes_match_the_syncs_varint_encoding(gap):
+    """Evenly spaced changes of one unit in the last place: the projection's varint estimate is exactly what
+    the sync's encoding spends."""
+    count = 50
+    numel = gap * count
+    local = torch.arange(gap - 1, numel, gap)
+    change = EntryChange("w", local, torch.zeros(count, dtype=torch.bfloat16), local, numel,
+                         torch.ones(count, dtype=torch.int64))
+    encoding, want = encoded_bucket_bytes([change], 2)
+    assert bench.delta_bytes(numel, count / numel, step_bytes=1) == want
+    assert encoding == "varint"

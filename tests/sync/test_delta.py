@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
-from moe_grpo.sync.delta import (DeltaHistory, DeltaTracker, EntryChange, VersionDelta, apply_changes, decode,
-                                 encode, encoded_bytes, placed_positions)
+from moe_grpo.sync.delta import (DeltaHistory, DeltaTracker, EntryChange, VersionDelta, apply_changes, bits,
+                                 decode, encode, encoded_bytes, placed_positions)
 from moe_grpo.sync.sync_metrics import expert_bitmaps, experts_unchanged
 from moe_grpo.sync.plan import ALIGN, Bucket, BucketEntry, BucketPlan
 
@@ -175,3 +175,45 @@ def test_experts_unchanged_counts_experts_no_rank_changed_once_each_even_when_sp
                expert_bitmaps({"model.layers.1.mlp.experts.3.down_proj.weight"})]
     assert experts_unchanged(held, changed) == 6
     assert experts_unchanged(held, []) == 8
+
+
+def test_small_updates_travel_as_varint_steps_in_about_the_bytes_of_the_changed_values() -> None:
+    """A small step moves most changed bf16 values by one unit in the last place: index or bitmap encodings spend
+    4 bytes or 1/16 of the tensor on positions, so at 3% changed a delta took 9% of a full version's bytes
+    (tools/bench_sync.py --delta, 2026-11-26). As varint gaps and varint steps of the bit patterns it must take
+    at most the changed fraction plus 1% of the full bytes, and decode, given the old values, to the new ones."""
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(200_000, generator=g) * 0.02
+    meta = torch.empty(400, 500, device="meta")
+    src = w.view(400, 500)
+    tracker = DeltaTracker(torch.bfloat16, {0: [("w", src, meta)]})
+    tracker.diff(1)
+    tracker.commit()
+    old = src.to(torch.bfloat16).clone()
+    src.add_(torch.sign(torch.randn(src.shape, generator=g)) * 1e-6)
+    delta = tracker.diff(2)
+    plan = BucketPlan("toy", "bfloat16", (Bucket(0, (BucketEntry("w", (400, 500), 0),), 400_000),))
+    changed = delta.changed_elements() / w.numel()
+    assert 0.005 < changed < 0.2
+    blob = encode(delta, plan)
+    assert '"varint"' in blob[8 : 8 + int.from_bytes(blob[:8], "little")].decode()
+    full = 2 * w.numel()
+    assert encoded_bytes(delta, plan) <= (changed + 0.01) * full, (encoded_bytes(delta, plan) / full, changed)
+    back = decode(blob, plan, {"w": ((400, 500), (500, 1), 0)}, lambda name, local: old.view(-1)[local])
+    want = src.to(torch.bfloat16).view(-1)
+    c = back.changes[0][0]
+    assert torch.equal(c.values.view(torch.int16), want[c.local].view(torch.int16))
+    assert torch.equal(c.positions, delta.changes[0][0].positions)
+    with pytest.raises(ValueError, match="no values of that version were given"):
+        decode(blob, plan, {"w": ((400, 500), (500, 1), 0)})
+
+
+def test_varint_steps_wrap_across_the_sign_bit_exactly() -> None:
+    """Bit-pattern steps are taken modulo the element width: +0.0 -> -0.0, the largest finite value -> inf and
+    back must decode to the exact new bits."""
+    from moe_grpo.sync.delta import _stepped
+
+    old = torch.tensor([0.0, -0.0, 3.3895e38, float("inf"), -1.5], dtype=torch.bfloat16)
+    new = torch.tensor([-0.0, 0.0, float("inf"), 3.3895e38, 2.0], dtype=torch.bfloat16)
+    steps = bits(new).to(torch.int64) - bits(old).to(torch.int64)
+    assert torch.equal(bits(_stepped(old, steps)), bits(new))
