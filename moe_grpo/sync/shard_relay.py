@@ -59,6 +59,12 @@ def placements(plan: BucketPlan, writes: dict[int, list[Any]]) -> dict[int, list
     return out
 
 
+def _shard_view(full: torch.Tensor, placement: Any) -> torch.Tensor:
+    """A rank's shard inside a full HF tensor, from its (shape, strides, element offset) as `placements` gives it."""
+    shape, stride, offset = placement
+    return full.as_strided(shape, stride, full.storage_offset() + offset)
+
+
 def _ready_key(group: RelayGroup) -> str:
     return f"{group.prefix}/ready"
 
@@ -211,8 +217,7 @@ class ShardReceiver:
                 if index not in opened:
                     opened[index] = stack.enter_context(self.transport.bucket_views(
                         self.last_slot, self.plan.buckets[index], self.plan.torch_dtype))  # type: ignore[union-attr]
-                t, (shape, stride, offset) = opened[index][name], self.placed[name]
-                return t.as_strided(shape, stride, t.storage_offset() + offset).reshape(-1)[local].clone()
+                return _shard_view(opened[index][name], self.placed[name]).reshape(-1)[local].clone()
 
             delta = decode(memoryview(blob.numpy()), self.plan, self.placed, old_values)
         if delta.base is None or self.received[-1:] != [delta.base]:
@@ -235,8 +240,7 @@ class ShardReceiver:
             with torch.no_grad(), self.transport.bucket_views(slot, b, dtype) as full:
                 pos = 0
                 for (name, shape, stride, offset), n in zip(rows, numel):
-                    dst = full[name]
-                    dst.as_strided(shape, stride, dst.storage_offset() + offset).copy_(
+                    _shard_view(full[name], (shape, stride, offset)).copy_(
                         staging[pos : pos + n * item].view(dtype).view(shape))
                     pos += n * item
             elements[b.index] = sum(numel)
@@ -273,7 +277,5 @@ class ShardReceiver:
                     continue
                 with self.transport.bucket_views(source, b, dtype) as old, \
                         self.transport.bucket_views(slot, b, dtype) as new:
-                    for name, shape, stride, offset in rows:
-                        src, dst = old[name], new[name]
-                        dst.as_strided(shape, stride, dst.storage_offset() + offset).copy_(
-                            src.as_strided(shape, stride, src.storage_offset() + offset))
+                    for name, *placement in rows:
+                        _shard_view(new[name], placement).copy_(_shard_view(old[name], placement))
