@@ -26,10 +26,13 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from moe_grpo.learner.spawn import run_distributed
 from moe_grpo.models.hf_config import hf_config_from_spec, read_hf_config, spec_from_hf_config
+
+if TYPE_CHECKING:  # the run's config composes init's (InitConfig, here): it is a layer above (pyproject.toml)
+    from moe_grpo.config import RunConfig
 
 log = logging.getLogger("moe_grpo")
 
@@ -143,7 +146,7 @@ def engine_dir(hf_dir: str | Path, spec: Any, out_dir: str | Path) -> Path:
     return out
 
 
-def prepare(run: Any, run_dir: str | Path) -> Any:
+def prepare(run: RunConfig, run_dir: str | Path) -> RunConfig:
     """`run` with `init.megatron` filled in (converted or reused from the cache); unchanged without `init.hf`."""
     init = run.init
     if not init.hf or init.megatron:

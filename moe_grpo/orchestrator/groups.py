@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -14,6 +14,10 @@ from moe_grpo.orchestrator.buffer import Group
 from moe_grpo.reward.scoring import group_scored
 from moe_grpo.rollout.types import SamplingSettings
 
+if TYPE_CHECKING:  # the run's config composes the orchestrator's: it is a layer above (pyproject.toml)
+    from moe_grpo.config import RunConfig
+    from moe_grpo.evaluation.config import EvaluateConfig
+
 log = logging.getLogger("moe_grpo")
 
 DYNAMIC_SAMPLING_PATIENCE = 10
@@ -22,7 +26,8 @@ through (zero advantage, so they only dilute the step) with a warning, instead o
 solved or hopeless."""
 
 
-def sampling_settings(run: Any, tokenizer: Any, *, greedy: bool = False, seed: int | None = None) -> Any:
+def sampling_settings(run: RunConfig | EvaluateConfig, tokenizer: Any, *, greedy: bool = False,
+                      seed: int | None = None) -> SamplingSettings:
     """The engines' sampling for training rollouts (or greedy, for evaluation)."""
     stops = tuple(tokenizer.stop_ids)
     if greedy:
@@ -31,7 +36,7 @@ def sampling_settings(run: Any, tokenizer: Any, *, greedy: bool = False, seed: i
                             max_tokens=run.rollout.max_tokens, stop_token_ids=stops, seed=seed)
 
 
-def prompt_seed(run: Any, index: int) -> int:
+def prompt_seed(run: RunConfig, index: int) -> int:
     """The sampling seed of the run's `index`-th admitted prompt (its samples use seed, seed + 1, ...): the same
     prompt number draws the same samples in a resumed run as in an uninterrupted one."""
     return (run.seed * 1_000_003 + index * run.algo.group_size) % (2**62)
@@ -75,7 +80,7 @@ def drop_failed(completions: list[Any], example: Any, engine: str, state: Any) -
     return bool(bad)
 
 
-def score_group(run: Any, example: Any, completions: list[Any], state: Any, engine: str, rewards: Any,
+def score_group(run: RunConfig, example: Any, completions: list[Any], state: Any, engine: str, rewards: Any,
                 scores: Any) -> Any:
     """The group of `completions` with rewards (their `Scores`) and advantages, or None when it cannot be trained
     on (counted in `state`)."""
@@ -88,7 +93,7 @@ def score_group(run: Any, example: Any, completions: list[Any], state: Any, engi
     return Group(example, [completions[i] for i in kept], values.astype(np.float32), adv, engine)
 
 
-def shape_group(run: Any, group: Any, state: Any) -> Any:
+def shape_group(run: RunConfig, group: Any, state: Any) -> Any:
     """DAPO's reward-side pieces on a scored group, or None when dynamic sampling drops it (counted).
 
     Overlong shaping changes the advantages only: `group.rewards` stay the task's, so `reward/mean` means the

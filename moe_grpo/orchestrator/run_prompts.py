@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
@@ -18,10 +18,14 @@ from moe_grpo.data.prompts import DatasetPrompts, PromptSource, TaskPrompts
 from moe_grpo.reward.math_answer import gsm8k_row_problem
 from moe_grpo.rollout.context import context_length
 
+if TYPE_CHECKING:  # the run's config composes the orchestrator's: it is a layer above (pyproject.toml)
+    from moe_grpo.config import RunConfig
+    from moe_grpo.evaluation.config import EvaluateConfig
+
 log = logging.getLogger("moe_grpo")
 
 
-def required_fields(run: Any) -> list[str]:
+def required_fields(run: RunConfig | EvaluateConfig) -> list[str]:
     """Fields every row must have: the prompt, and the answer when a built-in reward or a warm start reads it
     (or the task's format has one: GSM8K)."""
     fields = [run.data.resolved_prompt_key(run.task.name)]
@@ -30,7 +34,7 @@ def required_fields(run: Any) -> list[str]:
     return fields
 
 
-def prompt_source(run: Any, tokenizer: Any, rng: np.random.Generator, run_dir: str | None = None) -> PromptSource:
+def prompt_source(run: RunConfig, tokenizer: Any, rng: np.random.Generator, run_dir: str | None = None) -> PromptSource:
     """The run's prompts: `data.train_path` when set, else the built-in task's generator.
 
     Bad rows are logged with their line numbers and, when `run_dir` is given, listed in `run_dir/bad_rows.txt`."""
@@ -49,7 +53,7 @@ def prompt_source(run: Any, tokenizer: Any, rng: np.random.Generator, run_dir: s
     return source
 
 
-def _row_check(run: Any) -> Any:
+def _row_check(run: RunConfig | EvaluateConfig) -> Callable[[dict[str, Any]], str | None] | None:
     """What makes a row bad beyond a missing field (GSM8K: an answer without a parsable `#### N`), or None."""
     if run.task.name != "gsm8k":
         return None
@@ -61,7 +65,7 @@ def _row_check(run: Any) -> Any:
     return check
 
 
-def held_out_source(run: Any, tokenizer: Any) -> PromptSource:
+def held_out_source(run: RunConfig | EvaluateConfig, tokenizer: Any) -> PromptSource:
     """The held-out set alone, as a training run builds it (what `python -m moe_grpo.evaluate` scores): the rows of
     `data.eval_path` (at most `data.eval_size`), else the built-in task's held-out set. `run` needs `task`, `data`
     and `reward`."""
@@ -73,7 +77,7 @@ def held_out_source(run: Any, tokenizer: Any) -> PromptSource:
                           run.data.answer_key, run.data.eval_size)
 
 
-def engine_context(run: Any, source: PromptSource) -> int:
+def engine_context(run: RunConfig, source: PromptSource) -> int:
     """The engines' context (`rollout.max_model_len`, 0 = auto) for this run's prompts; refuses a run whose longest
     prompt plus `rollout.max_tokens` does not fit, naming the numbers (rollout/context.py)."""
     longest, where = source.longest_prompt()

@@ -17,7 +17,7 @@ import secrets
 import shutil
 import threading
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from moe_grpo.learner.rendezvous import RunStoreServer
 from moe_grpo.orchestrator.run_dirs import make_owned_dir, release, remove_orphaned_sync_roots
@@ -25,10 +25,13 @@ from moe_grpo.sync.layout import SyncLayout, host_root, resolve_transport
 from moe_grpo.sync.shard_relay import ShardReceiver
 from moe_grpo.sync.transport import SharedMemoryTransport, secure_root
 
+if TYPE_CHECKING:  # the run's config composes the orchestrator's: it is a layer above (pyproject.toml)
+    from moe_grpo.config import RunConfig
+
 log = logging.getLogger("moe_grpo")
 
 
-def plan_sync(run: Any, placement_group: Any, run_name: str) -> SyncLayout:
+def plan_sync(run: RunConfig, placement_group: Any, run_name: str) -> SyncLayout:
     """The run's `SyncLayout`: engines are bundles 0..num_engines-1, learner rank r is bundle num_engines + r."""
     import ray
 
