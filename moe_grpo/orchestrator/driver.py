@@ -29,7 +29,6 @@ import os
 import random
 import shutil
 import signal
-import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -45,6 +44,7 @@ from moe_grpo.orchestrator.buffer import RolloutBuffer
 from moe_grpo.orchestrator.engine_pool import EngineFailedError, EnginePool, EngineSlot, Request
 from moe_grpo.orchestrator.groups import (Scoring, drop_failed, learner_sequences, prompt_seed, sampling_settings,
                                           score_group, shape_group)
+from moe_grpo.orchestrator.learner_group import LearnerCall, LearnerGroup
 from moe_grpo.orchestrator.placement_plan import PlanRefused, build_plan, not_runnable_yet
 from moe_grpo.orchestrator.probe import MismatchProbe, probe_due
 from moe_grpo.orchestrator.process_record import ProcessRecord
@@ -56,7 +56,6 @@ from moe_grpo.orchestrator.session import SignalRelay, Teardown, keep_handlers_t
 from moe_grpo.orchestrator.state import RunState
 from moe_grpo.orchestrator.trackers import check_installed, close_trackers, open_trackers
 from moe_grpo.orchestrator.watch import JumpWatch
-from moe_grpo.processes import process_alive
 from moe_grpo.reward.functions import Rewards
 from moe_grpo.reward.scoring import score_held_out, submit_group
 from moe_grpo.sync.sync_metrics import combine_sync_metrics
@@ -73,10 +72,6 @@ RESUME_MUST_MATCH = ("model", "algo", "task", "data", "reward.fn", "reward.weigh
 learning-rate schedule the saved steps followed; its length, `learner.lr_decay_steps`, by `check_schedule`)."""
 
 
-class LearnerFailedError(RuntimeError):
-    """A learner rank died or did not answer in time; names the rank and the last checkpoint."""
-
-
 class Stopped(Exception):
     """The run was asked to stop (SIGTERM) and has written its checkpoint."""
 
@@ -87,6 +82,8 @@ class Driver:
     def __init__(self, run: Any, run_dir: str, pools: Any, tokenizer: Any, source: Any, rewards: Any,
                  state: RunState) -> None:
         self.run, self.run_dir, self.pools = run, run_dir, pools
+        self.learners: LearnerGroup = pools.learners
+        self.learners.hint = self._checkpoint_hint  # every learner failure names the checkpoint to resume from
         self.tokenizer, self.source, self.rewards, self.state = tokenizer, source, rewards, state
         self.is_async = run.mode == "async"
         per_step = run.algo.prompts_per_step
@@ -101,9 +98,9 @@ class Driver:
         self.record: Any = None
         self.epoch = 0
         """Bumped by a rollback: requests sent before it are thrown away when they return."""
-        self.train_refs: list[Any] = []
+        self.training: LearnerCall | None = None
+        """The training step in flight on the learner ranks."""
         self.train_batch: list[Any] = []
-        self.train_started = 0.0
         self.eval_results: dict[int, Any] = {}
         self.scoring: list[Scoring] = []
         """Train groups back from the engines whose rewards are being computed (off this loop), in arrival order."""
@@ -126,12 +123,12 @@ class Driver:
         self.t_last = time.perf_counter()
         self.tokens_at_last = self.state.generated_tokens
         while self.state.step < self.run.steps:
-            if self.due and not self.train_refs:
+            if self.due and not self.training:
                 self.checkpoint(self.due)
             self.probe.submit(self.engines)
             self.admit()
             self.start_step()
-            ready, _ = ray.wait(self.engines.refs() + self.train_refs + self.probe.refs(), num_returns=1,
+            ready, _ = ray.wait(self.engines.refs() + self._training_refs() + self.probe.refs(), num_returns=1,
                                 timeout=SCORING_POLL_S if self.scoring else 1.0)
             self.collect(ready)
             self.take_scored()
@@ -167,7 +164,7 @@ class Driver:
             room = min(self.buffer.room(in_flight), horizon - (self.state.admitted - self._wasted()))
         else:  # sync: a whole batch, only between steps, on the newest weights; refills what dynamic sampling
             # dropped or a failure lost (same weights: nothing trains until the batch is full)
-            idle = not self.train_refs and self.engines.all_current()
+            idle = not self.training and self.engines.all_current()
             room = per_step - len(self.buffer) - in_flight if idle else 0
         for example in self.source.take(max(room, 0)):
             request = Request("train", example, prompt_seed(self.run, self.state.admitted), epoch=self.epoch)
@@ -183,7 +180,7 @@ class Driver:
         for request, engine in self.engines.failed_probes:
             self.probe.on_failure(request, engine)
         self.engines.failed_probes.clear()
-        self.probe.score(self.pools.learners, self.engines)
+        self.probe.score(self.learners, self.engines)
         self.probe.collect()
 
     def _sampling(self, request: Request) -> Any:
@@ -197,7 +194,7 @@ class Driver:
     def collect(self, ready: list[Any]) -> None:
         """Score finished groups into the buffer; hand weight loads, restarts and failures to the engine pool."""
         for ref in ready:
-            if ref in self.train_refs or ref in self.probe.refs():
+            if ref in self._training_refs() or ref in self.probe.refs():
                 continue
             out = self.engines.result(ref)
             if out is None:
@@ -258,42 +255,27 @@ class Driver:
 
     def start_step(self) -> None:
         """Hand the learner ranks the next batch, if none is training and the buffer holds one."""
-        if self.train_refs:
+        if self.training:
             return
         groups = self.buffer.take(self.run.algo.prompts_per_step, self.state.step)
         if groups is None:
             return
         self.train_batch = groups
         seqs = learner_sequences(groups)
-        self.train_refs = [a.train.remote(seqs[i["dp"]::i["dp_size"]], self.state.step, self.run.routing.replay)
-                           for a, i in zip(self.pools.learners, self.pools.infos)]
-        self.train_started = time.monotonic()
+        self.training = self.learners.submit("train", self.state.step, self.run.routing.replay,
+                                             shares=self.learners.split(seqs), what=f"step {self.state.step + 1}")
+
+    def _training_refs(self) -> list[Any]:
+        return self.training.refs if self.training else []
 
     def step_done(self) -> bool:
         """Whether the training step in flight has finished on every rank; a dead or hung rank stops the run."""
-        import ray
-
-        if not self.train_refs:
-            return False
-        done, _ = ray.wait(self.train_refs, num_returns=len(self.train_refs), timeout=0)
-        for ref in done:  # a dead rank is named at once, before the others time out in their collectives
-            self._learner_result(ref, self.train_refs.index(ref), f"step {self.state.step + 1}")
-        if len(done) == len(self.train_refs):
-            return True
-        self._check_learners_alive(f"step {self.state.step + 1}")
-        if time.monotonic() - self.train_started > self.run.cluster.learner_timeout_s:
-            late = [r for r, ref in enumerate(self.train_refs) if ref not in done]
-            raise LearnerFailedError(f"learner rank(s) {late} did not finish step {self.state.step + 1} within "
-                                     f"cluster.learner_timeout_s={self.run.cluster.learner_timeout_s:.0f} s (a hung "
-                                     f"collective?); {self._checkpoint_hint()}")
-        return False
+        return self.training is not None and self.training.poll()
 
     def finish_step(self) -> dict[str, float]:
         """The finished step's metrics (rank 0's); a skipped step is counted, too many in a row stop the run."""
-        import ray
-
-        results = ray.get(self.train_refs)
-        self.train_refs = []
+        results = self.training.results()
+        self.training = None
         self.state.step += 1
         metrics = dict(results[0])
         metrics["train_seconds"] = max(r.get("train_seconds", 0.0) for r in results)
@@ -321,8 +303,7 @@ class Driver:
             return
         self.state.published = self.state.step
         probe = probe_due(self.run, self.state.published)
-        self.learners_call("publish", self.state.published, self.is_async, probe,
-                           what=f"publishing {self.state.published}")
+        self.learners.publish(self.state.published, background=self.is_async, snapshot=probe)
         if probe:
             self.probe.start(self.state.published, list(self.engines.slots))
         self.engines.offer(self.state.published)
@@ -385,7 +366,7 @@ class Driver:
             busy += max(0.0, stats["busy_seconds"] - self.busy_last.get(slot.name, 0.0))
             self.busy_last[slot.name] = stats["busy_seconds"]
             abort_resubmits += stats.get("resubmitted", 0.0)
-        sync = combine_sync_metrics(self.learners_call("sync_metrics", what="reading sync metrics"))
+        sync = combine_sync_metrics(self.learners.call("sync_metrics", what="reading sync metrics"))
         self.advance_probe()
         row = step_row(self.run, self.state, metrics, self.train_batch, trained_version=self.state.step - 1,
                        interval=interval, train_seconds=metrics["train_seconds"],
@@ -408,7 +389,7 @@ class Driver:
             return
         if self.engines.changed:
             self.engines.changed = False
-            self.process_record.set_roles([i.get("pid") for i in self.pools.infos],
+            self.process_record.set_roles(self.learners.pids(),
                                           {n: s.pid for n, s in self.engines.slots.items()})
         self.process_record.update()
 
@@ -443,7 +424,7 @@ class Driver:
         self.state.rollbacks += 1
         self.state.lr_scale *= cfg.rollback_lr_factor
         lr = self.run.learner.lr * self.state.lr_scale
-        self.learners_call("load_run_state", str(target / "learner"), lr, what=f"rollback to {target.name}")
+        self.learners.call("load_run_state", str(target / "learner"), lr, what=f"rollback to {target.name}")
         saved = run_checkpoint.load_driver_state(target)
         jumps = self.watch.jumps
         self.watch.load_state_dict(saved["watch"])  # the running level from before the jump
@@ -453,7 +434,7 @@ class Driver:
         self.engines.retry = type(self.engines.retry)(r for r in self.engines.retry if r.kind != "train")
         # The restored weights go out as the current step's version (versions only grow), fresh prompts follow.
         self.state.published = self.state.step
-        self.learners_call("publish", self.state.published, False, what=f"publishing {self.state.published}")
+        self.learners.publish(self.state.published, background=False, snapshot=False)
         self.engines.offer(self.state.published)
         self.engines.settle(block=True)
         # `latest` names a checkpoint of the jump's steps: a resume from it would continue on the jumped weights.
@@ -490,12 +471,12 @@ class Driver:
 
     def checkpoint(self, reason: str) -> Path:
         """Write a run checkpoint of the current step (no training step may be in flight)."""
-        assert not self.train_refs, "a checkpoint is taken between steps"
+        assert not self.training, "a checkpoint is taken between steps"
         t0 = time.perf_counter()
         self.take_finished()
         tmp = run_checkpoint.begin(self.run_dir, self.state.step)
-        self.learners_call("save_run_state", str(tmp / "learner"), what=f"checkpoint of step {self.state.step}")
-        meta = {"step": self.state.step, "reason": reason, "learner_ranks": len(self.pools.learners),
+        self.learners.call("save_run_state", str(tmp / "learner"), what=f"checkpoint of step {self.state.step}")
+        meta = {"step": self.state.step, "reason": reason, "learner_ranks": len(self.learners),
                 "parallel": dataclasses.asdict(self.run.parallel), "written": time.strftime("%Y-%m-%dT%H:%M:%S"),
                 "jump_in_a_row": self.watch.in_a_row}  # > 0: inside a jump window, never a rollback target
         self.last_checkpoint = run_checkpoint.finish(tmp, self.state_dict(), meta, self.run.checkpoint.keep)
@@ -512,54 +493,6 @@ class Driver:
         if self.last_checkpoint is None:
             return "no run checkpoint was written yet"
         return f"last checkpoint: {self.last_checkpoint} (resume=true continues from it)"
-
-    # ------------------------------------------------------------------ learner calls
-    def learners_call(self, method: str, *args: Any, what: str, ranks: int | None = None) -> list[Any]:
-        """Call `method` on every learner rank (the first `ranks` only, if given) and wait, naming a rank that died
-        or did not answer in time."""
-        import ray
-
-        refs = [getattr(a, method).remote(*args) for a in self.pools.learners[:ranks]]
-        deadline = time.monotonic() + self.run.cluster.learner_timeout_s
-        pending = list(refs)
-        while pending:
-            done, pending = ray.wait(pending, num_returns=len(pending), timeout=1.0)
-            for ref in done:
-                self._learner_result(ref, refs.index(ref), what)
-            if pending:
-                self._check_learners_alive(what)
-            if pending and time.monotonic() > deadline:
-                late = [refs.index(r) for r in pending]
-                raise LearnerFailedError(f"learner rank(s) {late} did not finish {what} within "
-                                         f"cluster.learner_timeout_s={self.run.cluster.learner_timeout_s:.0f} s; "
-                                         f"{self._checkpoint_hint()}")
-        return ray.get(refs)
-
-    def _check_learners_alive(self, what: str) -> None:
-        """Name a learner rank on this host whose process is gone, whatever Ray says. Ray learns of a dead actor
-        when its connection closes, and a child the actor forked keeps it open: megatron-core's checkpoint writer
-        forks one per write bucket, so a rank SIGKILLed while writing a checkpoint would otherwise leave its call
-        pending until cluster.learner_timeout_s. (Ranks on other hosts: by Ray's word or that timeout.)"""
-        here = socket.gethostname()
-        for rank, info in enumerate(self.pools.infos):
-            pid = info.get("pid")
-            if info.get("host") == here and isinstance(pid, int) and not process_alive(pid):
-                raise self._rank_died(rank, what)
-
-    def _rank_died(self, rank: int, what: str) -> LearnerFailedError:
-        pid = self.pools.infos[rank].get("pid", "?")
-        return LearnerFailedError(f"learner rank {rank} (pid {pid}) died during {what}; {self._checkpoint_hint()}")
-
-    def _learner_result(self, ref: Any, rank: int, what: str) -> Any:
-        import ray
-
-        try:
-            return ray.get(ref)
-        except ray.exceptions.RayActorError as e:
-            raise self._rank_died(rank, what) from e
-        except ray.exceptions.RayTaskError as e:
-            raise LearnerFailedError(f"learner rank {rank} failed during {what}: {str(e).strip().splitlines()[-1]}; "
-                                     f"{self._checkpoint_hint()}") from e
 
     # ------------------------------------------------------------------ signals
     def on_signal(self, signum: int) -> None:
@@ -616,9 +549,7 @@ def check_schedule(run: Any, saved: dict[str, Any]) -> None:
                 "learning rate follows the new schedule from here", now, want)
 
 
-def _warm_start(run: Any, learners: list[Any], infos: list[dict[str, Any]], tokenizer: Any, source: Any) -> list[float]:
-    import ray
-
+def _warm_start(run: Any, learners: LearnerGroup, tokenizer: Any, source: Any) -> list[float]:
     from moe_grpo.learner.batch import LearnerSequence
 
     batches = []
@@ -627,8 +558,11 @@ def _warm_start(run: Any, learners: list[Any], infos: list[dict[str, Any]], toke
         batches.append([LearnerSequence(np.asarray(t), prompt_len=p, advantage=1.0) for t, p in pairs])
     if not batches:
         return []
-    shares = [[b[i["dp"]::i["dp_size"]] for b in batches] for i in infos]
-    return ray.get([a.warm_start.remote(s) for a, s in zip(learners, shares)])[0]
+    per_batch = [learners.split(b) for b in batches]  # each batch's shares, rank order
+    shares = [[shares_of_batch[rank] for shares_of_batch in per_batch] for rank in range(len(learners))]
+    # One call runs every warm-start step: each step gets the limit of a training step.
+    return learners.call("warm_start", shares=shares, what=f"the warm start ({len(batches)} supervised steps)",
+                         timeout_s=learners.timeout_s * len(batches))[0]
 
 
 @dataclasses.dataclass
@@ -643,29 +577,28 @@ class InitialWeights:
     state: RunState
     resume_from: Path | None = None
 
-    def __call__(self, learners: list[Any]) -> str:
-        import ray
-
-        infos = ray.get([a.info.remote() for a in learners])
+    def __call__(self, learners: LearnerGroup) -> str:
         t0 = time.perf_counter()
         if self.resume_from is not None:
             lr = self.run.learner.lr * self.state.lr_scale
-            ray.get([a.load_run_state.remote(str(self.resume_from / "learner"), lr) for a in learners])
+            learners.call("load_run_state", str(self.resume_from / "learner"), lr,
+                          what=f"loading {self.resume_from.name}")
             version = self.state.step
             log.info("resume: learner state of step %d loaded in %.1f s", version, time.perf_counter() - t0)
         else:
             version = 0
-            self.state.warm_start_loss = _warm_start(self.run, learners, infos, self.tokenizer, self.source)
+            self.state.warm_start_loss = _warm_start(self.run, learners, self.tokenizer, self.source)
             warm = self.state.warm_start_loss
             if warm:
                 log.info("warm start: %d supervised steps in %.1fs, answer NLL %.3f -> %.3f", len(warm),
                          time.perf_counter() - t0, warm[0], warm[-1])
         self.state.published = version
         probe = probe_due(self.run, version)
-        ray.get([a.publish.remote(version, False, probe) for a in learners])
+        learners.publish(version, background=False, snapshot=probe)
         if self.run.init.hf and not self.state.warm_start_loss and self.resume_from is None and not self.run.lora.enabled:
             return str(hf_init.engine_dir(self.run.init.hf, self.run.model, os.path.join(self.run_dir, "model_v0")))
-        return ray.get(learners[0].export_version.remote(version, os.path.join(self.run_dir, f"model_v{version}")))
+        model_dir = os.path.join(self.run_dir, f"model_v{version}")
+        return learners.call("export_version", version, model_dir, what=f"exporting version {version}", ranks=1)[0]
 
 
 def train(run: Any, run_dir: str | Path, *, learner_cls: type | None = None) -> dict[str, Any]:
@@ -724,7 +657,7 @@ def train(run: Any, run_dir: str | Path, *, learner_cls: type | None = None) -> 
         pools = pool_setup.start_pools(run, run_dir, sync_name, initial, learner_cls,
                                        bundle_nodes=plan.bundle_nodes() if plan.pinned else None)
         log.info("pools up in %.0fs: %d engine(s), %d learner rank(s) (%.2fM parameters on rank 0)",
-                 time.perf_counter() - t0, len(pools.engines), len(pools.learners), pools.infos[0]["parameters"] / 1e6)
+                 time.perf_counter() - t0, len(pools.engines), len(pools.learners), pools.learners.infos[0].parameters / 1e6)
         driver = signals.driver = Driver(run, run_dir, pools, tokenizer, source, rewards, state)
         driver.last_checkpoint = resume_from
         driver.process_record = processes
@@ -830,6 +763,6 @@ def export_policy(driver: Driver) -> str:
     """The final weights as an HF directory vLLM serves (`run_dir/policy`, with the checkpoint's tokenizer)."""
     step = driver.state.step
     if driver.state.published != step:  # the last steps were not published (sync_every, or a skipped step)
-        driver.learners_call("publish", step, False, what=f"publishing {step}")
-    return driver.learners_call("export_version", step, os.path.join(driver.run_dir, "policy"),
+        driver.learners.publish(step, background=False, snapshot=False)
+    return driver.learners.call("export_version", step, os.path.join(driver.run_dir, "policy"),
                                 what="exporting the policy", ranks=1)[0]

@@ -11,6 +11,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from moe_grpo.orchestrator.learner_group import LearnerGroup
+
 
 @dataclass
 class EngineFactory:
@@ -44,10 +46,8 @@ class EngineFactory:
 class Pools:
     engines: list[tuple[str, Any]]
     """(name, actor handle) per vLLM engine, as started."""
-    learners: list[Any]
-    """Actor handle per learner rank, rank order."""
-    infos: list[dict[str, Any]]
-    """Per learner rank: its Megatron coordinates (dp, dp_size, ...)."""
+    learners: LearnerGroup
+    """The learner ranks: actors, coordinates, and every call to them."""
     placement_group: Any
     make_engine: EngineFactory | None = None
     """Starts a replacement engine actor in a given bundle."""
@@ -57,10 +57,6 @@ class Pools:
     """The run's `SyncLayout` (transport, each actor's host)."""
     sync_agents: list[Any] | None = None
     """One `SyncHostAgent` per sync host under the relay (orchestrator/sync_hosts.py); empty on one host."""
-
-    @property
-    def dp_size(self) -> int:
-        return int(self.infos[0]["dp_size"])
 
 
 def start_ray(cluster: Any, run_dir: str) -> str | None:
@@ -204,7 +200,8 @@ def single_host() -> bool:
 
 def start_pools(run: Any, run_dir: str, sync_name: str, model_dir_fn: Any, learner_cls: type | None = None,
                 bundle_nodes: list[str | None] | None = None) -> Pools:
-    """Learner ranks first (they build the initial weights), then engines on `model_dir_fn(learners)`.
+    """Learner ranks first (they build the initial weights), then engines on `model_dir_fn(learners)` (the ranks'
+    `LearnerGroup`).
 
     `sync_name`: the run's directory under each host's weight-buffer root. Once Ray placed the bundles, the
     weight transport is planned from where they landed, and under the relay its host agents start first.
@@ -269,12 +266,9 @@ def _start_actors(run: Any, run_dir: str, pg: Any, layout: Any, agents: list[Any
                                                       _cores(c, r, c.learner_cpus, int(c.engine_cpus) * c.num_engines),
                                                       secret)
                 for r in range(world)]
-    try:
-        infos = ray.get([a.info.remote() for a in learners], timeout=c.start_timeout_s)
-    except ray.exceptions.GetTimeoutError as e:
-        raise RuntimeError(f"learner ranks did not start within {c.start_timeout_s:.0f} s "
-                           f"(rendezvous {addr}:{port}, world size {world})") from e
-    make_engine.model_dir = model_dir_fn(learners)
+    group = LearnerGroup.start(learners, timeout_s=c.learner_timeout_s, start_timeout_s=c.start_timeout_s,
+                               where=f"rendezvous {addr}:{port}, world size {world}")
+    make_engine.model_dir = model_dir_fn(group)
     t0 = time.perf_counter()
     started = {name: handle.start.remote(make_engine.model_dir) for name, handle in engines}
     pids = []
@@ -283,7 +277,7 @@ def _start_actors(run: Any, run_dir: str, pg: Any, layout: Any, agents: list[Any
             pids.append(ray.get(ref, timeout=max(1.0, c.start_timeout_s - (time.perf_counter() - t0))))
         except ray.exceptions.GetTimeoutError as e:
             raise RuntimeError(f"{name} (vLLM) did not start within {c.start_timeout_s:.0f} s") from e
-    return Pools(engines, learners, infos, pg, make_engine, pids, layout, agents)
+    return Pools(engines, group, pg, make_engine, pids, layout, agents)
 
 
 def stop_pools(pools: Pools | None, engines: list[Any] | None = None, *, release: bool = False,
@@ -319,7 +313,7 @@ def release_actors(pools: Pools, engines: list[Any], timeout_s: float) -> None:
     import ray
     from ray.util import placement_group_table, remove_placement_group
 
-    actors = [*engines, *pools.learners, *(pools.sync_agents or [])]
+    actors = [*engines, *pools.learners.actors, *(pools.sync_agents or [])]
     if pools.placement_group is not None:
         remove_placement_group(pools.placement_group)
     for actor in actors:

@@ -37,6 +37,7 @@ from typing import Any
 
 from moe_grpo.orchestrator.engine_pool import Request
 from moe_grpo.orchestrator.groups import completion_sequence
+from moe_grpo.orchestrator.learner_group import LearnerCall, LearnerFailedError, LearnerGroup
 
 log = logging.getLogger("moe_grpo")
 
@@ -69,7 +70,8 @@ class ProbeRound:
     completions: list[Any] = field(default_factory=list)
     engines: list[str] = field(default_factory=list)
     """Engines whose completions all came back at `version`."""
-    learner_refs: list[Any] = field(default_factory=list)
+    learner_call: LearnerCall | None = None
+    """The learner ranks' scoring of `completions`, once handed to them."""
 
 
 class MismatchProbe:
@@ -154,7 +156,7 @@ class MismatchProbe:
         if r is not None and engine in r.outstanding:
             del r.outstanding[engine]
 
-    def score(self, learners: list[Any], pool: Any) -> None:
+    def score(self, learners: LearnerGroup, pool: Any) -> None:
         """Hand each round's completions to the learner ranks once every engine has answered or dropped out."""
         for r in [r for r in self.rounds if not r.outstanding and not r.waiting]:
             self.rounds.remove(r)
@@ -163,30 +165,28 @@ class MismatchProbe:
                 log.debug("probe of version %d dropped: no completion came back wholly at that version", r.version)
                 continue
             seqs = [completion_sequence(c, 0.0) for c in r.completions]  # the probe trains on nothing
-            r.learner_refs = [a.probe.remote(seqs, r.version) for a in learners]
+            r.learner_call = learners.submit("probe", seqs, r.version, what=f"the probe of version {r.version}")
             self.scoring.append(r)
 
     def refs(self) -> list[Any]:
-        return [ref for r in self.scoring for ref in r.learner_refs]
+        return [ref for r in self.scoring for ref in r.learner_call.refs]
 
     def collect(self, timeout: float = 0.0) -> None:
         """Take the learner ranks' answers that are there, in the order they were asked."""
-        import ray
-
         while self.scoring:
             r = self.scoring[0]
-            done, _ = ray.wait(r.learner_refs, num_returns=len(r.learner_refs), timeout=timeout)
-            if len(done) < len(r.learner_refs):
-                return
-            self.scoring.pop(0)
             try:
-                result = ray.get(r.learner_refs[0])
-            except Exception as e:  # noqa: BLE001 - a rank that died is named by the driver where it waits on the
-                # ranks (step_done, learners_call), with the last checkpoint; the probe only gives this round up
+                if not r.learner_call.poll(timeout):
+                    return
+                result = r.learner_call.results()[0]
+            except LearnerFailedError as e:  # the driver stops the run where it next waits on the ranks (a step, a
+                # checkpoint), naming the rank; the probe only gives this round up
+                self.scoring.pop(0)
                 log.warning("probe of version %d: the learner ranks did not answer (%s)", r.version,
-                            str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__)
+                            str(e).strip().splitlines()[0][:200])
                 self.dropped += 1
                 continue
+            self.scoring.pop(0)
             if result is None:  # the learner no longer holds that version's weights
                 self.dropped += 1
                 continue

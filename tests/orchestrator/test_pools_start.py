@@ -39,8 +39,8 @@ def recorded_ray(monkeypatch):
         return _Recorded(fn.__name__, calls)
 
     def get(refs, timeout=None):
-        if isinstance(refs, list):
-            return [{"dp_size": 1} for _ in refs]
+        if refs.name == "LearnerWorker.info":  # a rank's coordinates (`LearnerGroup.start` waits for each)
+            return {"dp": 0, "dp_size": 1}
         calls.append(f"get {refs.name}")
         if refs.name == "_rendezvous":
             return ("10.0.0.1", 1234)
@@ -48,6 +48,7 @@ def recorded_ray(monkeypatch):
 
     monkeypatch.setattr(ray, "remote", remote)
     monkeypatch.setattr(ray, "get", get)
+    monkeypatch.setattr(ray, "wait", lambda refs, num_returns, timeout: (list(refs), []))
     return calls
 
 

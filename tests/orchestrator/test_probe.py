@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from moe_grpo.orchestrator.learner_group import LearnerCall, LearnerGroup
 from moe_grpo.orchestrator.probe import PROBE_SEED, MismatchProbe
 from moe_grpo.rollout.types import Completion
 
@@ -28,6 +29,8 @@ class Pool:
 
 
 class Learner:
+    """A learner rank's actor handle: `probe.remote` records what it was asked."""
+
     def __init__(self):
         self.calls = []
         self.probe = self
@@ -35,6 +38,11 @@ class Learner:
     def remote(self, seqs, version):
         self.calls.append((len(seqs), version))
         return f"ref-{version}"
+
+
+def group(*learners):
+    """The ranks as the probe reaches them: through a `LearnerGroup` (its submit is plain Python)."""
+    return LearnerGroup(learners, [], timeout_s=60.0)
 
 
 def completion(version, n=3):
@@ -54,11 +62,11 @@ def test_each_engine_samples_the_fixed_prompts_once_it_serves_the_version_and_th
     learners = [Learner(), Learner()]
     for _, request, _ in pool.sent:
         probe.on_completion(request, "engine0", completion(5))
-    probe.score(learners, pool)
+    probe.score(group(*learners), pool)
     assert learners[0].calls == [], "engine1 may still serve version 5: wait for it"
     pool.slots["engine1"].served = 6  # it went straight past 5: left out of this round
     probe.submit(pool)
-    probe.score(learners, pool)
+    probe.score(group(*learners), pool)
     assert [lr.calls for lr in learners] == [[(2, 5)], [(2, 5)]], "every rank scores the same sequences"
     assert probe.refs() == ["ref-5", "ref-5"] and probe.dropped == 0
 
@@ -73,7 +81,7 @@ def test_a_completion_sampled_partly_by_other_weights_is_left_out_and_a_round_tw
     mixed.versions[-1] = 3  # the engine took version 3 mid-completion
     probe.on_completion(request, "engine0", mixed)
     learners = [Learner()]
-    probe.score(learners, pool)
+    probe.score(group(*learners), pool)
     assert learners[0].calls == [] and probe.dropped == 1, "nothing comparable came back: the round is dropped"
     probe.start(3, ["engine0"])
     probe.start(4, ["engine0"])  # version 3 still sampling: it goes on beside 4
@@ -100,11 +108,11 @@ def test_a_round_still_sampling_when_the_next_version_is_published_is_scored_at_
     learners = [Learner()]
     for request in first:
         probe.on_completion(request, "engine0", completion(1))
-    probe.score(learners, pool)
+    probe.score(group(*learners), pool)
     assert learners[0].calls == [(2, 1)], "version 1's round, whose completions all came back at 1, is scored"
     for request in second:
         probe.on_completion(request, "engine0", completion(2))
-    probe.score(learners, pool)
+    probe.score(group(*learners), pool)
     assert learners[0].calls == [(2, 1), (2, 2)] and probe.dropped == 0
 
 
@@ -117,7 +125,8 @@ def test_rows_report_the_newest_version_probed_when_an_older_round_finishes_late
 
     probe = MismatchProbe(["p0"], sampling=lambda seed: {})
     probe.latest = {"kl_replay_on": 1e-14, "kl_replay_off": 1e-3, "router_disagreement": 0.0, "version": 6.0}
-    probe.scoring.append(ProbeRound(5, set(), learner_refs=["ref-5"]))
+    probe.scoring.append(ProbeRound(5, set(), learner_call=LearnerCall(group(Learner()), "the probe of version 5",
+                                                                        ["ref-5"], float("inf"), "none")))
     monkeypatch.setattr(ray, "wait", lambda refs, num_returns, timeout: (list(refs), []))
     monkeypatch.setattr(ray, "get", lambda ref: {"kl_replay_on": 2e-14, "kl_replay_off": 2e-3,
                                                  "router_disagreement": 0.0})
@@ -135,7 +144,7 @@ def test_a_failed_probe_request_ends_that_engines_part_and_rows_carry_nan_before
     probe.on_failure(r0, "engine0")
     probe.on_completion(r1, "engine1", completion(1))
     learners = [Learner()]
-    probe.score(learners, pool)
+    probe.score(group(*learners), pool)
     assert learners[0].calls == [(1, 1)]
     probe.latest = {"kl_replay_on": 1e-9, "kl_replay_off": 2e-3, "router_disagreement": 0.1, "version": 1.0}
     assert probe.row("r3")["mismatch/kl"] == 1e-9 and probe.row("off")["mismatch/kl"] == 2e-3

@@ -42,7 +42,11 @@ class EndingDriver:
             raise Stopped(self.stop_after_checkpoint)
         return self.last_checkpoint
 
-    def learners_call(self, method, *args, what, ranks=None):
+    @property
+    def learners(self):  # the learner ranks, as `export_policy` reaches them (`LearnerGroup.call`)
+        return self
+
+    def call(self, method, *args, what, ranks=None):
         self.calls.append(method)
         return ["policy"]
 
