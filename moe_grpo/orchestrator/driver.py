@@ -301,13 +301,26 @@ class Driver:
         last = self.state.step == self.run.steps
         if not last and (metrics.get("skipped") or self.state.step % self.run.algo.sync_every):
             return
-        self.state.published = self.state.step
-        probe = probe_due(self.run, self.state.published)
-        self.learners.publish(self.state.published, background=self.is_async, snapshot=probe)
+        self.push_version(self.state.step, background=self.is_async, probe=probe_due(self.run, self.state.step))
+
+    def push_version(self, version: int, *, background: bool, probe: bool) -> None:
+        """Publish `version`: the learner ranks write it (`probe`: each keeps a copy of the weights for the mismatch
+        probe), the run records it as published, then `offer_version`. The one way a version goes out: a step's
+        publish, the collapse guard's rollback, the final export; the start-up's goes out in the same two halves
+        around the engines' start (`InitialWeights` has the ranks write it before there are engines, which start
+        from its model directory; `train` then offers it)."""
+        self.state.published = version
+        self.learners.publish(version, background=background, snapshot=probe)
+        self.offer_version(version, background=background, probe=probe)
+
+    def offer_version(self, version: int, *, background: bool, probe: bool) -> None:
+        """The engines' half of `push_version`: a probe round of `version` starts (`probe`), every engine is offered
+        it; unless `background` (async: engines take it between forward passes, overlapped with the next step),
+        wait until every engine serves it."""
         if probe:
-            self.probe.start(self.state.published, list(self.engines.slots))
-        self.engines.offer(self.state.published)
-        if not self.is_async:
+            self.probe.start(version, list(self.engines.slots))
+        self.engines.offer(version)
+        if not background:
             self.engines.settle(block=True)
 
     def evaluate_if_due(self) -> None:
@@ -433,10 +446,7 @@ class Driver:
         self.state.discarded_groups += self.buffer.clear()
         self.engines.retry = type(self.engines.retry)(r for r in self.engines.retry if r.kind != "train")
         # The restored weights go out as the current step's version (versions only grow), fresh prompts follow.
-        self.state.published = self.state.step
-        self.learners.publish(self.state.published, background=False, snapshot=False)
-        self.engines.offer(self.state.published)
-        self.engines.settle(block=True)
+        self.push_version(self.state.step, background=False, probe=False)
         # `latest` names a checkpoint of the jump's steps: a resume from it would continue on the jumped weights.
         self.due = self.due or "rollback"
         log.warning("collapse guard: %s; restored %s, learning rate now %.3g (x%g), continuing with fresh prompts "
@@ -592,9 +602,9 @@ class InitialWeights:
             if warm:
                 log.info("warm start: %d supervised steps in %.1fs, answer NLL %.3f -> %.3f", len(warm),
                          time.perf_counter() - t0, warm[0], warm[-1])
+        # The first half of `Driver.push_version` (the driver and its engines come once this returns).
         self.state.published = version
-        probe = probe_due(self.run, version)
-        learners.publish(version, background=False, snapshot=probe)
+        learners.publish(version, background=False, snapshot=probe_due(self.run, version))
         if self.run.init.hf and not self.state.warm_start_loss and self.resume_from is None and not self.run.lora.enabled:
             return str(hf_init.engine_dir(self.run.init.hf, self.run.model, os.path.join(self.run_dir, "model_v0")))
         model_dir = os.path.join(self.run_dir, f"model_v{version}")
@@ -666,10 +676,7 @@ def train(run: Any, run_dir: str | Path, *, learner_cls: type | None = None) -> 
             driver.load_state_dict(saved)
             log.info("resume: %d buffered group(s) restored, %d prompt(s) that were in flight sent again",
                      state.resume_buffered_groups, state.resume_resubmitted)
-        driver.engines.offer(state.published)
-        driver.engines.settle(block=True)
-        if probe_due(run, state.published):
-            driver.probe.start(state.published, list(driver.engines.slots))
+        driver.offer_version(state.published, background=False, probe=probe_due(run, state.published))
         if run.eval_every and not source.held_out:
             log.info("no held-out set (data.eval_path is not set): no evaluation")
         if run.eval_every and source.held_out and resume_from is None:
@@ -763,6 +770,6 @@ def export_policy(driver: Driver) -> str:
     """The final weights as an HF directory vLLM serves (`run_dir/policy`, with the checkpoint's tokenizer)."""
     step = driver.state.step
     if driver.state.published != step:  # the last steps were not published (sync_every, or a skipped step)
-        driver.learners.publish(step, background=False, snapshot=False)
+        driver.push_version(step, background=False, probe=False)
     return driver.learners.call("export_version", step, os.path.join(driver.run_dir, "policy"),
                                 what="exporting the policy", ranks=1)[0]
