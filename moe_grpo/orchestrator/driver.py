@@ -169,17 +169,15 @@ class Driver:
         for example in self.source.take(max(room, 0)):
             request = Request("train", example, prompt_seed(self.run, self.state.admitted), epoch=self.epoch)
             self.state.admitted += 1
-            if not self.engines.submit(request, self._sampling(request)):
-                self.engines.retry.append(request)
+            self.engines.send(request, self._sampling(request))
 
     def _probe_sampling(self, seed: int) -> Any:
         return dataclasses.replace(sampling_settings(self.run, self.tokenizer, seed=seed), n=1)
 
     def advance_probe(self) -> None:
         """Move the mismatch probe on: failed requests, scoring by the learner ranks, their answer."""
-        for request, engine in self.engines.failed_probes:
+        for request, engine in self.engines.take_failed_probes():
             self.probe.on_failure(request, engine)
-        self.engines.failed_probes.clear()
         self.probe.score(self.learners, self.engines)
         self.probe.collect()
 
@@ -206,7 +204,7 @@ class Driver:
             if request.epoch != self.epoch:  # sampled by weights a rollback threw away
                 self.state.discarded_groups += request.kind == "train"
                 if request.kind == "eval":
-                    self.engines.retry.append(dataclasses.replace(request, epoch=self.epoch))
+                    self.engines.queue(dataclasses.replace(request, epoch=self.epoch))
                 continue
             if request.kind == "eval":
                 self.eval_results[request.index] = completions[0]
@@ -340,8 +338,7 @@ class Driver:
         self.eval_results = {}
         for i, example in enumerate(examples):
             request = Request("eval", example, index=i, epoch=self.epoch)
-            if not self.engines.submit(request, self.greedy):
-                self.engines.retry.append(request)
+            self.engines.send(request, self.greedy)
         while len(self.eval_results) < len(examples):
             self.admit_retries()
             refs = self.engines.refs()
@@ -359,25 +356,16 @@ class Driver:
                  self.state.last_eval)
 
     def admit_retries(self) -> None:
-        while self.engines.retry and self.engines.up():
-            request = self.engines.retry.popleft()
-            if request.epoch == self.epoch:
-                self.engines.submit(request, self._sampling(request))
+        self.engines.resend(self._sampling, self.epoch)
 
     def log(self, metrics: dict[str, float]) -> dict[str, float]:
         """The step's line of the run record."""
-        import ray
-
         now = time.perf_counter()
         interval = max(now - self.t_last, 1e-9)
         busy, abort_resubmits = 0.0, 0.0
-        for slot in self.engines.up():
-            try:
-                stats = ray.get(slot.handle.stats.remote(), timeout=10)
-            except Exception:  # noqa: BLE001 - a failing engine is the pool's business, not the record's
-                continue
-            busy += max(0.0, stats["busy_seconds"] - self.busy_last.get(slot.name, 0.0))
-            self.busy_last[slot.name] = stats["busy_seconds"]
+        for name, stats in self.engines.stats(timeout_s=10).items():
+            busy += max(0.0, stats["busy_seconds"] - self.busy_last.get(name, 0.0))
+            self.busy_last[name] = stats["busy_seconds"]
             abort_resubmits += stats.get("resubmitted", 0.0)
         sync = combine_sync_metrics(self.learners.call("sync_metrics", what="reading sync metrics"))
         self.advance_probe()
@@ -400,8 +388,7 @@ class Driver:
         fault tests, which signal them and check what the run left)."""
         if self.process_record is None:
             return
-        if self.engines.changed:
-            self.engines.changed = False
+        if self.engines.take_changed():
             self.process_record.set_roles(self.learners.pids(),
                                           {n: s.pid for n, s in self.engines.slots.items()})
         self.process_record.update()
@@ -444,7 +431,7 @@ class Driver:
         self.watch.jumps, self.watch.in_a_row = jumps, 0
         self.epoch += 1  # what is in flight was sampled by the weights being thrown away
         self.state.discarded_groups += self.buffer.clear()
-        self.engines.retry = type(self.engines.retry)(r for r in self.engines.retry if r.kind != "train")
+        self.engines.drop_queued("train")
         # The restored weights go out as the current step's version (versions only grow), fresh prompts follow.
         self.push_version(self.state.step, background=False, probe=False)
         # `latest` names a checkpoint of the jump's steps: a resume from it would continue on the jumped weights.

@@ -150,6 +150,50 @@ class EnginePool:
         slot.load += 1
         return True
 
+    def send(self, request: Request, sampling: Any) -> None:
+        """`submit`, or queue `request` to be sent once an engine is up (`resend`)."""
+        if not self.submit(request, sampling):
+            self.retry.append(request)
+
+    def queue(self, request: Request) -> None:
+        """Queue `request` to be sent again (`resend`)."""
+        self.retry.append(request)
+
+    def resend(self, sampling: Callable[[Request], Any], epoch: int) -> None:
+        """Send the queued requests while an engine is up, oldest first; those of an epoch before `epoch` (sampled
+        for weights a rollback threw away) are dropped."""
+        while self.retry and self.up():
+            request = self.retry.popleft()
+            if request.epoch == epoch:
+                self.submit(request, sampling(request))
+
+    def drop_queued(self, kind: str) -> None:
+        """Forget the queued requests of `kind` (a rollback: its fresh prompts replace them)."""
+        self.retry = deque(r for r in self.retry if r.kind != kind)
+
+    def take_failed_probes(self) -> list[tuple[Request, str]]:
+        """(request, engine) of the probe requests that failed since the last call (the driver tells the probe)."""
+        failed, self.failed_probes = self.failed_probes, []
+        return failed
+
+    def take_changed(self) -> bool:
+        """Whether an engine's process changed since the last call (the driver then rewrites `processes.json`)."""
+        changed, self.changed = self.changed, False
+        return changed
+
+    def stats(self, timeout_s: float) -> dict[str, dict[str, float]]:
+        """Each engine that is up and answers within `timeout_s`: its `stats()` (busy seconds, resubmissions). An
+        engine that does not answer is left out: its failure is the pool's business (`result`, `check_hung`)."""
+        import ray
+
+        out = {}
+        for slot in self.up():
+            try:
+                out[slot.name] = ray.get(slot.handle.stats.remote(), timeout=timeout_s)
+            except Exception:  # noqa: BLE001 - see above
+                continue
+        return out
+
     def in_flight_count(self, kind: str = "train") -> int:
         return sum(1 for f in self.in_flight.values() if f.request.kind == kind) + sum(
             1 for r in self.retry if r.kind == kind)
