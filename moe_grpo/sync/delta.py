@@ -1,82 +1,64 @@
 """Delta versions: what changed in the engine's dtype since the previous version, found, encoded and applied exactly.
 
-A learner rank keeps the engine-dtype values it published last for each of its
-shards (`DeltaTracker`: one copy of its own shards in the engine's dtype, e.g.
-2 bytes per parameter for bf16, beside its float32 master weights). For a new
-version it rounds its shards to the engine's dtype, compares them bit for bit
-with that copy and keeps, per HF tensor, the flat positions (inside the full HF
-tensor) and new values of the elements that changed (`EntryChange`). Bitwise,
-not numerically: -0.0 vs 0.0 and NaN payloads count as changes, so applying
-the changes gives exactly the bits a full version would carry.
+A learner rank keeps the engine-dtype values it published last of its shards,
+bucket by bucket (`DeltaTracker`: one copy of its own shards in the engine's
+dtype, e.g. 2 bytes per parameter for bf16, beside its float32 master
+weights). A rank's *part* of a bucket is its shards of that bucket's tensors,
+one after another in a fixed order (`RankBucket`). For a new version the rank
+rounds its shards into one flat engine-dtype buffer per bucket, compares it bit
+for bit with the kept copy (one comparison and one `nonzero` per bucket, not
+per tensor) and keeps the ascending indices inside the part and the new values
+of the elements that changed (`BucketChange`). Bitwise, not numerically: -0.0
+vs 0.0 and NaN payloads count as changes, so applying the changes gives exactly
+the bits a full version would carry. Which tensors changed (for the engines'
+reload and `experts_unchanged`) comes from where the indices fall among the
+part's shard boundaries (`searchsorted`), not from a loop over tensors.
 
-A tensor with no changed element costs nothing: not an entry, not a bit. A
-routed expert is a handful of such tensors (`experts_unchanged` counts the
-experts none of whose tensors changed). On the wire (the relay, `encode` /
-`decode`) each bucket's changes take the smallest of three encodings:
+A tensor with no changed element costs nothing in the index and varint
+encodings, and one bit per element in the bitmap. A routed expert is a handful
+of such tensors (`experts_unchanged` counts the experts none of whose tensors
+changed). On the wire (the relay, `encode` / `decode`) each bucket's changes
+take the smallest of three encodings, each over the rank's whole part of the
+bucket:
 
-- "index": per changed shard, int32 indices inside the shard (int64 for a
-  shard of 2**31 elements or more) and the values;
-- "bitmap": per changed shard, one bit per element of the shard and the
-  values in index order;
-- "varint": per changed shard, the gaps between changed indices and the steps
-  of the values' bit patterns (new - old), each as a LEB128 varint. A small
-  optimizer step moves a changed bf16 value by a few units in its last place,
-  so a change costs about 2 bytes, the same as its value: the wire carries about
-  the changed fraction of a full version (at 3% changed: 9% with the index or
-  bitmap encodings). The receiver adds the steps to the base version it holds.
+- "index": int32 indices inside the part (int64 for a part of 2**31 elements
+  or more) and the values;
+- "bitmap": one bit per element of the part and the values in index order;
+- "varint": the gaps between changed indices and the steps of the values' bit
+  patterns (new - old), each as a LEB128 varint. A small optimizer step moves a
+  changed bf16 value by a few units in its last place, so a change costs about
+  2 bytes, the same as its value: the wire carries about the changed fraction
+  of a full version (at 3% changed: 9% with the index or bitmap encodings). The
+  receiver adds the steps to the base version it holds.
 
-Indices are the shard's own (its elements in row-major order): the receiver
-knows where each of a rank's shards lies in the full tensor (`Placement`,
+Indices are the part's own: the receiver knows where each of a rank's shards
+lies in the full tensor and where that tensor lies in the bucket (`Placement`,
 sent once when a relay group meets), so a tensor split over TP ranks costs
 each rank a bitmap of its own slab only.
 
-Applying (`apply_changes`) writes the values at their positions into the
-full-tensor views of a bucket that holds the previous version; a host buffer
-holding an older version is brought forward by applying each newer version's
-changes in order (`DeltaHistory.chain`).
+Applying (`apply_bucket`) writes the values at their positions in the bucket
+(one indexed write per bucket into the bucket's flat buffer, which holds the
+previous version); a buffer holding an older version is brought forward by
+applying each newer version's changes in order (`DeltaHistory.chain`).
 """
 
 from __future__ import annotations
 
 import json
 import math
+import zlib
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
 
-from moe_grpo.sync.plan import BucketPlan
+from moe_grpo.sync.plan import Bucket, BucketPlan
 
-ENCODINGS = ("index", "bitmap")
+ENCODINGS = ("index", "bitmap", "varint")
 
 _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 """Integer dtype of each element size: changed elements are found by comparing bits, not values."""
-
-
-
-@dataclass(frozen=True)
-class EntryChange:
-    """The changed elements of one rank's shard of a full HF tensor (the whole tensor for an unsplit one)."""
-
-    name: str
-    positions: torch.Tensor
-    """int64 flat positions inside the full HF tensor, in the shard's element order."""
-    values: torch.Tensor
-    """The new values, in the engine's dtype, one per position."""
-    local: torch.Tensor
-    """int64 flat indices of the changed elements inside the shard, ascending (what travels)."""
-    shard_numel: int
-    """Elements of the shard (a bitmap's length)."""
-    steps: torch.Tensor | None = None
-    """int64 differences of the new values' bit patterns from the old ones (None: no old values, a first
-    version): a small weight update moves a bf16 value by a few units in its last place, which a varint carries
-    in one byte."""
-
-    @property
-    def count(self) -> int:
-        return int(self.positions.numel())
-
 
 Placement = tuple[Sequence[int], Sequence[int], int]
 """Where a shard lies in its full HF tensor: (shape, strides, element offset) of a view of the contiguous tensor."""
@@ -93,6 +75,134 @@ def placed_positions(local: torch.Tensor, placement: Placement) -> torch.Tensor:
     return out
 
 
+def _is_dense(shape: Sequence[int], strides: Sequence[int]) -> bool:
+    """Whether a view's elements are consecutive in row-major order (its flat index + offset is the position)."""
+    expected = 1
+    for size, stride in zip(reversed(list(shape)), reversed(list(strides))):
+        if int(size) != 1 and int(stride) != expected:
+            return False
+        expected *= int(size)
+    return True
+
+
+class RankBucket:
+    """One rank's part of one bucket: its shards (HF name, place in the full tensor, element offset of that
+    tensor in the bucket), their elements one after another in this order."""
+
+    def __init__(self, names: Sequence[str], placements: Sequence[Placement], entry_offsets: Sequence[int]) -> None:
+        if not len(names) == len(placements) == len(entry_offsets):
+            raise ValueError(f"{len(names)} shards, {len(placements)} placements, {len(entry_offsets)} offsets")
+        self.names = tuple(names)
+        self.placements = tuple((tuple(int(s) for s in p[0]), tuple(int(s) for s in p[1]), int(p[2]))
+                                for p in placements)
+        self.numels = [math.prod(p[0]) for p in self.placements]
+        starts = np.concatenate([[0], np.cumsum(self.numels, dtype=np.int64)])
+        self.starts = torch.from_numpy(starts)
+        """Where each shard starts in the part, and (last) the part's length."""
+        self.numel = int(starts[-1])
+        dense = [_is_dense(p[0], p[1]) for p in self.placements]
+        self._sparse = [i for i, d in enumerate(dense) if not d]
+        """Shards whose elements are not consecutive in their tensor (TP slabs along a later dimension)."""
+        self._shift = torch.tensor([int(o) + p[2] - int(s) for o, p, s in zip(entry_offsets, self.placements, starts)],
+                                   dtype=torch.int64)
+        """Per shard: bucket position - part index of its elements (a dense shard's)."""
+        self.entry_offsets = [int(o) for o in entry_offsets]
+        self.key = f"{zlib.crc32(json.dumps([self.names, self.numels]).encode()):08x}"
+        """A checksum of the shards' names and sizes: a blob for another rank's part is refused."""
+
+    @staticmethod
+    def of(bucket: Bucket, rows: Sequence[tuple[str, Placement]], item: int) -> "RankBucket":
+        """From a bucket of the plan and the rank's (HF name, placement) rows in that bucket, at `item` bytes per
+        element (entry offsets in a bucket are bytes)."""
+        offsets = {e.name: e.offset for e in bucket.entries}
+        for name, _ in rows:
+            if name not in offsets:
+                raise ValueError(f"shard of {name!r} placed in bucket {bucket.index}, which does not hold it")
+            if offsets[name] % item:
+                raise ValueError(f"{name} starts at byte {offsets[name]} of bucket {bucket.index}, not a multiple "
+                                 f"of the {item}-byte element")
+        return RankBucket([n for n, _ in rows], [p for _, p in rows], [offsets[n] // item for n, _ in rows])
+
+    def counts(self, local: torch.Tensor) -> torch.Tensor:
+        """Changed elements per shard of ascending part indices `local`."""
+        return torch.searchsorted(local, self.starts).diff()
+
+    def positions(self, local: torch.Tensor) -> torch.Tensor:
+        """Element positions in the bucket's flat buffer of ascending part indices `local`."""
+        cuts = torch.searchsorted(local, self.starts)
+        counts = cuts.diff()
+        out = local + torch.repeat_interleave(self._shift, counts, output_size=local.numel())
+        if self._sparse:
+            at = cuts.tolist()
+            for i in self._sparse:
+                if at[i] < at[i + 1]:
+                    seg = local[at[i] : at[i + 1]] - int(self.starts[i])
+                    out[at[i] : at[i + 1]] = placed_positions(seg, self.placements[i]) + self.entry_offsets[i]
+        return out
+
+
+@dataclass
+class BucketChange:
+    """The changed elements of one rank's part of one bucket."""
+
+    part: RankBucket
+    local: torch.Tensor
+    """int64 ascending indices of the changed elements inside the part (what travels)."""
+    values: torch.Tensor
+    """The new values, in the engine's dtype, one per index."""
+    steps: torch.Tensor | None = None
+    """int64 differences of the new values' bit patterns from the old ones (None: no old values, a first
+    version): a small weight update moves a bf16 value by a few units in its last place, which a varint carries
+    in one byte."""
+    _positions: torch.Tensor | None = field(default=None, repr=False)
+    _sizes: dict | None = field(default=None, repr=False)
+
+    @property
+    def count(self) -> int:
+        return int(self.local.numel())
+
+    def positions(self) -> torch.Tensor:
+        """Element positions in the bucket's flat buffer (kept: a chain may apply one change to several slots)."""
+        if self._positions is None:
+            self._positions = self.part.positions(self.local)
+        return self._positions
+
+    def names(self) -> list[str]:
+        """The HF tensors with a changed element."""
+        return [self.part.names[i] for i in self.part.counts(self.local).nonzero().view(-1).tolist()]
+
+    def entries(self) -> list["EntryChange"]:
+        """Per changed shard: its changes (positions inside the full tensor), for inspection and tests."""
+        out = []
+        cuts = torch.searchsorted(self.local, self.part.starts).tolist()
+        for i, name in enumerate(self.part.names):
+            a, b = cuts[i], cuts[i + 1]
+            if a == b:
+                continue
+            within = self.local[a:b] - int(self.part.starts[i])
+            out.append(EntryChange(name, placed_positions(within, self.part.placements[i]), self.values[a:b], within,
+                                   self.part.numels[i], None if self.steps is None else self.steps[a:b]))
+        return out
+
+
+@dataclass(frozen=True)
+class EntryChange:
+    """One shard's part of a `BucketChange` (`entries()`): for inspection; nothing is sent or applied this way."""
+
+    name: str
+    positions: torch.Tensor
+    """int64 flat positions inside the full HF tensor, in the shard's element order."""
+    values: torch.Tensor
+    local: torch.Tensor
+    """int64 flat indices of the changed elements inside the shard, ascending."""
+    shard_numel: int
+    steps: torch.Tensor | None = None
+
+    @property
+    def count(self) -> int:
+        return int(self.positions.numel())
+
+
 @dataclass
 class VersionDelta:
     """One rank's changes of one version against the version before it, by bucket index."""
@@ -100,18 +210,24 @@ class VersionDelta:
     version: int
     base: int | None
     """The version these changes are against (None: against nothing, every element is a change)."""
-    changes: dict[int, list[EntryChange]] = field(default_factory=dict)
+    changes: dict[int, BucketChange] = field(default_factory=dict)
 
     def names(self) -> set[str]:
-        return {c.name for cs in self.changes.values() for c in cs}
+        return {n for c in self.changes.values() for n in c.names()}
 
     def changed_elements(self) -> int:
-        return sum(c.count for cs in self.changes.values() for c in cs)
+        return sum(c.count for c in self.changes.values())
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
     """`t` viewed as integers of its element size (bitwise comparison; no copy)."""
     return t.view(_INT_VIEW[t.element_size()])
+
+
+def flat_bucket(raw: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A bucket's bytes (a uint8 tensor, `raw_bucket`) as one flat tensor of `dtype` (entry offsets are aligned)."""
+    item = torch.empty(0, dtype=dtype).element_size()
+    return raw[: raw.numel() - raw.numel() % item].view(dtype)
 
 
 def _position_dtype(numel: int) -> torch.dtype:
@@ -128,14 +244,15 @@ def _varint_sizes(x: np.ndarray) -> np.ndarray:
     return n
 
 
-def _varint(x: np.ndarray) -> np.ndarray:
-    """Unsigned values as LEB128 varints, one after another (vectorised: one pass per byte of the longest)."""
+def _varint(x: np.ndarray, n: np.ndarray | None = None) -> np.ndarray:
+    """Unsigned values as LEB128 varints, one after another (vectorised: one pass per byte of the longest);
+    `n`: their sizes (`_varint_sizes`), if known."""
     x = x.astype(np.uint64)
-    n = _varint_sizes(x)
+    n = _varint_sizes(x) if n is None else n
     out = np.empty(int(n.sum()), dtype=np.uint8)
     starts = np.cumsum(n) - n
     for k in range(int(n.max(initial=0))):
-        sel = n > k
+        sel = n > k if k else slice(None)
         byte = (x[sel] >> np.uint64(7 * k)) & np.uint64(127)
         out[starts[sel] + k] = (byte | (np.uint64(128) * (n[sel] > k + 1))).astype(np.uint8)
     return out
@@ -150,8 +267,8 @@ def _unvarint(buf: np.ndarray, count: int) -> tuple[np.ndarray, int]:
         raise ValueError(f"a varint section holds {len(ends)} values, expected {count}")
     starts = np.concatenate([[0], ends[:-1] + 1])
     lens = ends - starts + 1
-    out = np.zeros(count, dtype=np.uint64)
-    for k in range(int(lens.max())):
+    out = buf[starts].astype(np.uint64) & np.uint64(127)
+    for k in range(1, int(lens.max())):
         sel = lens > k
         out[sel] |= (buf[starts[sel] + k].astype(np.uint64) & np.uint64(127)) << np.uint64(7 * k)
     return out, int(ends[-1]) + 1
@@ -172,111 +289,123 @@ def _gaps(local: torch.Tensor) -> np.ndarray:
     return np.diff(x, prepend=-1).astype(np.uint64)
 
 
-def encoded_bucket_bytes(changes: Sequence[EntryChange], item: int) -> tuple[str, int]:
+def _sizes(change: BucketChange, item: int) -> dict[str, int]:
+    """Payload bytes of each encoding of one bucket's changes (kept on the change: `encode` reuses the varints'
+    sizes)."""
+    if change._sizes is None:
+        n, numel = change.count, change.part.numel
+        sizes: dict = {"index": n * (_position_dtype(numel).itemsize + item), "bitmap": math.ceil(numel / 8) + n * item}
+        if change.steps is not None:
+            gaps, steps = _gaps(change.local), _zigzag(change.steps)
+            gap_n, step_n = _varint_sizes(gaps), _varint_sizes(steps)
+            sizes["varint"] = int(gap_n.sum() + step_n.sum())
+            sizes["_varints"] = (gaps, gap_n, steps, step_n)
+        change._sizes = sizes
+    return {k: v for k, v in change._sizes.items() if not k.startswith("_")}
+
+
+def encoded_bucket_bytes(change: BucketChange, item: int) -> tuple[str, int]:
     """The smallest encoding of one bucket's changes and its payload bytes (`item`: bytes per value)."""
-    sizes = {"index": sum(c.count * (_position_dtype(c.shard_numel).itemsize + item) for c in changes),
-             "bitmap": sum(math.ceil(c.shard_numel / 8) + c.count * item for c in changes)}
-    if all(c.steps is not None for c in changes):
-        sizes["varint"] = sum(int(_varint_sizes(_gaps(c.local)).sum() + _varint_sizes(_zigzag(c.steps)).sum())
-                              for c in changes)
+    sizes = _sizes(change, item)
     encoding = min(sizes, key=lambda k: (sizes[k], k))
     return encoding, sizes[encoding]
 
 
 def encoded_bytes(delta: VersionDelta, plan: BucketPlan) -> int:
     """What `encode(delta, plan)` carries: the payload of every bucket in its smallest encoding (header aside)."""
-    return sum(encoded_bucket_bytes(cs, plan.torch_dtype.itemsize)[1] for cs in delta.changes.values())
+    return sum(encoded_bucket_bytes(c, plan.torch_dtype.itemsize)[1] for c in delta.changes.values())
 
 
-def _pack(mask: torch.Tensor) -> torch.Tensor:
-    """A bool vector as bits, little-endian within each byte (bit i of byte j is element 8j + i)."""
-    pad = (-mask.numel()) % 8
-    m = torch.cat([mask, mask.new_zeros(pad)]) if pad else mask
-    weights = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8, device=mask.device)
-    return (m.view(-1, 8).to(torch.uint8) * weights).sum(1, dtype=torch.uint8)
+def _pack(local: torch.Tensor, numel: int) -> np.ndarray:
+    """Indices as a bitmap of `numel` bits, little-endian within each byte (bit i of byte j is element 8j + i)."""
+    mask = np.zeros(numel, dtype=bool)
+    mask[local.cpu().numpy()] = True
+    return np.packbits(mask, bitorder="little")
 
 
-def _unpack(packed: torch.Tensor, numel: int) -> torch.Tensor:
-    shifts = torch.arange(8, dtype=torch.uint8, device=packed.device)
-    return ((packed.unsqueeze(1) >> shifts) & 1).view(-1)[:numel].bool()
+def _unpack(packed: np.ndarray, numel: int) -> np.ndarray:
+    return np.flatnonzero(np.unpackbits(packed, count=numel, bitorder="little"))
+
+
+def _as_bytes(t: torch.Tensor) -> bytes:
+    return t.cpu().contiguous().view(torch.uint8).numpy().tobytes()
 
 
 def encode(delta: VersionDelta, plan: BucketPlan) -> bytes:
-    """The changes as bytes: an 8-byte header length, a JSON header, then per changed shard its indices (or
-    bitmap, or varint gaps) inside the shard and its values (or, with varint gaps, the varint steps of their bit
-    patterns). Each bucket uses the smallest encoding."""
+    """The changes as bytes: an 8-byte header length, a JSON header (per bucket: [encoding, changes, bytes of
+    the indices / bitmap / varint gaps, bytes of the values / varint steps, elements of the rank's part, its
+    shards' checksum]), then per bucket its indices (or bitmap, or varint gaps) inside the rank's part and its
+    values (or, with varint gaps, the varint steps of their bit patterns). Each bucket uses the smallest
+    encoding."""
     item = plan.torch_dtype.itemsize
     parts: list[bytes] = []
     header: dict = {"version": delta.version, "base": delta.base, "dtype": plan.dtype, "buckets": {}}
-    for index, changes in sorted(delta.changes.items()):
-        encoding, _ = encoded_bucket_bytes(changes, item)
-        rows = []
-        for c in changes:
-            if encoding == "varint":
-                assert c.steps is not None
-                gaps, steps = _varint(_gaps(c.local)), _varint(_zigzag(c.steps))
-                rows.append([c.name, c.count, len(gaps), "varint", c.shard_numel, len(steps)])
-                parts += [gaps.tobytes(), steps.tobytes()]
-                continue
-            if encoding == "index":
-                where = c.local.to(_position_dtype(c.shard_numel)).cpu().contiguous()
-            else:
-                mask = torch.zeros(c.shard_numel, dtype=torch.bool)
-                mask[c.local.cpu()] = True
-                where = _pack(mask)
-            values = c.values.cpu().contiguous()
-            rows.append([c.name, c.count, where.numel() * where.element_size(), str(where.dtype)[6:], c.shard_numel,
-                         c.count * item])
-            parts += [where.view(torch.uint8).numpy().tobytes(), values.view(torch.uint8).numpy().tobytes()]
-        header["buckets"][str(index)] = [encoding, rows]
+    for index, c in sorted(delta.changes.items()):
+        encoding, _ = encoded_bucket_bytes(c, item)
+        if encoding == "varint":
+            gaps, gap_n, steps, step_n = c._sizes["_varints"]  # type: ignore[index]
+            where, values = _varint(gaps, gap_n).tobytes(), _varint(steps, step_n).tobytes()
+        elif encoding == "index":
+            where, values = _as_bytes(c.local.to(_position_dtype(c.part.numel))), _as_bytes(c.values)
+        else:
+            where, values = _pack(c.local, c.part.numel).tobytes(), _as_bytes(c.values)
+        header["buckets"][str(index)] = [encoding, c.count, len(where), len(values), c.part.numel, c.part.key]
+        parts += [where, values]
     head = json.dumps(header).encode()
     return len(head).to_bytes(8, "little") + head + b"".join(parts)
 
 
-OldValues = Callable[[str, torch.Tensor], torch.Tensor]
-"""(HF name, flat indices inside this rank's shard) -> the base version's values there: what varint steps add to."""
+OldValues = Callable[[int, torch.Tensor], torch.Tensor]
+"""(bucket index, element positions in the bucket) -> the base version's values there: what varint steps add to."""
 
 
-def decode(blob: bytes | memoryview, plan: BucketPlan, placements: dict[str, Placement],
+def decode(blob: bytes | memoryview, plan: BucketPlan, parts: dict[int, RankBucket],
            old_values: OldValues | None = None) -> VersionDelta:
-    """`encode`'s inverse, for the rank whose shards lie at `placements` (HF name -> `Placement`); `old_values`
-    reads the base version's values (needed for a bucket in varint steps). Refuses a blob of another dtype, or
-    one naming a tensor this rank holds no shard of or a shard of another size."""
+    """`encode`'s inverse, for the rank whose parts of the buckets are `parts` (bucket index -> `RankBucket`);
+    `old_values` reads the base version's values (needed for a bucket in varint steps). Refuses a blob of another
+    dtype, or one for a part of a bucket this rank does not hold (other shards, other sizes)."""
     size = int.from_bytes(bytes(blob[:8]), "little")
     header = json.loads(bytes(blob[8 : 8 + size]))
     if header["dtype"] != plan.dtype:
         raise ValueError(f"delta of version {header['version']} is in {header['dtype']}, the plan in {plan.dtype}")
     dtype = plan.torch_dtype
-    data = np.frombuffer(bytes(blob[8 + size :]), dtype=np.uint8)
+    data = np.frombuffer(blob, dtype=np.uint8, offset=8 + size)
     at = 0
     out = VersionDelta(int(header["version"]), header["base"])
-    for index, (encoding, rows) in header["buckets"].items():
-        changes = []
-        for name, count, where_bytes, where_dtype, shard_numel, value_bytes in rows:
-            placement = placements.get(name)
-            if placement is None or math.prod(placement[0]) != shard_numel:
-                raise ValueError(f"delta of version {out.version} names a {shard_numel}-element shard of {name!r}; "
-                                 f"this rank's is {None if placement is None else list(placement[0])}")
-            where, values = data[at : at + where_bytes], data[at + where_bytes : at + where_bytes + value_bytes]
-            at += where_bytes + value_bytes
-            if encoding == "varint":
-                if old_values is None:
-                    raise ValueError(f"delta of version {out.version}: {name} carries steps from version "
-                                     f"{out.base}, and no values of that version were given")
-                local = torch.from_numpy(np.cumsum(_unvarint(where, count)[0].astype(np.int64)) - 1)
-                steps = torch.from_numpy(_unzigzag(_unvarint(values, count)[0]))
-                new = _stepped(old_values(name, local), steps)
-            else:
-                raw = torch.from_numpy(where.copy())  # a copy: views of another dtype need aligned storage
-                local = (raw.view(getattr(torch, where_dtype)).long() if encoding == "index"
-                         else _unpack(raw, shard_numel).nonzero().view(-1))
-                new = torch.from_numpy(values.copy()).view(dtype)
-                steps = None
-            if local.numel() != count or new.numel() != count:
-                raise ValueError(f"delta of version {out.version}: {name} carries {local.numel()} positions "
-                                 f"for {count} values")
-            changes.append(EntryChange(name, placed_positions(local, placement), new, local, shard_numel, steps))
-        out.changes[int(index)] = changes
+    for index, (encoding, count, where_bytes, value_bytes, numel, key) in header["buckets"].items():
+        part = parts.get(int(index))
+        if part is None or (part.numel, part.key) != (numel, key):
+            raise ValueError(f"delta of version {out.version} carries a {numel}-element part of bucket {index} "
+                             f"(shards {key}); this rank's is "
+                             f"{'none' if part is None else f'{part.numel} elements (shards {part.key})'}")
+        where, values = data[at : at + where_bytes], data[at + where_bytes : at + where_bytes + value_bytes]
+        at += where_bytes + value_bytes
+        steps = None
+        if encoding == "varint":
+            if old_values is None:
+                raise ValueError(f"delta of version {out.version}: bucket {index} carries steps from version "
+                                 f"{out.base}, and no values of that version were given")
+            local = torch.from_numpy(np.cumsum(_unvarint(where, count)[0].astype(np.int64)) - 1)
+            steps = torch.from_numpy(_unzigzag(_unvarint(values, count)[0]))
+        elif encoding == "index":
+            local = torch.from_numpy(where.copy()).view(_position_dtype(numel)).long()  # a copy: aligned storage
+        elif encoding == "bitmap":
+            local = torch.from_numpy(_unpack(where, numel))
+        else:
+            raise ValueError(f"delta of version {out.version}: bucket {index} in encoding {encoding!r}, expected one "
+                             f"of {ENCODINGS}")
+        if local.numel() != count or (count and not (0 <= int(local[0]) and int(local[-1]) < numel)):
+            raise ValueError(f"delta of version {out.version}: bucket {index} carries {local.numel()} indices in "
+                             f"[0, {numel}) for {count} changes")
+        change = BucketChange(part, local, torch.empty(0, dtype=dtype), steps)
+        if steps is not None:
+            change.values = _stepped(old_values(int(index), change.positions()), steps)  # type: ignore[misc]
+        else:
+            change.values = torch.from_numpy(values.copy()).view(dtype)
+        if change.values.numel() != count:
+            raise ValueError(f"delta of version {out.version}: bucket {index} carries {change.values.numel()} values "
+                             f"for {count} changes")
+        out.changes[int(index)] = change
     return out
 
 
@@ -288,15 +417,13 @@ def _stepped(old: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
     return moved.to(_INT_VIEW[old.element_size()]).view(old.dtype)
 
 
-def apply_changes(views: dict[str, torch.Tensor], changes: Iterable[EntryChange]) -> int:
-    """Write each change into its full tensor (`views`: HF name -> contiguous full tensor holding the previous
-    version). Returns the elements written."""
-    n = 0
-    for c in changes:
-        flat = views[c.name].view(-1)
-        flat[c.positions.to(flat.device)] = c.values.to(flat.device)
-        n += c.count
-    return n
+def apply_bucket(flat: torch.Tensor, change: BucketChange | None) -> int:
+    """Write one bucket's changes into its flat buffer (`flat_bucket`, holding the previous version): one indexed
+    write. Returns the elements written."""
+    if change is None or change.count == 0:
+        return 0
+    flat[change.positions().to(flat.device)] = change.values.to(flat.device)
+    return change.count
 
 
 class DeltaTracker:
@@ -304,54 +431,60 @@ class DeltaTracker:
 
     `shards`: per bucket index, (HF name, the rank's source tensor, a view of a contiguous meta tensor of the full
     HF shape showing where that source lands in it). Holds one engine-dtype copy of the rank's shards (2 bytes
-    per parameter for bf16); a diff casts one shard at a time beside it."""
+    per parameter for bf16), one flat tensor per bucket; a diff casts one bucket's shards at a time beside it."""
 
-    def __init__(self, dtype: torch.dtype, shards: dict[int, list[tuple[str, torch.Tensor, torch.Tensor]]]) -> None:
-        self.dtype = dtype
-        self.shards = shards
-        self.last: dict[tuple[int, int], torch.Tensor] | None = None
-        """The engine-dtype values of the last version, per (bucket, shard); None before the first version."""
+    def __init__(self, plan: BucketPlan, shards: dict[int, list[tuple[str, torch.Tensor, torch.Tensor]]]) -> None:
+        self.dtype = plan.torch_dtype
+        self.shards = {i: s for i, s in shards.items() if s}
+        item = self.dtype.itemsize
+        self.parts = {i: RankBucket.of(plan.buckets[i], [(n, (p.shape, p.stride(), p.storage_offset()))
+                                                         for n, _, p in s], item)
+                      for i, s in self.shards.items()}
+        """Each bucket's part of this rank (where its shards lie in the bucket)."""
+        self._scratch = torch.empty(max((p.numel for p in self.parts.values()), default=0), dtype=self.dtype)
+        self.last: dict[int, torch.Tensor] | None = None
+        """The engine-dtype values of the last version, per bucket (the part's shards one after another); None
+        before the first version."""
         self.last_version: int | None = None
-        self._diffed: int | None = None
+        self._diffed: VersionDelta | None = None
 
-    def _cast(self, source: torch.Tensor) -> torch.Tensor:
-        return source.detach().to(self.dtype, memory_format=torch.contiguous_format, copy=True)
+    def _cast(self, index: int) -> torch.Tensor:
+        """This bucket's shards rounded to the engine's dtype, one after another (in the scratch buffer)."""
+        part = self.parts[index]
+        out = self._scratch[: part.numel]
+        dsts = [out[int(a) : int(a) + n].view(src.shape) for (_, src, _), a, n
+                in zip(self.shards[index], part.starts.tolist(), part.numels)]
+        torch._foreach_copy_(dsts, [src.detach() for _, src, _ in self.shards[index]])  # rounds as .to(dtype)
+        return out
 
     def diff(self, version: int) -> VersionDelta:
         """The changes of the current weights against the last version (call `commit` once they are published).
         Before any version, every element is a change."""
         out = VersionDelta(version, self.last_version if self.last is not None else None)
-        self._diffed = version
-        for index, shards in self.shards.items():
-            changes = []
-            for i, (name, source, placed) in enumerate(shards):
-                new = self._cast(source)
-                old = self.last.get((index, i)) if self.last is not None else None
-                mask = torch.ones_like(new, dtype=torch.bool) if old is None else bits(new) != bits(old)
-                local = mask.view(-1).nonzero().view(-1)
-                if local.numel() == 0:
-                    continue
-                positions = placed_positions(local, (placed.shape, placed.stride(), placed.storage_offset()))
-                steps = None if old is None else (bits(new)[mask].to(torch.int64) - bits(old)[mask].to(torch.int64))
-                changes.append(EntryChange(name, positions.cpu(), new[mask].cpu(), local.cpu(), new.numel(),
-                                           None if steps is None else steps.cpu()))
-            if changes:
-                out.changes[index] = changes
+        for index, part in self.parts.items():
+            new = self._cast(index)
+            if self.last is None:
+                out.changes[index] = BucketChange(part, torch.arange(part.numel), new.clone())
+                continue
+            old = self.last[index]
+            local = torch.ne(bits(new), bits(old)).nonzero().view(-1)
+            if local.numel():
+                steps = bits(new)[local].to(torch.int64) - bits(old)[local].to(torch.int64)
+                out.changes[index] = BucketChange(part, local, new[local], steps)
+        self._diffed = out
         return out
 
     def commit(self) -> None:
-        """The version `diff` looked at was published: its values are the base of the next diff. The sources are
-        as `diff` saw them (a publish ends before the next optimizer step changes them), so they are cast again
-        into the kept copy in place rather than held twice during the sync."""
-        assert self._diffed is not None, "commit() without diff()"
-        last = self.last if self.last is not None else {}
-        for index, shards in self.shards.items():
-            for i, (_, source, _) in enumerate(shards):
-                if (index, i) in last:
-                    last[(index, i)].copy_(source.detach())  # the same rounding as .to(dtype)
-                else:
-                    last[(index, i)] = self._cast(source)
-        self.last, self.last_version, self._diffed = last, self._diffed, None
+        """The version `diff` looked at was published: its values are the base of the next diff (the kept copy
+        takes the changed values in place: unchanged elements are equal bit for bit already)."""
+        delta = self._diffed
+        assert delta is not None, "commit() without diff()"
+        if self.last is None:
+            self.last = {i: c.values.clone() for i, c in delta.changes.items()}
+        else:
+            for i, c in delta.changes.items():
+                self.last[i][c.local] = c.values
+        self.last_version, self._diffed = delta.version, None
 
     def forget(self) -> None:
         """The last publish failed part-way: the next version is compared with nothing (sent whole)."""

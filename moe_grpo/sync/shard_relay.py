@@ -23,7 +23,6 @@ each rank's share times the hosts that need it.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import threading
 import time
@@ -33,7 +32,7 @@ from typing import Any
 import torch
 
 from moe_grpo.learner.rendezvous import RunStore
-from moe_grpo.sync.delta import DeltaHistory, VersionDelta, apply_changes, decode
+from moe_grpo.sync.delta import DeltaHistory, RankBucket, VersionDelta, apply_bucket, decode, flat_bucket
 from moe_grpo.sync.plan import BucketPlan
 from moe_grpo.sync.relay import RelayGroup, _Broadcaster
 from moe_grpo.sync.transport import SharedMemoryTransport, SyncError
@@ -142,8 +141,7 @@ class ShardReceiver:
         self.broadcast: _Broadcaster | None = None
         self.plan: BucketPlan | None = None
         self.layout: dict[int, list[list]] = {}
-        self.bucket_of: dict[str, int] = {}
-        self.placed: dict[str, tuple] = {}
+        self.parts: dict[int, RankBucket] = {}
         self.sizes: dict[int, list[int]] = {}
         self.staging = torch.empty(0, dtype=torch.uint8)
         self.received: list[int] = []
@@ -166,11 +164,11 @@ class ShardReceiver:
         setup = json.loads(bytes(raw.numpy()).decode())
         self.plan = BucketPlan.from_json(setup["plan"])
         self.layout = {int(k): v for k, v in setup["placements"].items()}
-        self.bucket_of = self.plan.bucket_of()
-        self.placed = {name: (shape, stride, offset) for rows in self.layout.values()
-                       for name, shape, stride, offset in rows}
-        """Where each of the rank's shards lies in its full tensor (`delta.Placement`), by HF name."""
         item = self.plan.torch_dtype.itemsize
+        self.parts = {i: RankBucket.of(self.plan.buckets[i], [(name, (shape, stride, offset))
+                                                              for name, shape, stride, offset in rows], item)
+                      for i, rows in self.layout.items()}
+        """Where the rank's shards lie in each bucket (`delta.RankBucket`): what its changes index."""
         self.sizes = {i: [int(torch.Size(shape).numel()) for _, shape, _, _ in rows] for i, rows in self.layout.items()}
         self.staging = torch.empty(max((sum(n) * item for n in self.sizes.values()), default=0), dtype=torch.uint8)
         return True
@@ -205,21 +203,17 @@ class ShardReceiver:
         blob = torch.zeros(size, dtype=torch.uint8)
         if size:
             self.broadcast(blob, f"the changes of version {version}")
-        with contextlib.ExitStack() as stack:
-            opened: dict[int, dict[str, torch.Tensor]] = {}  # each bucket of the base mapped once, not per tensor
+        plan = self.plan
 
-            def old_values(name: str, local: torch.Tensor) -> torch.Tensor:
-                """This rank's values of `name` at flat shard indices `local` in the version it received last
-                (its slot is pinned): what a version's varint steps are added to."""
-                if self.last_slot is None:
-                    raise SyncError(f"relay of learner rank {self.rank}: changes arrived before any whole version")
-                index = self.bucket_of[name]
-                if index not in opened:
-                    opened[index] = stack.enter_context(self.transport.bucket_views(
-                        self.last_slot, self.plan.buckets[index], self.plan.torch_dtype))  # type: ignore[union-attr]
-                return _shard_view(opened[index][name], self.placed[name]).reshape(-1)[local].clone()
+        def old_values(index: int, positions: torch.Tensor) -> torch.Tensor:
+            """The values at `positions` of bucket `index` in the version this rank sent last (its slot is
+            pinned): what a version's varint steps are added to."""
+            if self.last_slot is None:
+                raise SyncError(f"relay of learner rank {self.rank}: changes arrived before any whole version")
+            with self.transport.raw_bucket(self.last_slot, plan.buckets[index], writable=False) as raw:
+                return flat_bucket(raw, plan.torch_dtype)[positions]  # indexing copies
 
-            delta = decode(memoryview(blob.numpy()), self.plan, self.placed, old_values)
+        delta = decode(memoryview(blob.numpy()), self.plan, self.parts, old_values)
         if delta.base is None or self.received[-1:] != [delta.base]:
             raise SyncError(f"relay of learner rank {self.rank}: version {version} came as changes against "
                             f"version {delta.base}, which this host does not hold (last received: "
@@ -259,11 +253,13 @@ class ShardReceiver:
         dtype = self.plan.torch_dtype
         with torch.no_grad():
             for b in self.plan.buckets:
-                if b.index not in self.layout:
+                changes = [c for d in chain if (c := d.changes.get(b.index)) is not None]
+                if not changes:
                     continue
-                with self.transport.bucket_views(slot, b, dtype) as full:
-                    for d in chain:
-                        apply_changes(full, d.changes.get(b.index, ()))
+                with self.transport.raw_bucket(slot, b, writable=True) as raw:
+                    flat = flat_bucket(raw, dtype)
+                    for c in changes:
+                        apply_bucket(flat, c)
         return {i: sum(n) for i, n in self.sizes.items()}
 
     def _copy_own(self, source: str, slot: str) -> None:

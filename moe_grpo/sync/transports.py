@@ -89,6 +89,10 @@ class RelayPublisher:
         assert self.local is not None, "a rank on a host without engines writes nothing locally"
         return self.local.bucket_views(slot, bucket, dtype)
 
+    def raw_bucket(self, slot: str, bucket: Bucket, writable: bool) -> Any:
+        assert self.local is not None, "a rank on a host without engines writes nothing locally"
+        return self.local.raw_bucket(slot, bucket, writable)
+
     def forward_bucket(self, version: int, bucket: Bucket) -> None:
         self.sender.send_bucket(version, bucket.index)
 

@@ -35,7 +35,8 @@ from typing import Any
 import torch
 
 from moe_grpo.sync.adapter_gather import local_adapter_writes
-from moe_grpo.sync.delta import DeltaHistory, DeltaTracker, VersionDelta, apply_changes, encode, encoded_bytes
+from moe_grpo.sync.delta import (DeltaHistory, DeltaTracker, VersionDelta, apply_bucket, encode, encoded_bytes,
+                                 flat_bucket)
 from moe_grpo.sync.sync_metrics import expert_bitmaps
 from moe_grpo.sync.gather import ShardWrite, local_shard_writes
 from moe_grpo.sync.plan import BucketPlan, plan_buckets
@@ -184,7 +185,7 @@ class WeightSync:
         shapes = self.plan.shapes()
         shards = {i: [(w.name, w.source, w.place(torch.empty(shapes[w.name], device="meta"))) for w in ws]
                   for i, ws in self.writes.items() if ws}
-        self._tracker = DeltaTracker(self.plan.torch_dtype, shards)
+        self._tracker = DeltaTracker(self.plan, shards)
         self._held = expert_bitmaps(w.name for ws in self.writes.values() for w in ws)
         self._own_bytes = sum(self._sizes[i][1] for i in self.writes)
         self._own_elements = sum(self._sizes[i][0] for i in self.writes)
@@ -280,13 +281,16 @@ class WeightSync:
                 elements[bucket.index], size = self._sizes[("adapter", bucket.index) if adapter_only else bucket.index]
                 if not writes:
                     continue
-                if self._local:
+                if self._local and chain is not None:
+                    changes = [c for d in chain if (c := d.changes.get(bucket.index)) is not None]
+                    if changes:  # one indexed write per version into the bucket's flat buffer
+                        with self.transport.raw_bucket(slot, bucket, writable=True) as raw:
+                            flat = flat_bucket(raw, plan.torch_dtype)
+                            for c in changes:
+                                apply_bucket(flat, c)
+                elif self._local:
                     with self.transport.bucket_views(slot, bucket, plan.torch_dtype) as full:
-                        if chain is not None:
-                            for d in chain:
-                                apply_changes(full, d.changes.get(bucket.index, ()))
-                        else:
-                            self._bound_copy(slot, (adapter_only, bucket.index), full, writes)()
+                        self._bound_copy(slot, (adapter_only, bucket.index), full, writes)()
                 if self._forward is not None:
                     self._forward(version, bucket)
                 nbytes += size

@@ -9,7 +9,12 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "tools"))
 import bench_sync_delta as bench  # noqa: E402
-from moe_grpo.sync.delta import EntryChange, encoded_bucket_bytes  # noqa: E402
+from moe_grpo.sync.delta import BucketChange, RankBucket, encoded_bucket_bytes  # noqa: E402
+
+
+def _part(numel: int) -> RankBucket:
+    """One rank holding one whole tensor of `numel` elements, alone in its bucket."""
+    return RankBucket(["w"], [((numel,), (1,), 0)], [0])
 
 
 @pytest.mark.parametrize("changed", [0, 3, 100, 1000, 4096])
@@ -18,8 +23,8 @@ def test_projected_delta_bytes_match_the_syncs_smaller_encoding(changed):
     elements changed, the bitmap above), or counting bytes per change wrong (4-byte position + 2-byte bf16 value)."""
     numel = 4096
     local = torch.arange(changed, dtype=torch.int64)
-    change = EntryChange("w", local, torch.zeros(changed, dtype=torch.bfloat16), local, numel)
-    _, want = encoded_bucket_bytes([change], 2)
+    change = BucketChange(_part(numel), local, torch.zeros(changed, dtype=torch.bfloat16))
+    _, want = encoded_bucket_bytes(change, 2)
     assert bench.delta_bytes(numel, changed / numel) == want
 
 
@@ -42,8 +47,7 @@ def test_projected_varint_bytes_match_the_syncs_varint_encoding(gap):
     count = 50
     numel = gap * count
     local = torch.arange(gap - 1, numel, gap)
-    change = EntryChange("w", local, torch.zeros(count, dtype=torch.bfloat16), local, numel,
-                         torch.ones(count, dtype=torch.int64))
-    encoding, want = encoded_bucket_bytes([change], 2)
+    change = BucketChange(_part(numel), local, torch.zeros(count, dtype=torch.bfloat16), torch.ones(count, dtype=torch.int64))
+    encoding, want = encoded_bucket_bytes(change, 2)
     assert bench.delta_bytes(numel, count / numel, step_bytes=1) == want
     assert encoding == "varint"

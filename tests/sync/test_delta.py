@@ -7,9 +7,10 @@ import math
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from moe_grpo.sync.delta import (DeltaHistory, DeltaTracker, EntryChange, VersionDelta, apply_changes, bits,
-                                 decode, encode, encoded_bytes, placed_positions)
+from moe_grpo.sync.delta import (BucketChange, DeltaHistory, DeltaTracker, RankBucket, VersionDelta, apply_bucket,
+                                 bits, decode, encode, encoded_bytes, placed_positions)
 from moe_grpo.sync.sync_metrics import expert_bitmaps, experts_unchanged
 from moe_grpo.sync.plan import ALIGN, Bucket, BucketEntry, BucketPlan
 
@@ -42,6 +43,20 @@ def _shards(rank: int) -> tuple[dict[str, torch.Tensor], dict[int, list]]:
     return src, shards
 
 
+def _buffers(plan: BucketPlan) -> tuple[dict[int, torch.Tensor], dict[str, torch.Tensor]]:
+    """Flat buffers of the plan's buckets (as a transport's `raw_bucket` gives them) and each tensor's view."""
+    item = plan.torch_dtype.itemsize
+    flats = {b.index: torch.zeros(b.nbytes // item, dtype=plan.torch_dtype) for b in plan.buckets}
+    views = {e.name: flats[b.index][e.offset // item : e.offset // item + e.numel].view(e.shape)
+             for b in plan.buckets for e in b.entries}
+    return flats, views
+
+
+def _one(name: str, shape: tuple, dtype: str = "bfloat16") -> BucketPlan:
+    """A plan of one bucket holding one tensor."""
+    return BucketPlan("toy", dtype, (Bucket(0, (BucketEntry(name, shape, 0),), 4 * math.prod(shape)),))
+
+
 def _full_of(srcs: list[dict[str, torch.Tensor]], dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """What a full sync would put in the buckets: each rank's sources cast and placed."""
     out = {n: torch.zeros(s, dtype=dtype) for n, s in FULL.items()}
@@ -53,15 +68,18 @@ def _full_of(srcs: list[dict[str, torch.Tensor]], dtype: torch.dtype) -> dict[st
 
 
 def test_applying_each_ranks_changes_gives_bit_for_bit_what_a_full_sync_of_the_new_weights_gives() -> None:
-    """A delta that missed an element, or wrote one at the wrong place (a strided TP slab, an expert), would leave
-    the engine serving weights no full sync would give it."""
+    """A delta that missed an element, or wrote one at the wrong place (a strided TP slab, an expert, a tensor at
+    its offset in the bucket), would leave the engine serving weights no full sync would give it."""
+    plan = _plan()
     ranks = [_shards(0), _shards(1)]
-    trackers = [DeltaTracker(torch.bfloat16, shards) for _, shards in ranks]
+    trackers = [DeltaTracker(plan, shards) for _, shards in ranks]
     for t in trackers:  # version 1: everything
         d = t.diff(1)
         assert d.base is None and d.changed_elements() == sum(s.numel() for cs in t.shards.values() for _, s, _ in cs)
         t.commit()
-    buffer = _full_of([src for src, _ in ranks], torch.bfloat16)
+    flats, buffer = _buffers(plan)
+    for name, t in _full_of([src for src, _ in ranks], torch.bfloat16).items():
+        buffer[name].copy_(t)
     g = torch.Generator().manual_seed(7)
     for version in (2, 3, 4):
         for src, _ in ranks:
@@ -72,8 +90,8 @@ def test_applying_each_ranks_changes_gives_bit_for_bit_what_a_full_sync_of_the_n
             t.commit()
         for d in deltas:
             assert d.base == version - 1
-            for changes in d.changes.values():
-                apply_changes(buffer, changes)
+            for index, change in d.changes.items():
+                apply_bucket(flats[index], change)
         want = _full_of([src for src, _ in ranks], torch.bfloat16)
         for name in FULL:
             assert torch.equal(buffer[name].view(torch.int16), want[name].view(torch.int16)), (version, name)
@@ -81,19 +99,29 @@ def test_applying_each_ranks_changes_gives_bit_for_bit_what_a_full_sync_of_the_n
         assert 0 < changed < sum(math.prod(s) for s in FULL.values())
         if version == 3:  # the experts did not move: no entry for them
             assert not any("experts" in n for d in deltas for n in d.names())
+        else:
+            assert {"layers.0.mlp.experts.0.up.weight", "layers.0.mlp.experts.1.up.weight"} <= set().union(
+                *(d.names() for d in deltas))
 
 
 def test_changes_are_found_by_bits_so_signed_zero_and_nan_are_not_missed() -> None:
     """A numeric comparison calls -0.0 == 0.0 and NaN != NaN: the engine would keep a wrong sign, or every NaN
     would be resent forever."""
     w = torch.tensor([0.0, 1.0, float("nan"), 2.0])
-    tracker = DeltaTracker(torch.bfloat16, {0: [("w", w, torch.empty(4, device="meta"))]})
+    tracker = DeltaTracker(_one("w", (4,)), {0: [("w", w, torch.empty(4, device="meta"))]})
     tracker.diff(1)
     tracker.commit()
     w.copy_(torch.tensor([-0.0, 1.0, float("nan"), 2.0]))
     d = tracker.diff(2)
-    assert [c.positions.tolist() for c in d.changes[0]] == [[0]]
-    assert torch.equal(d.changes[0][0].values.view(torch.int16), torch.tensor([-0.0], dtype=torch.bfloat16).view(torch.int16))
+    assert [c.positions.tolist() for c in d.changes[0].entries()] == [[0]]
+    assert torch.equal(d.changes[0].values.view(torch.int16), torch.tensor([-0.0], dtype=torch.bfloat16).view(torch.int16))
+
+
+def _whole_parts(plan: BucketPlan) -> dict[int, RankBucket]:
+    """Every tensor of every bucket whole, as one rank holding everything has it."""
+    item = plan.torch_dtype.itemsize
+    return {b.index: RankBucket.of(b, [(e.name, (e.shape, (e.shape[1], 1), 0)) for e in b.entries], item)
+            for b in plan.buckets}
 
 
 @pytest.mark.parametrize("fraction, encoding", [(0.02, "index"), (0.6, "bitmap")])
@@ -101,16 +129,14 @@ def test_each_bucket_travels_in_the_smaller_encoding_and_decodes_to_the_same_cha
     """Sparse changes must cost ~6 bytes each (int32 position + bf16 value), dense ones 1 bit per element plus
     the values: the wire bytes follow the changed fraction."""
     plan = _plan(scale=16)
+    parts = _whole_parts(plan)
     g = torch.Generator().manual_seed(3)
     delta = VersionDelta(5, 4)
     for b in plan.buckets:
-        delta.changes[b.index] = []
-        for e in b.entries:
-            mask = torch.rand(e.numel, generator=g) < fraction
-            mask[0] = True
-            pos = mask.nonzero().view(-1)
-            values = torch.randn(pos.numel(), generator=g).to(torch.bfloat16)
-            delta.changes[b.index].append(EntryChange(e.name, pos, values, pos, e.numel))
+        mask = torch.rand(parts[b.index].numel, generator=g) < fraction
+        mask[parts[b.index].starts[:-1]] = True  # every tensor has a change
+        local = mask.nonzero().view(-1)
+        delta.changes[b.index] = BucketChange(parts[b.index], local, torch.randn(local.numel(), generator=g).to(torch.bfloat16))
     blob = encode(delta, plan)
     header = int.from_bytes(blob[:8], "little")
     assert len(blob) - 8 - header == encoded_bytes(delta, plan)
@@ -118,27 +144,52 @@ def test_each_bucket_travels_in_the_smaller_encoding_and_decodes_to_the_same_cha
     n = delta.changed_elements()
     total = sum(e.numel for b in plan.buckets for e in b.entries)
     assert encoded_bytes(delta, plan) <= min(n * 6, math.ceil(total / 8) + 4 + n * 2)
-    back = decode(blob, plan, {e.name: (e.shape, (e.shape[1], 1), 0) for b in plan.buckets for e in b.entries})
+    back = decode(blob, plan, _whole_parts(plan))
     assert (back.version, back.base) == (5, 4)
-    for index, changes in delta.changes.items():
-        for a, b in zip(changes, back.changes[index]):
+    for index, change in delta.changes.items():
+        got = back.changes[index]
+        assert [e.name for e in got.entries()] == [e.name for e in plan.buckets[index].entries]
+        for a, b in zip(change.entries(), got.entries()):
             assert a.name == b.name and torch.equal(a.positions, b.positions)
             assert torch.equal(a.values.view(torch.int16), b.values.view(torch.int16))
 
 
-def test_a_delta_in_another_dtype_or_for_a_shard_this_rank_does_not_hold_is_refused() -> None:
-    delta = VersionDelta(2, 1, {0: [EntryChange("layers.0.self_attn.qkv.weight", torch.tensor([13]),
-                                                torch.tensor([1.0], dtype=torch.bfloat16), torch.tensor([1]), 12)]})
-    blob = encode(delta, _plan())
-    rows = {"layers.0.self_attn.qkv.weight": ((3, 4), (4, 1), 12)}  # rank 1's half of the rows
-    back = decode(blob, _plan(), rows)
-    assert back.changes[0][0].positions.tolist() == [13]
+def test_a_delta_in_another_dtype_or_for_a_part_this_rank_does_not_hold_is_refused() -> None:
+    """A blob decoded against another rank's shards (or sizes) would write its values at wrong places."""
+    plan = _plan()
+    bucket = plan.buckets[0]
+    half = RankBucket.of(bucket, [("layers.0.self_attn.qkv.weight", ((3, 4), (4, 1), 12))], 2)  # rank 1's rows
+    delta = VersionDelta(2, 1, {0: BucketChange(half, torch.tensor([1]), torch.tensor([1.0], dtype=torch.bfloat16))})
+    blob = encode(delta, plan)
+    back = decode(blob, plan, {0: half})
+    assert [e.positions.tolist() for e in back.changes[0].entries()] == [[13]]
+    assert back.changes[0].positions().tolist() == [13]  # the tensor starts the bucket
     with pytest.raises(ValueError, match="bfloat16, the plan in float32"):
-        decode(blob, _plan("float32"), rows)
-    with pytest.raises(ValueError, match="names a 12-element shard of 'layers.0.self_attn.qkv.weight'"):
-        decode(blob, _plan(), {"layers.0.self_attn.qkv.weight": ((6, 4), (4, 1), 0)})
-    with pytest.raises(ValueError, match="this rank's is None"):
-        decode(blob, _plan(), {})
+        decode(blob, _plan("float32"), {0: half})
+    whole = RankBucket.of(bucket, [("layers.0.self_attn.qkv.weight", ((6, 4), (4, 1), 0))], 2)
+    with pytest.raises(ValueError, match="carries a 12-element part of bucket 0 .* this rank's is 24 elements"):
+        decode(blob, plan, {0: whole})
+    other = RankBucket.of(bucket, [("layers.0.mlp.experts.0.up.weight", ((4, 3), (3, 1), 0))], 2)  # 12 elements too
+    with pytest.raises(ValueError, match="this rank's is 12 elements \\(shards"):
+        decode(blob, plan, {0: other})
+    with pytest.raises(ValueError, match="this rank's is none"):
+        decode(blob, plan, {})
+
+
+def test_positions_in_a_bucket_follow_each_shards_place_and_its_tensors_offset() -> None:
+    """One indexed write per bucket needs every change's position in the bucket: a dense shard (an expert, a row
+    slab) and a strided TP slab (columns) each at their tensor's offset; one shard off would corrupt a neighbour."""
+    plan = _plan()
+    item = 2
+    rows = [("embed.weight", ((10, 2), (4, 1), 2)), ("layers.0.mlp.experts.1.up.weight", ((8, 3), (3, 1), 0))]
+    part = RankBucket.of(plan.buckets[1], rows, item)
+    local = torch.tensor([0, 3, 19, 20, 21, 43])
+    offsets = {e.name: e.offset // item for e in plan.buckets[1].entries}
+    full = torch.arange(40).view(10, 4)[:, 2:4].reshape(-1)  # positions of the slab's elements in embed.weight
+    want = [offsets["embed.weight"] + int(full[i]) for i in (0, 3, 19)] + \
+           [offsets["layers.0.mlp.experts.1.up.weight"] + i - 20 for i in (20, 21, 43)]
+    assert part.positions(local).tolist() == want
+    assert part.counts(local).tolist() == [3, 3]
 
 
 def test_placed_positions_follow_a_strided_slab() -> None:
@@ -186,26 +237,27 @@ def test_small_updates_travel_as_varint_steps_in_about_the_bytes_of_the_changed_
     w = torch.randn(200_000, generator=g) * 0.02
     meta = torch.empty(400, 500, device="meta")
     src = w.view(400, 500)
-    tracker = DeltaTracker(torch.bfloat16, {0: [("w", src, meta)]})
+    plan = _one("w", (400, 500))
+    tracker = DeltaTracker(plan, {0: [("w", src, meta)]})
     tracker.diff(1)
     tracker.commit()
     old = src.to(torch.bfloat16).clone()
     src.add_(torch.sign(torch.randn(src.shape, generator=g)) * 1e-6)
     delta = tracker.diff(2)
-    plan = BucketPlan("toy", "bfloat16", (Bucket(0, (BucketEntry("w", (400, 500), 0),), 400_000),))
     changed = delta.changed_elements() / w.numel()
     assert 0.005 < changed < 0.2
     blob = encode(delta, plan)
     assert '"varint"' in blob[8 : 8 + int.from_bytes(blob[:8], "little")].decode()
     full = 2 * w.numel()
     assert encoded_bytes(delta, plan) <= (changed + 0.01) * full, (encoded_bytes(delta, plan) / full, changed)
-    back = decode(blob, plan, {"w": ((400, 500), (500, 1), 0)}, lambda name, local: old.view(-1)[local])
+    parts = {0: tracker.parts[0]}
+    back = decode(blob, plan, parts, lambda index, positions: old.view(-1)[positions])
     want = src.to(torch.bfloat16).view(-1)
-    c = back.changes[0][0]
+    c = back.changes[0]
     assert torch.equal(c.values.view(torch.int16), want[c.local].view(torch.int16))
-    assert torch.equal(c.positions, delta.changes[0][0].positions)
+    assert torch.equal(c.positions(), delta.changes[0].positions())
     with pytest.raises(ValueError, match="no values of that version were given"):
-        decode(blob, plan, {"w": ((400, 500), (500, 1), 0)})
+        decode(blob, plan, parts)
 
 
 def test_varint_steps_wrap_across_the_sign_bit_exactly() -> None:
@@ -217,3 +269,41 @@ def test_varint_steps_wrap_across_the_sign_bit_exactly() -> None:
     new = torch.tensor([-0.0, 0.0, float("inf"), 3.3895e38, 2.0], dtype=torch.bfloat16)
     steps = bits(new).to(torch.int64) - bits(old).to(torch.int64)
     assert torch.equal(bits(_stepped(old, steps)), bits(new))
+
+
+class _CountOps(TorchDispatchMode):
+    """Counts the aten ops run inside it, by name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        self.ops[name] = self.ops.get(name, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_bucket_is_diffed_encoded_and_applied_at_once_not_tensor_by_tensor() -> None:
+    """A bucket of a 128-expert model holds hundreds of small tensors: a comparison, a `nonzero` and an indexed
+    write per tensor cost 4-16x a full version's copy in seconds (tools/bench_sync.py --delta at aa5e849). The
+    diff must compare the bucket once, and the apply write it once, whatever the tensors' count."""
+    names = [f"model.layers.1.mlp.experts.{e}.up_proj.weight" for e in range(200)]
+    plan = BucketPlan("toy", "bfloat16", (Bucket(0, tuple(BucketEntry(n, (16, 32), 1024 * i) for i, n in enumerate(names)),
+                                                 1024 * len(names)),))
+    srcs = [torch.randn(16, 32) for _ in names]
+    tracker = DeltaTracker(plan, {0: [(n, s, torch.empty(16, 32, device="meta")) for n, s in zip(names, srcs)]})
+    tracker.diff(1)
+    tracker.commit()
+    for s in srcs[::7]:
+        s.add_(1.0)
+    with _CountOps() as diff_ops:
+        delta = tracker.diff(2)
+    assert diff_ops.ops.get("ne", 0) == 1 and diff_ops.ops.get("nonzero", 0) == 1, diff_ops.ops
+    assert delta.names() == set(names[::7])
+    flats, views = _buffers(plan)
+    with _CountOps() as apply_ops:
+        apply_bucket(flats[0], delta.changes[0])
+    assert apply_ops.ops.get("index_put_", 0) == 1, apply_ops.ops
+    for n, s in zip(names[::7], srcs[::7]):
+        assert torch.equal(views[n].view(torch.int16), s.to(torch.bfloat16).view(torch.int16))
