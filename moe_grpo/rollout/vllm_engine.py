@@ -15,6 +15,11 @@ Routing comes from one of two paths with one output format:
 Either way each completion carries a `RoutingTrace` of `prompt + generated - 1`
 rows over the MoE layers only.
 
+Tensor parallelism (`tensor_parallel` > 1, vLLM's multiprocessing executor): every worker computes the same
+routing, so tensor-parallel rank 0 alone captures it (one trace per request); every worker loads every
+bucket of a version through vLLM's weight loaders, which keep its slices, and a version is served only
+when each worker answered each reload. Any dead worker (or the engine core between them) is a dead engine.
+
 Weights change between forward passes, with requests in flight:
 - `on_update="keep"` (default): pause the scheduler keeping requests and their
   KV cache, reload, stamp the new version, resume. vLLM labels each engine
@@ -190,9 +195,25 @@ def check_cpu_head_size(spec: MoEModelSpec) -> None:
                           f"{supported}")
 
 
+def cpu_omp_bind(tensor_parallel: int, current: str | None, cpus: Collection[int] | None = None) -> str:
+    """`VLLM_CPU_OMP_THREADS_BIND` for an engine of `tensor_parallel` workers: one core list per worker, '|'-separated
+    (vLLM refuses a value whose number of lists is not its local world size). `current` (what the environment holds)
+    is kept when it has one list per worker; otherwise the cores this process may run on (`cpus`, default its
+    affinity) are split into `tensor_parallel` contiguous groups, and one worker alone gets core 0's list as before
+    ("0"). With fewer cores than workers, workers share cores round robin (oversubscribed, but it runs)."""
+    if current and current not in ("auto", "nobind") and len(current.split("|")) == tensor_parallel:
+        return current
+    if tensor_parallel == 1:
+        return "0"
+    cores = sorted(os.sched_getaffinity(0) if cpus is None else cpus)
+    if len(cores) < tensor_parallel:
+        return "|".join(str(cores[i % len(cores)]) for i in range(tensor_parallel))
+    per = len(cores) // tensor_parallel
+    return "|".join(",".join(str(c) for c in cores[i * per:(i + 1) * per]) for i in range(tensor_parallel))
+
+
 def _cpu_env(spec: MoEModelSpec, kv_cache_gib: int) -> None:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(int(kv_cache_gib)))
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0")
     if spec.uses_mla and (spec.kv_lora_rank or 0) + spec.qk_rope_head_dim != 576:
         # vLLM's CPU MLA kernel only takes kv_lora_rank + qk_rope_head_dim == 576; compute MLA unabsorbed.
         os.environ["VLLM_MLA_DISABLE"] = "1"
@@ -246,7 +267,7 @@ class VllmEngine:
                  kv_cache_gib: int = 1, capture: bool = True, extension: bool = True, seed: int = 0,
                  max_num_batched_tokens: int | None = None, dtype: str = "float32", routing_source: str = "auto",
                  on_update: str = "keep", request_timeout_s: float = 600.0, name: str | None = None,
-                 lora: Any = None, lora_apply: str = "merge") -> None:
+                 lora: Any = None, lora_apply: str = "merge", tensor_parallel: int = 1) -> None:
         """`routing_source`: 'extension' (router hooks, any platform), 'native' (vLLM's
         enable_return_routed_experts: Model Runner V2, GPU only) or 'auto' (native on GPU).
         `extension=False` starts vLLM without the worker extension at all (no capture, no weight
@@ -254,7 +275,12 @@ class VllmEngine:
         `lora`: the run's LoraConfig; with rank > 0 the engine takes LoRA versions (base once, then adapters
         only), applied as `lora_apply` says ('merge': rollout/lora_merge.py; 'serve': vLLM's LoRA serving,
         rollout/lora_serving.py); `model_dir` then holds the frozen base and, in `model_dir/adapter` (PEFT
-        format), the adapters of the version it starts on."""
+        format), the adapters of the version it starts on. `tensor_parallel`: vLLM workers of the engine
+        (`tensor_parallel_size`; > 1 runs vLLM's multiprocessing executor, on CPU one OpenMP core set per worker,
+        `cpu_omp_bind`); routing is captured once, by tensor-parallel rank 0, and a version is served only when every
+        worker has loaded it."""
+        if not isinstance(tensor_parallel, int) or tensor_parallel < 1:
+            raise ValueError(f"tensor_parallel={tensor_parallel!r}, expected an integer >= 1")
         if routing_source not in ("auto", "extension", "native"):
             raise ValueError(f"routing_source={routing_source!r}, expected 'auto', 'extension' or 'native'")
         if on_update not in ("keep", "abort"):
@@ -275,6 +301,8 @@ class VllmEngine:
         self.lora_base_bytes = 0
         """Host memory each worker holds for the exact copy of W0 of the adapted weights (merge)."""
         self.spec, self.model_dir, self.max_model_len = spec, str(model_dir), max_model_len
+        self.tensor_parallel = tensor_parallel
+        """vLLM workers (tensor-parallel ranks) of this engine."""
         self.dtype = dtype
         """The weights' dtype: the dtype the engine takes versions in (sync/plan.py `version_dtype`)."""
         self.native = capture and (routing_source == "native" or (routing_source == "auto" and torch.cuda.is_available()))
@@ -288,19 +316,24 @@ class VllmEngine:
         """Where the served weights can be re-read for a rollback or restart: (slot, plan, bucket sources) of a sync,
         'model_dir', or None after `load_weights` from memory (nothing to re-read)."""
         self.stats = {"requests": 0, "resubmitted": 0, "capture_errors": 0, "restarts": 0}
+        self._omp_bind: str | None = None
+        """VLLM_CPU_OMP_THREADS_BIND for this engine's workers (CPU only)."""
         if not torch.cuda.is_available():
             check_cpu_head_size(spec)
             _cpu_env(spec, kv_cache_gib)
+            self._omp_bind = cpu_omp_bind(tensor_parallel, os.environ.get("VLLM_CPU_OMP_THREADS_BIND"))
         self._engine_args: dict[str, Any] = dict(
             model=self.model_dir, skip_tokenizer_init=True, trust_remote_code=True, dtype=dtype, enforce_eager=True,
             max_model_len=max_model_len, max_num_seqs=max_num_seqs, enable_prefix_caching=False, seed=seed,
-            disable_log_stats=True,
+            disable_log_stats=True, tensor_parallel_size=tensor_parallel,
             # The log-probs of the distribution sampled from (after temperature), which the learner computes with
             # its logits divided by the same temperature; at temperature 1 (and top_p 1) they equal the raw ones.
             logprobs_mode="processed_logprobs")
         overrides = _hf_overrides(self.model_dir)
         if overrides:
             self._engine_args["hf_overrides"] = overrides
+        if tensor_parallel > 1:
+            self._engine_args["distributed_executor_backend"] = "mp"  # one process per worker, on CPU and GPU alike
         if extension:
             self._engine_args["worker_extension_cls"] = EXTENSION
         if max_num_batched_tokens is not None:
@@ -354,14 +387,14 @@ class VllmEngine:
             except concurrent.futures.CancelledError:  # a shutdown or restart ended it
                 raise EngineError(f"engine {self.engine_id}: {what} was stopped: "
                                   f"{self.closing or 'cancelled'}") from None
-            pid = getattr(self, "worker_pid", None)
-            if pid is not None and not process_alive(pid):
+            pid = self._dead_pid()
+            if pid is not None:
                 future.cancel()
                 raise EngineError(f"engine {self.engine_id}: process {pid} died during {what}")
             if deadline is not None and time.monotonic() > deadline:
                 future.cancel()
                 raise EngineError(f"engine {self.engine_id}: {what} did not finish within {timeout_s:.0f} s "
-                                  f"(engine process {pid})")
+                                  f"(engine process {getattr(self, 'worker_pid', None)})")
 
     async def _collective_rpc(self, method: str, args: tuple = ()) -> Any:
         """Every call into the workers goes through here (tests wrap it to inject faults)."""
@@ -369,13 +402,18 @@ class VllmEngine:
 
     def _rpc(self, method: str, args: tuple = (), timeout_s: float | None = 120.0) -> Any:
         """A worker call that cannot hang on a dead engine (vLLM 0.32 leaves it pending forever)."""
-        if not process_alive(self.worker_pid):
-            raise EngineError(f"engine {self.engine_id}: process {self.worker_pid} is dead ({method} not sent)")
+        dead = self._dead_pid()
+        if dead is not None:
+            raise EngineError(f"engine {self.engine_id}: process {dead} is dead ({method} not sent)")
         return self._call(self._collective_rpc(method, args), method, timeout_s)
 
     def _start(self, timeout_s: float | None = None) -> None:
         t0 = time.perf_counter()
         self.worker_pid: int | None = None
+        self._model_pids: list[int] = []
+        """Every process holding part of the model: the workers, and with several the engine core between them."""
+        self._capture_index = 0
+        """Position of tensor-parallel rank 0 (the worker that captures routing) in collective_rpc's answers."""
         self._closing = None
         try:
             info = self._call(self._astart(), "start", timeout_s=timeout_s or max(self.request_timeout_s, 300.0))
@@ -388,7 +426,7 @@ class VllmEngine:
             raise EngineError(f"engine {self.engine_id}: routing capture found {len(info['moe_layers'])} MoE routers, "
                               f"expected {self.spec.num_moe_layers} for {self.spec.name}")
         if info is not None:
-            self.worker_pid = int(info["pid"])  # the process that holds the model (vLLM's engine core)
+            self.worker_pid = int(info["pid"])  # tensor-parallel rank 0 (one worker: vLLM's engine core itself)
         if self.lora is not None:
             self._lora_start()
 
@@ -455,7 +493,7 @@ class VllmEngine:
                 self.policy_version, self.weight_source = int(version), source
             finally:
                 if abort:
-                    if process_alive(self.worker_pid):
+                    if self._dead_pid() is None:
                         await llm.resume_generation()
                     self._updating.set()
             await self._retire(idle)
@@ -519,14 +557,46 @@ class VllmEngine:
         # engine), and the engine core its workers: all of them die with this process, however it ends (a
         # SIGKILLed engine actor runs no cleanup; vLLM's own watch of its parent runs in threads a stopped
         # process never runs).
+        if self._omp_bind is not None:  # read by the engine core when it spawns its workers (one list per worker)
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = self._omp_bind
         with started_processes_die_with_this_thread():
             self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**self._engine_args))
         self._record_processes()
         await self.llm.update_weight_version(str(self.policy_version))
         if not self.extension:
             self.worker_pid = self._engine_core_pid()
+            self._model_pids = [self.worker_pid]
             return None
-        return (await self._collective_rpc("moe_grpo_install", (self.capture and not self.native,)))[0]
+        infos = await self._collective_rpc("moe_grpo_install", (self.capture and not self.native,))
+        return self._check_workers(infos)
+
+    def _check_workers(self, infos: list[dict[str, Any]]) -> dict[str, Any]:
+        """From every worker's `moe_grpo_install` answer: note their processes (and the engine core's, a process of
+        its own when there are several workers) and check that exactly one worker, tensor-parallel rank 0, captures
+        routing. Returns rank 0's answer (its MoE layers: what the capture covers)."""
+        if len(infos) != self.tensor_parallel:
+            raise EngineError(f"engine {self.engine_id}: {len(infos)} vLLM workers answered, expected "
+                              f"tensor_parallel={self.tensor_parallel}")
+        ranks = [int(i["tp_rank"]) for i in infos]
+        if sorted(ranks) != list(range(self.tensor_parallel)):
+            raise EngineError(f"engine {self.engine_id}: workers report tensor-parallel ranks {ranks}, expected "
+                              f"0..{self.tensor_parallel - 1} once each")
+        self._capture_index = ranks.index(0)
+        capturing = [r for r, i in zip(ranks, infos) if i["capturing"]]
+        if self.capture and not self.native and capturing != [0]:
+            raise EngineError(f"engine {self.engine_id}: routing captured by tensor-parallel ranks {capturing}, "
+                              "expected rank 0 alone")
+        self._model_pids = [int(i["pid"]) for i in infos]
+        if self.tensor_parallel > 1:
+            self._model_pids.append(self._engine_core_pid())
+        return infos[self._capture_index]
+
+    def _dead_pid(self) -> int | None:
+        """A process of the engine (a worker, or the engine core holding them) that is dead, or None."""
+        for pid in getattr(self, "_model_pids", None) or [p for p in [getattr(self, "worker_pid", None)] if p]:
+            if not process_alive(pid):
+                return pid
+        return None
 
     def _engine_core_pid(self) -> int:
         procs = getattr(getattr(getattr(self.llm.engine_core, "resources", None), "engine_manager", None), "processes", None)
@@ -598,7 +668,7 @@ class VllmEngine:
                 "shutdown_phases": down["phases"]}
 
     def alive(self) -> bool:
-        return self.llm is not None and process_alive(self.worker_pid)
+        return self.llm is not None and self._dead_pid() is None
 
     @property
     def closing(self) -> str | None:
@@ -670,10 +740,10 @@ class VllmEngine:
 
     def _failure(self, e: BaseException, what: str) -> EngineError:
         """The EngineError for a vLLM call that raised `e`: the engine shut down, its process died, or vLLM failed."""
-        pid = self.worker_pid
+        pid = self._dead_pid() or self.worker_pid
         if self._closing:
             return EngineError(f"engine {self.engine_id}: {what} was lost: {self._closing}")
-        if type(e).__name__ == "EngineDeadError" or (pid is not None and not process_alive(pid)):
+        if type(e).__name__ == "EngineDeadError" or self._dead_pid() is not None:
             return EngineError(f"engine {self.engine_id}: vLLM process {pid} died during {what} "
                                f"({type(e).__name__})")
         return EngineError(f"engine {self.engine_id}: {what} failed: {e}")
@@ -738,11 +808,11 @@ class VllmEngine:
     async def _pop_routing(self, prefixes: list[str]) -> dict[str, Any]:
         if not (self.capture and not self.native and self.extension):
             return {}
-        if self._closing or self.llm is None or not process_alive(self.worker_pid):
+        if self._closing or self.llm is None or self._dead_pid() is not None:
             return {"error": f"engine {self.engine_id} is not serving; routing not fetched"}  # its buffers went with it
         try:
             packed = (await asyncio.wait_for(self._collective_rpc("moe_grpo_pop_routing", (prefixes,)),
-                                             self.request_timeout_s))[0]
+                                             self.request_timeout_s))[self._capture_index]
         except Exception as e:  # noqa: BLE001 - a dead engine is reported by the caller's watchdog
             return {"error": f"could not fetch routing: {e}"}
         out: dict[str, Any] = {}
@@ -827,7 +897,7 @@ class VllmEngine:
 
     def num_routing_buffers(self) -> int:
         """Routing buffers the worker holds (requests not yet finished); 0 when idle."""
-        return int(self._rpc("moe_grpo_num_routing_buffers")[0])
+        return sum(int(n) for n in self._rpc("moe_grpo_num_routing_buffers"))  # a leak in any worker counts
 
     def weight_digests(self) -> dict[str, str]:
         """sha256 of each tensor the (first) worker serves from, by vLLM's parameter name: equal digests, equal bits."""
@@ -847,15 +917,24 @@ class VllmEngine:
             await llm.pause_generation(mode="keep" if self.on_update == "keep" else "abort", clear_cache=False)
             try:
                 for method, args in rpcs:
-                    await self._collective_rpc(method, args)
+                    self._every_worker_loaded(method, await self._collective_rpc(method, args), version)
                 await llm.update_weight_version(str(int(version)))
                 self.policy_version, self.weight_source = int(version), source
             finally:
-                if process_alive(self.worker_pid):  # a dead engine never answers: vLLM leaves the call pending
+                if self._dead_pid() is None:  # a dead engine never answers: vLLM leaves the call pending
                     await llm.resume_generation()
         finally:
             self._updating.set()
             self._tasks.discard(task)
+
+    def _every_worker_loaded(self, method: str, answers: Any, version: int) -> None:
+        """A reload call counts only when every worker answered it with the same number of tensors loaded (each
+        loads the whole bucket through vLLM's weight loaders, which keep its own slices); otherwise the version is
+        not served and `load_published` rolls every worker back."""
+        answers = list(answers or [])
+        if len(answers) != self.tensor_parallel or len({repr(a) for a in answers}) != 1:
+            raise EngineError(f"engine {self.engine_id}: {method} of version {version} answered {answers} from "
+                              f"{len(answers)} worker(s), expected the same count from each of {self.tensor_parallel}")
 
     def _bucket_rpcs(self, plan: Any, sources: list[dict]) -> list[tuple[str, tuple]]:
         """Merge mode and full weights: one reload call per bucket, each handing the workers what the receiver
@@ -910,8 +989,9 @@ class VllmEngine:
         """
         if self.broken:
             self.broken = None  # a full version is about to replace whatever is loaded
-        if not process_alive(self.worker_pid):
-            raise EngineError(f"engine {self.engine_id}: process {self.worker_pid} is dead (version {version} not sent)")
+        dead = self._dead_pid()
+        if dead is not None:
+            raise EngineError(f"engine {self.engine_id}: process {dead} is dead (version {version} not sent)")
         try:
             self._call(self._apply_published(slot, plan, sources, version, only), f"load of version {version}",
                        timeout_s)

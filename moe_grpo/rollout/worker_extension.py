@@ -13,6 +13,11 @@ routers, so dense layers never enter the trace.
 
 Prefix caching must be off: cached positions are never recomputed and would
 get no rows.
+
+Tensor parallelism: every worker runs every router on the full hidden states (the gate is a `ReplicatedLinear`
+after attention's all-reduce; vLLM 0.32 splits tokens across ranks only for sequence-parallel MoE, i.e. expert
+parallelism with data parallelism), so every rank computes the same complete top-k. Only tensor-parallel rank 0
+captures: one trace per request, never one per worker.
 """
 
 from __future__ import annotations
@@ -39,13 +44,18 @@ class RoutingCaptureExtension:
 
     # ---------------------------------------------------------------- setup
     def moe_grpo_install(self, capture: bool = True) -> dict[str, Any]:
+        from vllm.distributed import get_tensor_model_parallel_rank
         from vllm.model_executor.layers.fused_moe.router.base_router import BaseRouter
 
         runner = self.model_runner  # type: ignore[attr-defined]
         model = runner.get_model()
         vllm_patches.apply_cpu_patches_after_build(model)
+        tp_rank = int(get_tensor_model_parallel_rank())
+        capture = bool(capture) and tp_rank == 0  # the other ranks compute the same routing (module docstring)
         layers = []
         for module in model.modules():
+            if tp_rank != 0:
+                break  # no hooks: this worker never captures
             router = getattr(module, "router", None)
             if isinstance(router, BaseRouter) and hasattr(module, "layer_id"):
                 router.set_capture_fn(partial(self._mg_on_route, int(module.layer_id)))
@@ -81,10 +91,12 @@ class RoutingCaptureExtension:
 
             runner._prepare_inputs, runner.execute_model = _prepare_inputs, execute_model
             runner._mg_wrapped = True
-        return {"moe_layers": self._mg_layers, "pid": os.getpid()}
+        return {"moe_layers": self._mg_layers, "pid": os.getpid(), "tp_rank": tp_rank, "capturing": capture}
 
     def moe_grpo_set_capture(self, on: bool) -> bool:
-        self._mg_capture = bool(on)
+        from vllm.distributed import get_tensor_model_parallel_rank
+
+        self._mg_capture = bool(on) and get_tensor_model_parallel_rank() == 0  # rank 0 alone captures
         return self._mg_capture
 
     # ---------------------------------------------------------------- capture

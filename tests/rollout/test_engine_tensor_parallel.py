@@ -1,0 +1,158 @@
+"""An engine at tensor parallelism 2 serves what the one-worker engine serves (issue 32, Show's first bullet).
+
+For the DeepSeek-V3 (MLA, group-limited sigmoid routing with expert bias, shared expert, leading dense layer) and
+Qwen3-MoE tiny checkpoints of test_families (written by transformers, fp32), a TP=1 and a TP=2 `VllmEngine` on
+the same weights: prompt log-probs, greedy completions (tokens, log-probs) and routing traces (prompt and
+generated positions, row for row), first on the start directory's weights, then on a published version that both
+load through shared memory (`load_published`: every TP=2 worker maps the buckets and vLLM's loaders take its
+slices). Then the TP=2 engine is handed a version one of its workers does not report loaded: it keeps serving
+the version it had. The engines run one after the other (2 cores); each family starts two.
+
+Before tensor parallelism was built, `VllmEngine(..., tensor_parallel=2)` did not exist (TypeError) and a run
+with `cluster.engine_tensor_parallel=2` was refused at start.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from publishing import publish_version
+from test_families import _eval_tokens, write_checkpoint
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+FAMILIES = ["deepseek_v3", "qwen3_moe"]
+LOGPROB_TOL = 1e-5
+"""fp32 on both engines; TP=2 sums each row-parallel matmul in two halves, then all-reduces (measured ~5e-7)."""
+GREEDY_TOKENS = 12
+
+
+def _perturbed(hf_dir: str, spec, seed: int) -> dict[str, torch.Tensor]:
+    """The start directory's tensors plus seeded noise: a version unlike the one the engines started on."""
+    from moe_grpo.checkpoint.hf_io import SafetensorsDir
+    from moe_grpo.models.hf_names import hf_names
+
+    files, gen = SafetensorsDir(hf_dir), torch.Generator().manual_seed(seed)
+    out = {}
+    for name in hf_names(spec):
+        t = files.get(name).float()
+        out[name] = t + 0.02 * torch.randn(t.shape, generator=gen)
+    return out
+
+
+def _measure(engine, seqs: list[list[int]]) -> dict:
+    """What a user of the engine sees: prompt log-probs, routing of every prompt position, greedy completions."""
+    from moe_grpo.rollout.types import SamplingSettings
+
+    routed = engine.generate([s[:-1] for s in seqs], SamplingSettings(n=1, max_tokens=1, temperature=0.0))
+    greedy = engine.generate([s[:20] for s in seqs], SamplingSettings(n=1, max_tokens=GREEDY_TOKENS, temperature=0.0))
+    return {"prompt_lps": engine.score(seqs),
+            "prompt_routes": [g[0].routing.expert_ids for g in routed],
+            "tokens": [g[0].token_ids for g in greedy], "lps": [g[0].logprobs for g in greedy],
+            "routes": [g[0].routing.expert_ids for g in greedy], "versions": [g[0].versions for g in greedy]}
+
+
+def _serve(hf: str, spec, tp: int, transport, seqs) -> dict:
+    """Start an engine of `tp` workers, measure version 0 (start directory) and version 1 (published); for TP > 1
+    also hand it version 2 with one worker's answer missing. Shut down before returning."""
+    from moe_grpo.rollout.vllm_engine import VllmEngine
+    from moe_grpo.sync.deliver import apply_version
+    from moe_grpo.sync.transport import SyncError
+
+    engine = VllmEngine(hf, spec, max_model_len=256, max_num_seqs=8, tensor_parallel=tp, name=f"tp{tp}")
+    try:
+        out = {"workers": len(engine._model_pids), "v0": _measure(engine, seqs)}
+        apply_version(engine, transport, 1)
+        out["v1"] = _measure(engine, seqs)
+        out["buffers_left"] = engine.num_routing_buffers()
+        if tp > 1:
+            real, silenced = engine._collective_rpc, []
+
+            async def one_worker_silent(method, args=()):  # once: the rollback that follows goes through
+                answers = await real(method, args)
+                if method == "moe_grpo_reload_bucket" and not silenced:
+                    silenced.append(method)
+                    return answers[:1]
+                return answers
+
+            engine._collective_rpc = one_worker_silent
+            try:
+                with pytest.raises(SyncError, match=r"expected the same count from each of 2"):
+                    apply_version(engine, transport, 2)
+            finally:
+                engine._collective_rpc = real
+            out["after_refused"] = {"version": engine.policy_version, "prompt_lps": engine.score(seqs)}
+        return out
+    finally:
+        engine.shutdown()
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def served(request, tmp_path_factory):
+    from moe_grpo.models.hf_config import read_hf_config, spec_from_hf_config
+    from moe_grpo.sync.transport import SharedMemoryTransport
+
+    root = tmp_path_factory.mktemp(f"tp_{request.param}")
+    hf = str(root / "hf")
+    write_checkpoint(request.param, hf)
+    spec = spec_from_hf_config(read_hf_config(hf), name=request.param)
+    transport = SharedMemoryTransport(str(root / "shm"))
+    try:
+        publish_version(transport, 1, spec, tensors=_perturbed(hf, spec, 1))
+        publish_version(transport, 2, spec, tensors=_perturbed(hf, spec, 2))
+        seqs = _eval_tokens()
+        yield {"name": request.param, "tp1": _serve(hf, spec, 1, transport, seqs),
+               "tp2": _serve(hf, spec, 2, transport, seqs)}
+    finally:
+        transport.close()
+
+
+def _gap(a, b) -> float:
+    return max(float(np.abs(np.asarray(x, np.float64) - np.asarray(y, np.float64)).max()) for x, y in zip(a, b))
+
+
+def _rows_equal(a, b) -> tuple[int, int]:
+    """(rows equal, rows in all): a row is one position's top-k ids over every MoE layer."""
+    same = total = 0
+    for x, y in zip(a, b):
+        assert x.shape == y.shape, f"trace shapes {x.shape} vs {y.shape}"
+        same += int((x == y).all(axis=(1, 2)).sum())
+        total += x.shape[0]
+    return same, total
+
+
+@pytest.mark.parametrize("version", ["v0", "v1"])
+def test_tp2_engine_matches_tp1_engine(served, version, record_property):
+    """Log-probs within 1e-5, the same greedy tokens, and routing traces equal row for row (captured once, by
+    TP rank 0) on the start weights and on a version loaded into every worker through shared memory."""
+    one, two = served["tp1"][version], served["tp2"][version]
+    assert served["tp2"]["workers"] == 3, "expected 2 workers and the engine core holding them"
+    prompt_gap, gen_gap = _gap(one["prompt_lps"], two["prompt_lps"]), _gap(one["lps"], two["lps"])
+    prompt_rows, gen_rows = _rows_equal(one["prompt_routes"], two["prompt_routes"]), _rows_equal(one["routes"],
+                                                                                                 two["routes"])
+    figures = {"family": served["name"], "version": version, "prompt_logprob_max_gap": prompt_gap,
+               "greedy_logprob_max_gap": gen_gap, "prompt_rows_equal": prompt_rows, "greedy_rows_equal": gen_rows}
+    record_property("tp2_vs_tp1", figures)
+    print(f"TP=2 vs TP=1: {figures}")
+    assert prompt_gap <= LOGPROB_TOL and gen_gap <= LOGPROB_TOL, figures
+    assert all((a == b).all() for a, b in zip(one["tokens"], two["tokens"])), "greedy tokens differ"
+    assert prompt_rows[0] == prompt_rows[1] and gen_rows[0] == gen_rows[1], figures
+    expected = 0 if version == "v0" else 1
+    assert all((v == expected).all() for v in two["versions"]), f"tokens not stamped with version {expected}"
+    if version == "v1":  # the published version changed what is served (else the load went nowhere)
+        assert _gap(served["tp2"]["v0"]["prompt_lps"], two["prompt_lps"]) > 1e-3
+
+
+def test_tp2_engine_serves_a_version_only_when_every_worker_loaded_it(served):
+    """A reload that one of the two workers does not report done is not served: the engine rolls back to the
+    version it had (what it serves is unchanged) instead of stamping tokens with a version half loaded."""
+    two = served["tp2"]
+    assert two["after_refused"]["version"] == 1
+    assert _gap(two["after_refused"]["prompt_lps"], two["v1"]["prompt_lps"]) == 0.0
+
+
+def test_tp2_engine_keeps_no_routing_buffers(served):
+    """Rank 1 never captures (its buffers would grow with every request), and rank 0 frees each request's."""
+    assert served["tp2"]["buffers_left"] == 0 and served["tp1"]["buffers_left"] == 0
