@@ -110,9 +110,10 @@ class ClusterConfig:
     gpu_memory_gib: float = 80.0
     """Memory of one GPU (GiB): what the plan checks each learner rank's and each engine GPU's estimate against."""
     engine_tensor_parallel: int = 1
-    """GPUs (vLLM tensor-parallel ranks) per engine, within one node. The plan places and sizes engines by it; the
-    engines are started without tensor parallelism in this build, so a run with a value > 1 stops at start (a dry
-    run shows its plan)."""
+    """vLLM tensor-parallel workers per engine (vLLM `tensor_parallel_size`), within one node: on GPUs one GPU each,
+    on CPU one core set each (`VLLM_CPU_OMP_THREADS_BIND`). The plan places and sizes engines by it (weights / TP
+    per engine GPU); routing is captured once per request (TP rank 0) and a version is served only when every worker
+    loaded it."""
     dry_run: bool = False
     """Print the placement plan and exit (0 when it fits, 2 with the reasons when it is refused) before Ray starts."""
 

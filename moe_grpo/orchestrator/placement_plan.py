@@ -291,12 +291,17 @@ def build_plan(run: Any, environ: Mapping[str, str] | None = None, *, seq_len: i
     if engine_gpus >= 1:
         eng_mem = engine_memory(counts.total, run.rollout.dtype, engine_tp, gpu_bytes)
         if not eng_mem.fits:
+            whole_node = bool(gpus) and engine_tp >= gpus
+            helps = ("larger GPUs (cluster.gpu_memory_gib): an engine already spans a whole node "
+                     f"(cluster.engine_tensor_parallel={engine_tp}) and engines across nodes (vLLM pipeline parallelism) "
+                     "are not built" if whole_node else
+                     "more GPUs per engine (cluster.engine_tensor_parallel, at most a node's) or larger GPUs "
+                     "(cluster.gpu_memory_gib)")
             problems.append(
                 f"an engine GPU needs {eng_mem.weights / GIB:.1f} GiB for its share of the weights "
                 f"({counts.total / 1e9:.2f}B parameters x {DTYPE_BYTES[run.rollout.dtype]} bytes {run.rollout.dtype} / "
                 f"TP {engine_tp}) but vLLM may use {eng_mem.capacity / GIB:.1f} GiB of a "
-                f"{c.gpu_memory_gib:g}-GiB GPU (0.9 of it less {RESERVED_GIB:g} GiB); more GPUs per engine "
-                f"(cluster.engine_tensor_parallel, at most a node's) or larger GPUs (cluster.gpu_memory_gib)")
+                f"{c.gpu_memory_gib:g}-GiB GPU (0.9 of it less {RESERVED_GIB:g} GiB); {helps}")
     ranks = []
     for r in range(world):
         tp, pp, dp, ep, edp = coordinates(r, layout) if layout else (0, 0, 0, 0, 0)
@@ -582,11 +587,9 @@ def _memory_refusal(run: Any, total: int, mem: RankMemory, layout: Layout) -> st
 def not_runnable_yet(plan: Plan) -> list[str]:
     """What a valid plan asks that this build cannot run yet (the driver refuses these at start; a dry run only
     notes them)."""
-    out = []
-    if any(e.tensor_parallel > 1 for e in plan.engines):
-        out.append(f"engines with tensor parallelism {plan.engines[0].tensor_parallel}: the vLLM engines are started "
-                   "without tensor_parallel_size in this build (cluster.engine_tensor_parallel=1)")
-    # Engines on hosts without a learner rank get each version through `sync.transport` (relay under `auto`;
+    out: list[str] = []
+    # Engines with tensor parallelism run (VllmEngine(tensor_parallel=N), one vLLM worker per GPU, or per core set
+    # on CPU). Engines on hosts without a learner rank get each version through `sync.transport` (relay under `auto`;
     # sync_hosts.plan_sync refuses shm / cuda_ipc across hosts once Ray placed the bundles).
     return out
 

@@ -78,10 +78,10 @@ def test_qwen3_30b_on_two_nodes_of_eight_gpus_fits_and_says_where_everything_run
     cluster = plan.cluster_for_run(run_config(QWEN_2x8).cluster)
     assert (cluster.nodes, cluster.learner_ranks, cluster.engine_gpus, cluster.learner_gpus) == (
         ("gpu01", "gpu02"), 8, 2.0, 1.0)
-    # ...which this build cannot run yet (engines with TP=2), and says so (the driver refuses it at start). Engines
-    # on a host without learner ranks are not a limit: the relay carries the weights there.
-    limits = not_runnable_yet(plan)
-    assert len(limits) == 1 and "tensor parallelism 2" in limits[0]
+    # ...which this build runs: engines with TP=2 are started with tensor_parallel_size=2 (issue 32; before, the
+    # driver refused them at start), and engines on a host without learner ranks get the weights by the relay.
+    assert [e.tensor_parallel for e in plan.engines] == [2] * 4
+    assert not_runnable_yet(plan) == []
 
 
 def test_the_same_model_without_recompute_or_tp_does_not_fit_and_the_plan_says_by_how_much():
@@ -116,6 +116,10 @@ def test_deepseek_v3_on_four_nodes_of_eight_h100s_is_refused_with_the_numbers():
     assert "(the training pool has 16)" in training
     assert engine.startswith("an engine GPU needs 156.2 GiB for its share of the weights (671.03B parameters x 2 "
                              "bytes bfloat16 / TP 8) but vLLM may use 68.0 GiB of a 80-GiB GPU")
+    # An engine of TP=8 already holds a whole 8-GPU node: the refusal does not ask for more GPUs per engine.
+    assert engine.endswith("larger GPUs (cluster.gpu_memory_gib): an engine already spans a whole node "
+                           "(cluster.engine_tensor_parallel=8) and engines across nodes (vLLM pipeline parallelism) are "
+                           "not built"), engine
 
 
 def test_deepseek_v3_fits_nine_nodes_of_288_gb_gpus_and_not_of_141_gb_ones():
@@ -296,9 +300,9 @@ def test_the_driver_refuses_a_plan_before_anything_starts():
 
     with pytest.raises(PlanRefused, match="parallel.pipeline_parallel=5 does not divide the model's 3 layers"):
         checked_plan(run_config(["parallel.pipeline_parallel=5"]))
-    run = run_config([*QWEN_2x8, "cluster.nodes=[gpu01,gpu02]", "cluster.gpus_per_node=8"])
-    with pytest.raises(PlanRefused, match="this build cannot run the plan yet: engines with tensor parallelism 2"):
-        checked_plan(run)
+    # Engines with tensor parallelism are no longer refused at start (issue 32): the plan's engines carry TP=2.
+    run, plan = checked_plan(run_config([*QWEN_2x8, "cluster.nodes=[gpu01,gpu02]", "cluster.gpus_per_node=8"]))
+    assert plan.ok and {e.tensor_parallel for e in plan.engines} == {2} and run.cluster.engine_gpus == 2.0
     run, plan = checked_plan(run_config([]))
     assert plan.ok and run.cluster == run_config([]).cluster
 
@@ -317,10 +321,10 @@ def test_a_dry_run_prints_the_plan_and_exits_before_ray_starts(tmp_path):
     import re
 
     assert not re.search(r"\|\s+(torch|ray|vllm|megatron)$", out.stderr, re.MULTILINE), "a dry run imported them"
-    assert "training pool: 1 node (gpu01): 8 learner ranks" in out.stdout and out.stdout.rstrip().endswith(
-        "note: a run of this plan stops at start in this build: engines with tensor parallelism 2: the vLLM engines "
-        "are started without tensor_parallel_size in this build (cluster.engine_tensor_parallel=1)")
-    assert "plan: OK" in out.stdout
+    assert "training pool: 1 node (gpu01): 8 learner ranks" in out.stdout
+    assert "inference pool: 1 node (gpu02): 4 engines x TP=2, 2 GPUs each" in out.stdout
+    assert out.stdout.rstrip().endswith("plan: OK"), "no note that the run would stop at start (TP=2 engines run)"
+    assert "stops at start" not in out.stdout
     assert not list(tmp_path.iterdir()), "a dry run writes no run directory"
     assert seconds < 30, f"a dry run took {seconds:.1f} s"
     refused, _ = _train([*QWEN_2x8, "cluster.dry_run=true", "cluster.learner_ranks=16"], env, tmp_path)
