@@ -11,6 +11,7 @@ PUBLISHED = {
     "deepseek_v3": (671.0, 37.0, "deepseek"),
     "deepseek_v2_lite": (15.7, 2.4, "deepseek"),
     "qwen3_moe_30b_a3b": (30.5, 3.3, "qwen"),
+    "qwen3_moe_235b_a22b": (235.0, 22.0, "qwen"),
 }
 
 
@@ -53,7 +54,7 @@ def test_total_and_active_parameters_match_published(name):
 
 
 @pytest.mark.parametrize("name", ["deepseek_v3", "qwen3_moe_30b_a3b", "deepseek_v2_lite", "deepseek_moe",
-                                  "qwen3_moe_1b_64e", "deepseek_v3_tiny"])
+                                  "qwen3_moe_1b_64e", "deepseek_v3_tiny", "qwen3_moe_235b_a22b"])
 def test_the_analytic_count_the_plan_uses_is_every_hf_tensor_element(name):
     """models/param_count.py counts without torch (the placement plan runs before anything is imported); it must
     agree with the tensors a weight sync carries, element for element."""
