@@ -12,8 +12,6 @@ import json
 import logging
 import math
 import os
-import random
-import re
 import shutil
 from functools import partial
 from typing import Any, Callable, Sequence
@@ -33,6 +31,7 @@ from moe_grpo.learner.lora_config import LoraConfig
 from moe_grpo.learner.optimizer import (adam_step, build_ddp_and_optimizer, current_lr, load_optimizer_state,
                                         lr_scheduler, optimizer_sharded_state_dict, reset_optimizer_state, set_lr)
 from moe_grpo.learner.parallel import ParallelLayout, init_distributed, ranks, seed_everything
+from moe_grpo.learner.rng_state import RNG_FILE_RE, capture_rng_state, restore_rng_state, rng_file
 from moe_grpo.models.megatron import MegatronOptions, build_gpt_model, transformer_config
 from moe_grpo.models.spec import SPEC_FILE, MoEModelSpec, read_spec, write_spec
 from moe_grpo.routing.replay import (RoutingReplayer, batch_order_from_megatron, check_replay_supported,
@@ -782,33 +781,6 @@ class MegatronLearner:
             raise RuntimeError(f"parameters without a checkpoint key, so their reference copy cannot be saved: {unkeyed}")
         return {i: make_sharded_optimizer_tensor(by_index[i], tensors[i], prefix="reference") for i in sorted(by_index)}
 
-    @staticmethod
-    def _rng_state() -> dict[str, Any]:
-        from megatron.core import tensor_parallel
-
-        kind, keys, pos, has_gauss, gauss = np.random.get_state()
-        state: dict[str, Any] = {
-            "python": random.getstate(),
-            "numpy": [kind, keys.tolist(), int(pos), int(has_gauss), float(gauss)],
-            "torch": torch.get_rng_state(),
-            "megatron": dict(tensor_parallel.get_cuda_rng_tracker().get_states()),
-        }
-        if torch.cuda.is_available():
-            state["cuda"] = torch.cuda.get_rng_state_all()
-        return state
-
-    @staticmethod
-    def _set_rng_state(state: dict[str, Any]) -> None:
-        from megatron.core import tensor_parallel
-
-        random.setstate((state["python"][0], tuple(state["python"][1]), state["python"][2]))
-        kind, keys, pos, has_gauss, gauss = state["numpy"]
-        np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, gauss))
-        torch.set_rng_state(state["torch"])
-        tensor_parallel.get_cuda_rng_tracker().set_states(state["megatron"])
-        if torch.cuda.is_available() and "cuda" in state:
-            torch.cuda.set_rng_state_all(state["cuda"])
-
     def save_run_state(self, directory: str) -> None:
         """Collective: everything this learner needs to continue, written into `directory` (created).
 
@@ -833,7 +805,7 @@ class MegatronLearner:
             sharded["reference"] = self._reference_sharded_state_dict(model, self._reference)
         with megatron_write_digests.recording(os.path.join(directory, RUN_STATE_DIST)):  # no second read to hash
             self._write_dist(sharded, os.path.join(directory, RUN_STATE_DIST))
-        torch.save(self._rng_state(), os.path.join(directory, rng_file(rank)))
+        torch.save(capture_rng_state(), os.path.join(directory, rng_file(rank)))
         step = adam_step(self.optimizer)
         torch.distributed.barrier()
         if rank == 0:
@@ -913,7 +885,7 @@ class MegatronLearner:
         self.set_lr(float(meta["lr"]))
         self.zero_grad()
         if rng is not None:
-            self._set_rng_state(rng)
+            restore_rng_state(rng)
         elif torch.distributed.get_rank() == 0:
             logging.getLogger(__name__).warning(
                 "learner run state %s was saved at %s and is loaded at %s: RNG states not restored (they are per "
@@ -938,12 +910,6 @@ RUN_STATE_META = "learner_meta.json"
 RUN_STATE_DIST = "dist"
 """The Megatron distributed checkpoint inside a run-state directory (weights, optimizer state, reference)."""
 RUN_STATE_FORMAT = 1
-RNG_FILE_RE = re.compile(r"rng_rank\d+\.pt")
-
-
-def rng_file(rank: int) -> str:
-    """Name of global rank `rank`'s RNG states inside a run-state directory."""
-    return f"rng_rank{rank}.pt"
 
 
 class IncompleteCheckpointError(RuntimeError):
