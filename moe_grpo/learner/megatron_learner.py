@@ -7,33 +7,27 @@ data-parallel rank passes its own sequences.
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import logging
 import math
-import os
-import shutil
 from functools import partial
 from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
-from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.api import CheckpointException
 
 from moe_grpo.algo.corrections import Correction
 from moe_grpo.algo.losses import PolicyLoss, TokenLoss
-from moe_grpo.learner import megatron_write_digests
+from moe_grpo.learner import checkpoint_io
 from moe_grpo.learner.batch import LearnerSequence, Microbatch, make_microbatches
+from moe_grpo.learner.checkpoint_files import IncompleteCheckpointError  # noqa: F401 - raised by the loads; named here
 from moe_grpo.learner.config import LearnerConfig
 from moe_grpo.learner.lora import apply_lora, gather_adapter_state, load_adapter_state
 from moe_grpo.learner.lora_config import LoraConfig
-from moe_grpo.learner.optimizer import (adam_step, build_ddp_and_optimizer, current_lr, load_optimizer_state,
-                                        lr_scheduler, optimizer_sharded_state_dict, reset_optimizer_state, set_lr)
+from moe_grpo.learner.optimizer import build_ddp_and_optimizer, current_lr, lr_scheduler, set_lr
 from moe_grpo.learner.parallel import ParallelLayout, init_distributed, ranks, seed_everything
-from moe_grpo.learner.rng_state import RNG_FILE_RE, capture_rng_state, restore_rng_state, rng_file
+from moe_grpo.learner.rng_state import restore_rng_state
 from moe_grpo.models.megatron import MegatronOptions, build_gpt_model, transformer_config
-from moe_grpo.models.spec import SPEC_FILE, MoEModelSpec, read_spec, write_spec
+from moe_grpo.models.spec import MoEModelSpec
 from moe_grpo.routing.replay import (RoutingReplayer, batch_order_from_megatron, check_replay_supported,
                                      megatron_token_order)
 from moe_grpo.routing.trace import RoutingTrace, RoutingTraceError
@@ -676,80 +670,61 @@ class MegatronLearner:
         a rollback multiplies it by a factor. Saved with the run state. Local: call it on every rank."""
         set_lr(self.optimizer, float(lr))
 
-    # ------------------------------------------------------------------ checkpoints
+    # ------------------------------------------------------------------ checkpoints (checkpoint_io.py)
     def _wait_for_readers(self) -> None:
         for wait in self.before_update:
             wait()
 
-    def _write_dist(self, sharded: Any, directory: str) -> None:
-        """Collective: write `sharded` as a Megatron distributed checkpoint into a new, empty `directory`, plus the
-        model's description (the checkpoint describes its model: export needs no config)."""
-        from megatron.core import dist_checkpointing
-
-        rank = torch.distributed.get_rank()
-        if rank == 0:
-            shutil.rmtree(directory, ignore_errors=True)
-            os.makedirs(directory)
-        torch.distributed.barrier()
-        dist_checkpointing.save(sharded, directory)
-        torch.distributed.barrier()
-        if rank == 0:
-            write_spec(self.spec, directory)
-        torch.distributed.barrier()
-
-    def _read_dist(self, sharded: Any, directory: str, *, checked: bool = False) -> Any:
-        """Collective: check that the distributed checkpoint at `directory` has every file it lists, whole (unless
-        the caller has just `checked`), then load `sharded` from it; a failure names the file (or the directory,
-        when Megatron's own error does not)."""
-        from megatron.core import dist_checkpointing
-
-        if not checked:
-            check_dist_checkpoint_files(directory)
-        try:
-            return dist_checkpointing.load(sharded, directory)
-        except (Exception, CheckpointException) as e:  # Megatron's and torch's errors rarely name a path
-            raise IncompleteCheckpointError(
-                directory, f"the distributed checkpoint could not be read (incomplete, corrupt, or saved from another "
-                           f"model): {_why(e)}") from e
-
     def save_checkpoint(self, directory: str) -> None:
         """Megatron distributed checkpoint of the weights, written to a temp dir and renamed into place."""
-        tmp = directory.rstrip("/") + ".tmp"
-        self._write_dist(self.module.sharded_state_dict(), tmp)
-        if torch.distributed.get_rank() == 0:
-            old = directory.rstrip("/") + ".old"
-            if os.path.exists(directory):
-                os.replace(directory, old)
-            os.replace(tmp, directory)
-            shutil.rmtree(old, ignore_errors=True)
-        torch.distributed.barrier()
+        checkpoint_io.save_weights(self.module, self.spec, directory)
 
     def load_checkpoint(self, directory: str) -> None:
         """Load weights saved at any TP/EP/PP layout into this layout (a `save_checkpoint` directory, or the
-        `dist` folder of a `save_run_state` directory)."""
-        if not os.path.isdir(directory):
-            raise FileNotFoundError(f"no Megatron checkpoint at {directory!r}")
-        sharded = self.module.sharded_state_dict()
-        without_adapters = self.adapters and not self._checkpoint_has_adapters(directory)
-        if without_adapters:  # a base model's checkpoint: the adapters keep their initial values
-            sharded = {k: v for k, v in sharded.items() if ".lora." not in k}
-        state = self._read_dist(sharded, directory)
+        `dist` folder of a `save_run_state` directory). A base model's checkpoint leaves the adapters as they are."""
+        state, without_adapters = checkpoint_io.read_weights(self.module, directory, has_adapters=bool(self.adapters))
         self._wait_for_readers()
-        if without_adapters:
-            missing, unexpected = self.module.load_state_dict(state, strict=False)
-            wrong = [k for k in missing if ".lora." not in k] + list(unexpected)
-            if wrong:
-                raise RuntimeError(f"{directory}: base weights not loaded: {wrong[:4]}")
-        else:
-            self.module.load_state_dict(state)
+        checkpoint_io.set_weights(self.module, state, without_adapters=without_adapters, directory=directory)
 
-    @staticmethod
-    def _checkpoint_has_adapters(directory: str) -> bool:
-        check_dist_checkpoint_files(directory)
-        keys = FileSystemReader(directory).read_metadata().state_dict_metadata
-        return any(".lora." in k for k in keys)
+    def save_run_state(self, directory: str) -> None:
+        """Collective: everything this learner needs to continue, written into `directory` (created).
 
-    # ------------------------------------------------------------------ LoRA adapters in PEFT's format
+        Files: `dist/` (a Megatron distributed checkpoint holding the weights, the optimizer state (Adam moments and
+        steps, fp32 main parameters where there are any) and the KL reference weights when set, all sharded per
+        model tensor so that any TP/EP/PP layout can load them; it is also a weights checkpoint `load_checkpoint`
+        and the export read), `rng_rank{N}.pt` (per global rank: Python, NumPy, torch, CUDA and Megatron's tracker
+        generators) and, written last by rank 0, `learner_meta.json` (layout, step count, learning rate, Adam step,
+        whether a reference is set, and every file above with its size). Not atomic on its own: the caller writes
+        the enclosing directory under a temporary name and renames it."""
+        record = checkpoint_io.RunStateRecord(layout=self.layout, step_count=self.step_count, lr=self.lr,
+                                              params_dtype=self.options.dtype)
+        checkpoint_io.save_run_state(directory, self.module, self.optimizer, self.spec, self._reference, record)
+
+    def load_run_state(self, directory: str) -> None:
+        """Collective: continue from a `save_run_state` directory, saved at this or any other TP/EP/PP layout.
+
+        Restores the weights, the optimizer state (or a fresh one when the checkpoint was taken before the first
+        step), the KL reference (or none), `step_count` and the learning rate. RNG states are restored only when
+        the checkpoint's layout and world size equal this one's (otherwise the generators stay as seeded and rank 0
+        logs why). Every file is checked before anything changes: a missing, truncated or unreadable one raises
+        `IncompleteCheckpointError` naming it. After a failure inside Megatron's load the learner is undefined;
+        load another checkpoint before training on."""
+        loaded = checkpoint_io.load_run_state(directory, self.module, self.optimizer, self.spec, self.layout,
+                                              before_update=self._wait_for_readers)
+        self._reference = loaded.reference
+        self.step_count = int(loaded.meta["step_count"])
+        self.set_lr(float(loaded.meta["lr"]))
+        self.zero_grad()
+        if loaded.rng is not None:
+            restore_rng_state(loaded.rng)
+        elif torch.distributed.get_rank() == 0:
+            logging.getLogger(__name__).warning(
+                "learner run state %s was saved at %s and is loaded at %s: RNG states not restored (they are per "
+                "rank of that layout); the generators stay as seeded", directory, loaded.meta["layout"],
+                checkpoint_io.layout_record(self.layout))
+        torch.distributed.barrier()
+
+    # ------------------------------------------------------------------ LoRA adapters in PEFT's format (lora.py)
     def adapter_state(self) -> dict[str, torch.Tensor]:
         """Collective: the whole model's adapters as full tensors in PEFT's naming (every rank gets them)."""
         if not self.lora.enabled:
@@ -763,257 +738,3 @@ class MegatronLearner:
             raise ValueError("this learner has no adapters (lora.rank=0)")
         self._wait_for_readers()
         load_adapter_state(self.adapters, state, self.spec, self.lora)
-
-    # ------------------------------------------------------------------ run state (resume, rollback)
-    def _layout_record(self) -> dict[str, int]:
-        return {"tensor_parallel": self.layout.tensor_parallel, "expert_parallel": self.layout.expert_parallel,
-                "pipeline_parallel": self.layout.pipeline_parallel, "world_size": torch.distributed.get_world_size()}
-
-    def _reference_sharded_state_dict(self, model_sharded: Any, tensors: list[torch.Tensor]) -> dict[int, Any]:
-        """The reference weights sharded as the live parameters they stand for, under `reference.<model key>`, so
-        they reshard to any layout like the weights do."""
-        from megatron.core.dist_checkpointing.optimizer import (get_param_id_to_sharded_param_map,
-                                                                 make_sharded_optimizer_tensor)
-
-        by_index = get_param_id_to_sharded_param_map(model_sharded, self.module.parameters())
-        unkeyed = [name for i, (name, _) in enumerate(self.module.named_parameters()) if i not in by_index]
-        if unkeyed:
-            raise RuntimeError(f"parameters without a checkpoint key, so their reference copy cannot be saved: {unkeyed}")
-        return {i: make_sharded_optimizer_tensor(by_index[i], tensors[i], prefix="reference") for i in sorted(by_index)}
-
-    def save_run_state(self, directory: str) -> None:
-        """Collective: everything this learner needs to continue, written into `directory` (created).
-
-        Files: `dist/` (a Megatron distributed checkpoint holding the weights, the optimizer state (Adam moments and
-        steps, fp32 main parameters where there are any) and the KL reference weights when set, all sharded per
-        model tensor so that any TP/EP/PP layout can load them; it is also a weights checkpoint `load_checkpoint`
-        and the export read), `rng_rank{N}.pt` (per global rank: Python, NumPy, torch, CUDA and Megatron's tracker
-        generators) and, written last by rank 0, `learner_meta.json` (layout, step count, learning rate, Adam step,
-        whether a reference is set, and every file above with its size). Not atomic on its own: the caller writes
-        the enclosing directory under a temporary name and renames it."""
-        rank = torch.distributed.get_rank()
-        if rank == 0:
-            os.makedirs(directory, exist_ok=True)
-            for name in os.listdir(directory):  # an earlier attempt's files must not vouch for this one
-                if name == RUN_STATE_META or RNG_FILE_RE.fullmatch(name):
-                    os.remove(os.path.join(directory, name))
-        torch.distributed.barrier()
-        model = self.module.sharded_state_dict()
-        sharded: dict[str, Any] = {"model": model,
-                                   "optimizer": optimizer_sharded_state_dict(self.optimizer, model, is_loading=False)}
-        if self._reference is not None:
-            sharded["reference"] = self._reference_sharded_state_dict(model, self._reference)
-        with megatron_write_digests.recording(os.path.join(directory, RUN_STATE_DIST)):  # no second read to hash
-            self._write_dist(sharded, os.path.join(directory, RUN_STATE_DIST))
-        torch.save(capture_rng_state(), os.path.join(directory, rng_file(rank)))
-        step = adam_step(self.optimizer)
-        torch.distributed.barrier()
-        if rank == 0:
-            files = {rng_file(r): 0 for r in range(torch.distributed.get_world_size())}
-            for root, _, names in os.walk(os.path.join(directory, RUN_STATE_DIST)):
-                for name in names:  # (a shard's digest file is the run checkpoint's to take, not part of the state)
-                    if not name.endswith(megatron_write_digests.DIGEST_SUFFIX):
-                        files[os.path.relpath(os.path.join(root, name), directory)] = 0
-            meta = {
-                "format": RUN_STATE_FORMAT,
-                "layout": self._layout_record(),
-                "step_count": self.step_count,
-                "lr": self.lr,
-                "adam_step": step,
-                "has_reference": self._reference is not None,
-                "params_dtype": str(self.options.dtype).replace("torch.", ""),
-                "files": {rel: os.path.getsize(os.path.join(directory, rel)) for rel in sorted(files)},
-            }
-            tmp = os.path.join(directory, RUN_STATE_META + ".tmp")
-            with open(tmp, "w") as f:
-                json.dump(meta, f, indent=1, sort_keys=True)
-                f.write("\n")
-            os.replace(tmp, os.path.join(directory, RUN_STATE_META))
-        torch.distributed.barrier()
-
-    def load_run_state(self, directory: str) -> None:
-        """Collective: continue from a `save_run_state` directory, saved at this or any other TP/EP/PP layout.
-
-        Restores the weights, the optimizer state (or a fresh one when the checkpoint was taken before the first
-        step), the KL reference (or none), `step_count` and the learning rate. RNG states are restored only when
-        the checkpoint's layout and world size equal this one's (otherwise the generators stay as seeded and rank 0
-        logs why). Every file is checked before anything changes: a missing, truncated or unreadable one raises
-        `IncompleteCheckpointError` naming it. After a failure inside Megatron's load the learner is undefined;
-        load another checkpoint before training on."""
-        dist_dir = os.path.join(directory, RUN_STATE_DIST)
-
-        def check() -> tuple[dict[str, Any], Any]:
-            if not os.path.isdir(directory):
-                raise FileNotFoundError(f"no learner run state at {directory!r}")
-            meta = read_run_state_meta(directory)
-            for rel, size in meta["files"].items():
-                _check_file(os.path.join(directory, rel), size)
-            check_dist_checkpoint_files(dist_dir)
-            self._check_same_model(dist_dir)
-            rng = None
-            if meta["layout"] == self._layout_record():
-                path = os.path.join(directory, rng_file(torch.distributed.get_rank()))
-                try:
-                    rng = torch.load(path, weights_only=True)
-                except Exception as e:
-                    raise IncompleteCheckpointError(path, f"unreadable ({_why(e)})") from e
-            return meta, rng
-
-        meta, rng = _on_every_rank(check)
-        model = self.module.sharded_state_dict()
-        sharded: dict[str, Any] = {"model": model}
-        if meta["adam_step"] > 0:
-            sharded["optimizer"] = optimizer_sharded_state_dict(self.optimizer, model, is_loading=True)
-        params = list(self.module.parameters())
-        if meta["has_reference"]:
-            sharded["reference"] = self._reference_sharded_state_dict(model, [p.detach().clone() for p in params])
-        state = self._read_dist(sharded, dist_dir, checked=True)
-
-        self._wait_for_readers()
-        self.module.load_state_dict(state["model"])
-        if meta["adam_step"] > 0:
-            # The fp32 main parameters of a mixed-precision optimizer come from the checkpoint (exact), not from the
-            # rounded weights; Megatron's own resume does the same and reloads them only without optimizer state.
-            load_optimizer_state(self.optimizer, state["optimizer"], meta["adam_step"])
-        else:
-            reset_optimizer_state(self.optimizer)  # also refreshes the fp32 main parameters from the loaded weights
-        self._reference = None
-        if meta["has_reference"]:
-            loaded = state["reference"]
-            self._reference = [loaded[i].detach().to(device=p.device, dtype=p.dtype) for i, p in enumerate(params)]
-        self.step_count = int(meta["step_count"])
-        self.set_lr(float(meta["lr"]))
-        self.zero_grad()
-        if rng is not None:
-            restore_rng_state(rng)
-        elif torch.distributed.get_rank() == 0:
-            logging.getLogger(__name__).warning(
-                "learner run state %s was saved at %s and is loaded at %s: RNG states not restored (they are per "
-                "rank of that layout); the generators stay as seeded", directory, meta["layout"], self._layout_record())
-        torch.distributed.barrier()
-
-    def _check_same_model(self, dist_dir: str) -> None:
-        path = os.path.join(dist_dir, SPEC_FILE)
-        try:
-            saved = dataclasses.asdict(read_spec(dist_dir))
-        except Exception as e:
-            raise IncompleteCheckpointError(path, f"unreadable ({_why(e)})") from e
-        mine = dataclasses.asdict(self.spec)
-        differ = sorted(k for k in set(saved) | set(mine) if saved.get(k) != mine.get(k))
-        if differ:
-            raise ValueError(f"the learner checkpoint {dist_dir} holds another model: "
-                             + ", ".join(f"{k}={saved.get(k)!r} (this learner: {mine.get(k)!r})" for k in differ))
-
-
-RUN_STATE_META = "learner_meta.json"
-"""Written last by `save_run_state`: without it (or with a broken one) the directory is an incomplete save."""
-RUN_STATE_DIST = "dist"
-"""The Megatron distributed checkpoint inside a run-state directory (weights, optimizer state, reference)."""
-RUN_STATE_FORMAT = 1
-
-
-class IncompleteCheckpointError(RuntimeError):
-    """A learner checkpoint cannot be used: a file is missing, truncated or unreadable. `path` names it."""
-
-    def __init__(self, path: str, why: str) -> None:
-        self.path, self.why = str(path), why
-        super().__init__(f"incomplete learner checkpoint: {self.path}: {why}")
-
-
-def _on_every_rank(check: Callable[[], Any]) -> Any:
-    """Collective: `check()` on every rank; when it raised on any rank, raise on every rank (the first failing
-    rank's error), so that no rank goes on into a collective load that the others have given up on."""
-    try:
-        result, error = check(), None
-    except Exception as e:  # noqa: BLE001 - re-raised below, on every rank
-        result, error = None, e
-    report = None
-    if error is not None:
-        report = (type(error).__name__, getattr(error, "path", None), getattr(error, "why", None), str(error))
-    reports: list[Any] = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(reports, report)
-    if error is not None:
-        raise error
-    for rank, rep in enumerate(reports):
-        if rep is not None:
-            kind, path, why, text = rep
-            if path is not None and why is not None:
-                raise IncompleteCheckpointError(path, f"{why} (seen by rank {rank})")
-            cls = {"ValueError": ValueError, "FileNotFoundError": FileNotFoundError}.get(kind, RuntimeError)
-            raise cls(f"rank {rank}: {text}")
-    return result
-
-
-def _why(error: BaseException) -> str:
-    """One line about `error` (torch.distributed.checkpoint's CheckpointException: each rank's first failure)."""
-    failures = getattr(error, "failures", None)
-    if isinstance(failures, dict) and failures:
-        inner = [f[0] if isinstance(f, tuple) else f for f in failures.values()]
-        return "; ".join(f"rank {r}: {_why(x)}" for r, x in zip(failures, inner))
-    text = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {text[0] if text else ''}"[:300]
-
-
-def _check_file(path: str, size: int | None = None) -> None:
-    """`path` exists, is not empty and, when `size` is given, has exactly that many bytes."""
-    if not os.path.isfile(path):
-        raise IncompleteCheckpointError(path, "missing")
-    actual = os.path.getsize(path)
-    if size is not None and actual != size:
-        raise IncompleteCheckpointError(path, f"{actual} bytes where {size} were written (truncated or overwritten)")
-    if size is None and actual == 0:
-        raise IncompleteCheckpointError(path, "empty")
-
-
-def read_run_state_meta(directory: str) -> dict[str, Any]:
-    """`learner_meta.json` of a run-state directory, checked for the keys `load_run_state` reads."""
-    path = os.path.join(directory, RUN_STATE_META)
-    _check_file(path)
-    try:
-        with open(path) as f:
-            meta = json.load(f)
-    except (OSError, ValueError) as e:
-        raise IncompleteCheckpointError(path, f"not readable JSON ({e})") from e
-    need = ("format", "layout", "step_count", "lr", "adam_step", "has_reference", "files")
-    missing = [k for k in need if k not in meta] if isinstance(meta, dict) else list(need)
-    if missing:
-        raise IncompleteCheckpointError(path, f"lacks {missing}")
-    if meta["format"] != RUN_STATE_FORMAT:
-        raise ValueError(f"{path}: run-state format {meta['format']}, this code reads format {RUN_STATE_FORMAT}")
-    return meta
-
-
-def check_dist_checkpoint_files(directory: str) -> None:
-    """Every file a Megatron (torch_dist) checkpoint needs is present and long enough: `metadata.json`,
-    `common.pt`, torch.distributed.checkpoint's `.metadata` and each data file it points into."""
-    if not os.path.isdir(directory):
-        raise IncompleteCheckpointError(directory, "missing")
-    for name in ("metadata.json", "common.pt", ".metadata"):
-        _check_file(os.path.join(directory, name))
-    path = os.path.join(directory, "metadata.json")
-    try:
-        with open(path) as f:
-            json.load(f)
-    except (OSError, ValueError) as e:
-        raise IncompleteCheckpointError(path, f"not readable JSON ({e})") from e
-    path = os.path.join(directory, "common.pt")
-    try:
-        torch.load(path, map_location="cpu")  # small (the non-tensor state); Megatron reads it this way
-    except Exception as e:
-        raise IncompleteCheckpointError(path, f"unreadable ({_why(e)})") from e
-    path = os.path.join(directory, ".metadata")
-    try:
-        storage = FileSystemReader(directory).read_metadata().storage_data or {}
-    except Exception as e:
-        raise IncompleteCheckpointError(path, f"unreadable ({_why(e)})") from e
-    needed: dict[str, int] = {}
-    for info in storage.values():
-        rel = str(info.relative_path)
-        needed[rel] = max(needed.get(rel, 0), int(info.offset) + int(info.length))
-    for rel, end in sorted(needed.items()):
-        data = os.path.join(directory, rel)
-        if not os.path.isfile(data):
-            raise IncompleteCheckpointError(data, "missing (listed in .metadata)")
-        if os.path.getsize(data) < end:
-            raise IncompleteCheckpointError(data, f"{os.path.getsize(data)} bytes, .metadata points up to byte {end} "
-                                                  "(truncated)")
