@@ -1,8 +1,15 @@
 """The Megatron-Core learner: per-token log-probs, a policy-gradient step, checkpoints.
 
-One `MegatronLearner` lives in every learner process. All processes of a
-layout call the same methods in the same order (they are collectives); each
-data-parallel rank passes its own sequences.
+One `MegatronLearner` lives in every learner process. All processes of a layout call the same methods in the same
+order (they are collectives); each data-parallel rank passes its own sequences. The class holds the run state
+(weights, optimizer, step count, learning rate, KL reference) and composes the modules that do each job:
+
+    forward_pass.py     one pass of Megatron's schedule over a rank's microbatches (`RankModel`)
+    routing_record.py   R2's recorded routing, the routers' ids per microbatch and per sequence
+    rollout_gap.py      k3 KL estimate and router disagreement between the rollout and a forward
+    checkpoint_io.py    weights and run-state checkpoints (checkpoint_files.py checks their files first)
+    rng_state.py        every generator of the process, saved per rank
+    lora.py             the LoRA adapters and their PEFT form
 """
 
 from __future__ import annotations
@@ -17,38 +24,46 @@ import torch
 
 from moe_grpo.algo.corrections import Correction
 from moe_grpo.algo.losses import PolicyLoss, TokenLoss
-from moe_grpo.learner import checkpoint_io
-from moe_grpo.learner.batch import LearnerSequence, Microbatch, make_microbatches
+from moe_grpo.learner import checkpoint_io, routing_record
+from moe_grpo.learner.batch import LearnerSequence, Microbatch
 from moe_grpo.learner.checkpoint_files import IncompleteCheckpointError  # noqa: F401 - raised by the loads; named here
 from moe_grpo.learner.config import LearnerConfig
+from moe_grpo.learner.forward_pass import (RankModel, from_last_stage, keep_logprobs, microbatches, run_schedule,
+                                           unpack)
 from moe_grpo.learner.lora import apply_lora, gather_adapter_state, load_adapter_state
 from moe_grpo.learner.lora_config import LoraConfig
 from moe_grpo.learner.optimizer import build_ddp_and_optimizer, current_lr, lr_scheduler, set_lr
 from moe_grpo.learner.parallel import ParallelLayout, init_distributed, ranks, seed_everything
 from moe_grpo.learner.rng_state import restore_rng_state
+from moe_grpo.learner.rollout_gap import k3, router_disagreement
 from moe_grpo.models.megatron import MegatronOptions, build_gpt_model, transformer_config
 from moe_grpo.models.spec import MoEModelSpec
-from moe_grpo.routing.replay import (RoutingReplayer, batch_order_from_megatron, check_replay_supported,
-                                     megatron_token_order)
-from moe_grpo.routing.trace import RoutingTrace, RoutingTraceError
-
-
-MAX_SNAPSHOTS = 2
-"""Published versions whose weights `snapshot_weights` keeps for the probe at once (each a copy of the rank's
-parameters): the newest and the one before it, whose probe may still be on its way back from the engines."""
-
-
-def _k3(logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Per-token k3 estimate of KL(rollout || learner), `r - 1 - log r` with `r = exp(logp - rollout_logp)`, zero
-    where `mask` is. float64: for |log r| ~ 1e-7 the float32 terms round to exactly zero."""
-    log_r = (logp.detach().double() - rollout_logp.double()) * mask
-    return (torch.expm1(log_r) - log_r) * mask
+from moe_grpo.routing.replay import RoutingReplayer, check_replay_supported
+from moe_grpo.routing.trace import RoutingTrace
 
 
 def _divide_logits(module: Any, args: Any, output: Any, *, temperature: float) -> Any:
     """Forward hook on the output layer: logits / temperature (Megatron's output layer returns (logits, bias))."""
     logits, bias = output
     return logits / temperature, bias
+
+
+def _check_settings(layout: ParallelLayout, options: MegatronOptions, temperature: float) -> None:
+    """Refuse what this learner cannot run, naming the setting."""
+    if (not torch.cuda.is_available() and layout.tensor_parallel > 1 and layout.expert_parallel > 1
+            and options.token_dispatcher == "alltoall"):
+        raise ValueError(
+            f"TP={layout.tensor_parallel} x EP={layout.expert_parallel} on gloo needs the allgather dispatcher "
+            "(gloo's all_gather refuses the alltoall dispatcher's uneven sizes); set megatron.token_dispatcher=allgather"
+        )
+    if not (temperature > 0 and math.isfinite(temperature)):
+        raise ValueError(f"temperature={temperature}, expected a finite number > 0 (the engines' sampling "
+                         "temperature; greedy evaluation trains nothing)")
+
+
+MAX_SNAPSHOTS = 2
+"""Published versions whose weights `snapshot_weights` keeps for the probe at once (each a copy of the rank's
+parameters): the newest and the one before it, whose probe may still be on its way back from the engines."""
 
 
 def _stale_positions(mb: Microbatch, policy_version: int) -> torch.Tensor:
@@ -69,6 +84,14 @@ class NonFiniteError(FloatingPointError):
 REPLAY_MODES = ("r3", "r2", "off")
 """Routing in the training forward: r3 = the engine's (the rollout trace), r2 = the learner's own, recorded in a
 no-grad forward of the batch before the training forward, off = the routers choose freely."""
+
+
+def _segments(mb: Microbatch) -> torch.Tensor:
+    """Per position, the index of its sequence within the microbatch; -1 on padding."""
+    seg = torch.full(mb.input_ids.shape, -1, dtype=torch.int64, device=mb.input_ids.device)
+    for j, (_, row, start, end) in enumerate(mb.spans):
+        seg[row, start:end] = j
+    return seg
 
 
 def replay_mode(replay: bool | str) -> str:
@@ -113,12 +136,7 @@ class MegatronLearner:
         from megatron.core import parallel_state as ps
 
         self.spec, self.layout, self.config, self.options = spec, layout, config, options
-        if (not torch.cuda.is_available() and layout.tensor_parallel > 1 and layout.expert_parallel > 1
-                and options.token_dispatcher == "alltoall"):
-            raise ValueError(
-                f"TP={layout.tensor_parallel} x EP={layout.expert_parallel} on gloo needs the allgather dispatcher "
-                "(gloo's all_gather refuses the alltoall dispatcher's uneven sizes); set megatron.token_dispatcher=allgather"
-            )
+        _check_settings(layout, options, temperature)
         self.mconfig = transformer_config(spec, options, layout.megatron_kwargs(spec.num_layers, spec.num_experts,
                                                                                  options.dtype))
         if options.routing_replay:
@@ -129,9 +147,6 @@ class MegatronLearner:
         module = build_gpt_model(
             spec, self.mconfig, pre_process=self.is_first_stage, post_process=self.is_last_stage, pp_rank=self.rank["pp"]
         )
-        if not (temperature > 0 and math.isfinite(temperature)):
-            raise ValueError(f"temperature={temperature}, expected a finite number > 0 (the engines' sampling "
-                             "temperature; greedy evaluation trains nothing)")
         self.temperature = float(temperature)
         if temperature != 1.0 and self.is_last_stage:
             module.output_layer.register_forward_hook(partial(_divide_logits, temperature=self.temperature))
@@ -143,9 +158,14 @@ class MegatronLearner:
             # The frozen router's aux-loss-free bias would still move with the load (finalize_model_grads).
             self.mconfig.moe_router_bias_update_rate = 0.0
         self.model, self.optimizer = build_ddp_and_optimizer(module, self.mconfig, config, options)
-        self.replayer = RoutingReplayer(module, spec.moe_layer_pattern, recompute=options.recompute) if options.routing_replay else None
+        self.replayer = (RoutingReplayer(module, spec.moe_layer_pattern, recompute=options.recompute)
+                         if options.routing_replay else None)
+        self.rank_model = RankModel(model=self.model, replayer=self.replayer, spec=spec, config=config, layout=layout,
+                                    rank=self.rank, is_last_stage=self.is_last_stage, device=self.device)
+        """What every forward pass reads (forward_pass.py)."""
         self.step_count = 0
         self._reference: list[torch.Tensor] | None = None
+        """The KL penalty's reference weights (`set_reference`); run state."""
         self._scheduler: tuple[int, Any] | None = None
         """(total steps, Megatron's OptimizerParamScheduler), built by the first `schedule_lr`."""
         self._snapshots: dict[int, list[torch.Tensor]] = {}
@@ -165,98 +185,19 @@ class MegatronLearner:
 
     def _microbatches(self, seqs: Sequence[LearnerSequence], replay: bool,
                       routing: bool | None = None) -> list[Microbatch]:
-        tp = self.layout.tensor_parallel
-        n = len(seqs)
-        if n == 0:
-            raise ValueError("no sequences given; every data-parallel rank needs at least one")
-        if replay:
-            for i, s in enumerate(seqs):
-                if s.routing is None:
-                    continue  # make_microbatches names every sequence without a trace
-                try:
-                    s.routing.validate(num_positions=s.num_positions, num_moe_layers=self.spec.num_moe_layers,
-                                       top_k=self.spec.top_k, num_experts=self.spec.num_experts)
-                except RoutingTraceError as e:
-                    raise RoutingTraceError(f"sequence {i}: {e}") from e
-        mbs = self.config.micro_batch_size
-        batches = make_microbatches(
-            seqs,
-            list(range(n)),
-            micro_batch_size=min(mbs, n),
-            pad_multiple=tp,
-            packed=self.config.packed,
-            with_routing=replay if routing is None else (replay or routing),
-            moe_layers=self.spec.num_moe_layers,
-            top_k=self.spec.top_k,
-            seq_len=self.config.packed_seq_len,
-        )
-        return [mb.to(self.device) for mb in batches]
+        return microbatches(self.rank_model, seqs, replay, routing)
 
-    def _run(self, microbatches: list[Microbatch], *, replay: bool, forward_only: bool, loss_fn: Any,
-             record_free: bool = False, record_used: bool = False,
-             targets: list[torch.Tensor] | None = None) -> list[dict[str, Any]]:
-        """One pass of Megatron's schedule over `microbatches`.
+    def _run(self, microbatches: list[Microbatch], **kwargs: Any) -> list[dict[str, Any]]:
+        """`forward_pass.run_schedule` on this learner's model."""
+        return run_schedule(self.rank_model, microbatches, **kwargs)
 
-        `replay`: force each microbatch's rollout trace (`mb.routing`); `targets`: force these ids instead,
-        one `[tokens, moe_layers, topk]` tensor per microbatch in Megatron order (r2: the learner's recorded
-        routing). Either way every router call must have used them (`ReplayNotAppliedError` otherwise)."""
-        from megatron.core.pipeline_parallel import get_forward_backward_func
+    def _record_own_routing(self, mbs: list[Microbatch]) -> list[torch.Tensor]:
+        """R2's replay targets: `routing_record.record_own_routing` on this learner's model."""
+        return routing_record.record_own_routing(self.rank_model, mbs)
 
-        if (replay or targets is not None) and self.replayer is None:
-            raise ValueError("replay requested but the learner was built with routing_replay=False")
-        rep = self.replayer
-        if rep is not None:
-            rep.clear()
-            rep.record_free, rep.record_used = record_free, record_used
-        sp_size = self.layout.tensor_parallel if self.layout.sequence_parallel else 1
-        index = {id(mb): i for i, mb in enumerate(microbatches)}
-
-        def forward_step(data_iterator: Any, model: Any) -> Any:
-            mb: Microbatch = next(data_iterator)
-            if rep is not None:
-                if targets is not None:
-                    rep.set_targets(targets[index[id(mb)]])
-                elif replay:
-                    rep.set_targets(megatron_token_order(mb.routing, sp_rank=self.rank["tp"], sp_size=sp_size))
-                else:
-                    rep.free_running()
-            rows, width = mb.input_ids.shape
-            position_ids = torch.arange(width, device=mb.input_ids.device).unsqueeze(0).expand(rows, -1)
-            out = model(mb.input_ids, position_ids, attention_mask=mb.attention_mask, labels=mb.labels)
-            return out, partial(loss_fn, mb)
-
-        rows, width = microbatches[0].input_ids.shape
-        store = get_forward_backward_func()(
-            forward_step_func=forward_step,
-            data_iterator=iter(microbatches),
-            model=[self.model],
-            num_microbatches=len(microbatches),
-            seq_length=width,
-            micro_batch_size=rows,
-            forward_only=forward_only,
-        )
-        if rep is not None and (replay or targets is not None):
-            rep.require_applied()
-        return store if self.is_last_stage else []
-
-    def _broadcast_from_last_stage(self, obj: Any) -> Any:
-        from megatron.core import parallel_state as ps
-
-        if self.layout.pipeline_parallel == 1:
-            return obj
-        box = [obj]
-        torch.distributed.broadcast_object_list(box, src=ps.get_pipeline_model_parallel_last_rank(),
-                                                group=ps.get_pipeline_model_parallel_group())
-        return box[0]
-
-    @staticmethod
-    def _unpack(store: list[dict[str, Any]], microbatches: list[Microbatch], key: str, n: int) -> list[np.ndarray]:
-        out: list[np.ndarray] = [np.zeros(0, np.float32)] * n
-        for mb, rec in zip(microbatches, store):
-            values = rec[key]
-            for idx, row, start, end in mb.spans:
-                out[idx] = values[row, start:end].numpy().astype(np.float32)
-        return out
+    def _wait_for_readers(self) -> None:
+        for wait in self.before_update:
+            wait()
 
     # ------------------------------------------------------------------ API
     @torch.no_grad()
@@ -264,35 +205,17 @@ class MegatronLearner:
         """Log-prob of every next token: one array of `len(tokens)-1` per sequence (this DP rank's)."""
         self.model.eval()
         mbs = self._microbatches(seqs, replay)
+        store = self._run(mbs, replay=replay, forward_only=True, loss_fn=keep_logprobs)
+        result = unpack(store, mbs, "logprobs", len(seqs)) if self.is_last_stage else None
+        return from_last_stage(self.rank_model, result)
 
-        def loss_fn(mb: Microbatch, output: torch.Tensor) -> Any:
-            return output.sum() * 0.0, {"logprobs": (-output.float()).detach().cpu()}
-
-        store = self._run(mbs, replay=replay, forward_only=True, loss_fn=loss_fn)
-        result = self._unpack(store, mbs, "logprobs", len(seqs)) if self.is_last_stage else None
-        return self._broadcast_from_last_stage(result)
-
-    @torch.no_grad()
     def routing(self, seqs: Sequence[LearnerSequence], *, replay: bool = False) -> dict[str, Any]:
         """The expert ids every router of this stage used (and would have used free-running).
 
         Returns `{"used": {moe_index: [b, s, k] per microbatch...}, "free": ...}` in batch order
         for this rank's sequence-parallel slice; tests and the agreement metrics read it.
         """
-        self.model.eval()
-        mbs = self._microbatches(seqs, replay)
-
-        def loss_fn(mb: Microbatch, output: torch.Tensor) -> Any:
-            return output.sum() * 0.0, {}
-
-        self._run(mbs, replay=replay, forward_only=True, loss_fn=loss_fn, record_free=True, record_used=True)
-        assert self.replayer is not None
-        rows = mbs[0].input_ids.shape[0]
-        return {
-            "used": {s.moe_index: [batch_order_from_megatron(t, rows) for t in s.used] for s in self.replayer.slots},
-            "free": {s.moe_index: [batch_order_from_megatron(t, rows) for t in s.free] for s in self.replayer.slots},
-            "microbatches": mbs,
-        }
+        return routing_record.routing_ids(self.rank_model, seqs, replay=replay)
 
     def routing_traces(self, seqs: Sequence[LearnerSequence], *, replay: bool = False) -> dict[str, list[RoutingTrace]]:
         """Per sequence, the routing the learner used and the routing it would choose free-running.
@@ -303,18 +226,7 @@ class MegatronLearner:
         so `routing.metrics.agreement(used, free)` is the router disagreement.
         Needs every MoE layer and the whole sequence on this rank (TP = PP = 1).
         """
-        if self.layout.tensor_parallel > 1 or self.layout.pipeline_parallel > 1:
-            raise ValueError("routing_traces needs TP=PP=1 (all MoE layers and whole sequences on one rank)")
-        rec = self.routing(seqs, replay=replay)
-        out: dict[str, list[RoutingTrace]] = {"used": [], "free": []}
-        spans = {idx: (mb_i, row, start, end) for mb_i, mb in enumerate(rec["microbatches"])
-                 for idx, row, start, end in mb.spans}
-        for k in range(len(seqs)):
-            mb_i, row, start, end = spans[k]
-            for key in ("used", "free"):
-                ids = torch.stack([rec[key][m][mb_i][row, start:end] for m in range(self.spec.num_moe_layers)], dim=1)
-                out[key].append(RoutingTrace.from_array(ids, self.spec.num_experts))
-        return out
+        return routing_record.routing_traces(self.rank_model, seqs, replay=replay)
 
     def train_step(self, seqs: Sequence[LearnerSequence], *, replay: bool | str = True,
                    global_num_tokens: int | None = None, loss_fn: TokenLoss | None = None,
@@ -361,76 +273,6 @@ class MegatronLearner:
     def zero_grad(self) -> None:
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
-
-    # ------------------------------------------------------------------ reference policy (KL penalty)
-    def set_reference(self) -> None:
-        """Freeze a copy of this rank's current weights as the KL penalty's reference policy.
-
-        Costs one more copy of this rank's parameters (in their dtype), and one no-grad forward per step that
-        uses it. The copy is swapped into the live parameters for that forward (no second model, so every
-        layout and the routing replay work unchanged)."""
-        self._reference = [p.detach().clone() for p in self.module.parameters()]
-
-    @property
-    def has_reference(self) -> bool:
-        return self._reference is not None
-
-    @torch.no_grad()
-    def _reference_logprobs(self, mbs: list[Microbatch], *, replay: bool,
-                            targets: list[torch.Tensor] | None) -> list[torch.Tensor]:
-        """Log-probs of every position under the reference weights, routed as the training forward is."""
-        assert self._reference is not None
-        params = list(self.module.parameters())
-        live = [p.data for p in params]
-        was_training = self.model.training
-        self.model.eval()
-        try:
-            for p, ref in zip(params, self._reference):
-                p.data = ref
-            store = self._run(mbs, replay=replay, targets=targets, forward_only=True,
-                              loss_fn=lambda mb, output: (output.sum() * 0.0, {"logprobs": (-output.float()).detach()}))
-        finally:
-            for p, data in zip(params, live):
-                p.data = data
-            self.model.train(was_training)
-        return [rec["logprobs"] for rec in store]
-
-    # ------------------------------------------------------------------ R2: the learner's own routing
-    @torch.no_grad()
-    def _record_own_routing(self, mbs: list[Microbatch]) -> list[torch.Tensor]:
-        """R2: route the batch freely once (no grad) and return, per microbatch, the ids every router of this
-        stage chose, as replay targets `[tokens, moe_layers, topk]` in Megatron order (this rank's tokens).
-
-        megatron-core's own `RouterReplayAction.RECORD` keeps only the last call's ids per router, so with
-        several microbatches the ids are taken from `RoutingReplayer`'s per-call record instead."""
-        assert self.replayer is not None
-        was_training = self.model.training
-        self.model.eval()
-        try:
-            self._run(mbs, replay=False, forward_only=True, record_used=True,
-                      loss_fn=lambda mb, output: (output.sum() * 0.0, {}))
-        finally:
-            self.model.train(was_training)
-        slots = self.replayer.slots
-        if not slots:  # a pipeline stage without MoE layers has nothing to replay
-            return [torch.zeros(0, self.spec.num_moe_layers, self.spec.top_k, dtype=torch.int64) for _ in mbs]
-        out = []
-        for i in range(len(mbs)):
-            first = slots[0].used[i]
-            ids = torch.zeros(first.shape[0], self.spec.num_moe_layers, first.shape[1], dtype=torch.int64)
-            for slot in slots:
-                ids[:, slot.moe_index] = slot.used[i].to(torch.int64)
-            out.append(ids)
-        self.replayer.reset_counters()
-        return out
-
-    @staticmethod
-    def _segments(mb: Microbatch) -> torch.Tensor:
-        """Per position, the index of its sequence within the microbatch; -1 on padding."""
-        seg = torch.full(mb.input_ids.shape, -1, dtype=torch.int64, device=mb.input_ids.device)
-        for j, (_, row, start, end) in enumerate(mb.spans):
-            seg[row, start:end] = j
-        return seg
 
     def forward_backward(self, seqs: Sequence[LearnerSequence], *, replay: bool | str = True,
                          global_num_tokens: int | None = None, loss_fn: TokenLoss | None = None,
@@ -493,17 +335,17 @@ class MegatronLearner:
             logp = -output.float()
             old = mb.old_logprobs if have_old else logp.detach()
             staleness = (float(policy_version) - mb.versions) * mb.loss_mask
-            kwargs: dict[str, Any] = {"segments": self._segments(mb)}
+            kwargs: dict[str, Any] = {"segments": _segments(mb)}
             if ref is not None:
                 kwargs["ref_logprobs"] = ref[mb_index[id(mb)]].to(logp.device)
             pg_sum, stats = loss_fn(logp, old, mb.advantages, mb.loss_mask, staleness, **kwargs)
-            k3 = torch.zeros_like(logp, dtype=torch.float64)
+            k3_pos = torch.zeros_like(logp, dtype=torch.float64)
             if have_old:
-                k3 = _k3(logp.detach(), mb.old_logprobs, mb.loss_mask)
+                k3_pos = k3(logp.detach(), mb.old_logprobs, mb.loss_mask)
             stale_mask = stale[mb_index[id(mb)]].to(logp.device) * mb.loss_mask
             nll = -(logp.detach().double() * mb.loss_mask).sum()
-            return pg_sum * scale, {"pg_sum": pg_sum.detach(), "k3_sum": k3.sum(), "nll_sum": nll,
-                                    "k3_stale_sum": (k3 * stale_mask).sum(), "stale_tokens": stale_mask.sum(),
+            return pg_sum * scale, {"pg_sum": pg_sum.detach(), "k3_sum": k3_pos.sum(), "nll_sum": nll,
+                                    "k3_stale_sum": (k3_pos * stale_mask).sum(), "stale_tokens": stale_mask.sum(),
                                     **{k: stats[k].detach() for k in stat_keys}}
 
         store = self._run(mbs, replay=mode == "r3", targets=targets, forward_only=False, loss_fn=loss,
@@ -518,7 +360,7 @@ class MegatronLearner:
                 local[len(keys) : len(keys) + 2] += torch.tensor(
                     [self.replayer.calls, self.replayer.replayed_calls], dtype=torch.float64, device=self.device)
             if have_traces:
-                local[len(keys) + 2 :] += torch.tensor(self._router_disagreement(mbs, stale), dtype=torch.float64,
+                local[len(keys) + 2 :] += torch.tensor(router_disagreement(self.rank_model, mbs, stale), dtype=torch.float64,
                                                        device=self.device)
         torch.distributed.all_reduce(local)
         sums = dict(zip(keys, local.tolist()))
@@ -545,29 +387,61 @@ class MegatronLearner:
             raise NonFiniteError(f"step {self.step_count + 1}: loss={metrics['loss']}; gradients dropped, no update")
         return metrics
 
-    def _router_disagreement(self, mbs: list[Microbatch],
-                             stale: list[torch.Tensor] | None = None) -> tuple[float, float, float, float]:
-        """(differing, all, differing stale, all stale) (token, MoE layer) decisions of this rank: the routers' free
-        top-k set vs the trace; `stale` marks, per microbatch, the positions of stale sequences."""
-        assert self.replayer is not None
-        sp_size = self.layout.tensor_parallel if self.layout.sequence_parallel else 1
-        out = torch.zeros(4, dtype=torch.float64)
-        for i, mb in enumerate(mbs):
-            valid = torch.zeros(mb.input_ids.shape, dtype=torch.int64)
-            for _, row, start, end in mb.spans:
-                valid[row, start:end] = 1
-            old = stale[i].cpu().to(torch.int64) * valid if stale is not None else torch.zeros_like(valid)
-            valid, old = (megatron_token_order(t[:, :, None, None], sp_rank=self.rank["tp"], sp_size=sp_size)[:, 0, 0]
-                          for t in (valid, old))
-            want = megatron_token_order(mb.routing.cpu(), sp_rank=self.rank["tp"], sp_size=sp_size)
-            for slot in self.replayer.slots:
-                if i >= len(slot.free):
-                    continue
-                free = torch.sort(slot.free[i].to(torch.int64), -1).values
-                differs = ~(free == torch.sort(want[:, slot.moe_index], -1).values).all(-1)
-                out += torch.tensor([float((differs & (valid > 0)).sum()), float(valid.sum()),
-                                     float((differs & (old > 0)).sum()), float(old.sum())], dtype=torch.float64)
-        return tuple(out.tolist())  # type: ignore[return-value]
+    def optimizer_step(self) -> dict[str, float]:
+        """Apply the accumulated gradients, unless any is NaN/inf on any rank (then raise, weights unchanged)."""
+        self._wait_for_readers()
+        grads_finite = torch.tensor([1.0 if self._grads_finite() else 0.0], device=self.device)
+        torch.distributed.all_reduce(grads_finite, op=torch.distributed.ReduceOp.MIN)
+        if grads_finite.item() < 1.0:
+            self.zero_grad()
+            raise NonFiniteError(
+                f"step {self.step_count + 1}: non-finite gradient on at least one rank; "
+                "optimizer step skipped, weights unchanged"
+            )
+        ok, grad_norm, _ = self.optimizer.step()
+        if not ok:
+            raise NonFiniteError(f"step {self.step_count + 1}: Megatron's optimizer refused the update")
+        self.step_count += 1
+        return {"grad_norm": float(grad_norm), "step": float(self.step_count)}
+
+    def _grads_finite(self) -> bool:
+        for buffer in list(self.model.buffers) + list(self.model.expert_parallel_buffers):
+            if not bool(torch.isfinite(buffer.grad_data).all()):
+                return False
+        return True
+
+    # ------------------------------------------------------------------ reference policy (KL penalty)
+    def set_reference(self) -> None:
+        """Freeze a copy of this rank's current weights as the KL penalty's reference policy.
+
+        Costs one more copy of this rank's parameters (in their dtype), and one no-grad forward per step that
+        uses it. The copy is swapped into the live parameters for that forward (no second model, so every
+        layout and the routing replay work unchanged)."""
+        self._reference = [p.detach().clone() for p in self.module.parameters()]
+
+    @property
+    def has_reference(self) -> bool:
+        return self._reference is not None
+
+    @torch.no_grad()
+    def _reference_logprobs(self, mbs: list[Microbatch], *, replay: bool,
+                            targets: list[torch.Tensor] | None) -> list[torch.Tensor]:
+        """Log-probs of every position under the reference weights, routed as the training forward is."""
+        assert self._reference is not None
+        params = list(self.module.parameters())
+        live = [p.data for p in params]
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            for p, ref in zip(params, self._reference):
+                p.data = ref
+            store = self._run(mbs, replay=replay, targets=targets, forward_only=True,
+                              loss_fn=lambda mb, output: (output.sum() * 0.0, {"logprobs": (-output.float()).detach()}))
+        finally:
+            for p, data in zip(params, live):
+                p.data = data
+            self.model.train(was_training)
+        return [rec["logprobs"] for rec in store]
 
     # ------------------------------------------------------------------ the mismatch probe
     def snapshot_weights(self, version: int, dtype: torch.dtype | None = None) -> None:
@@ -601,14 +475,14 @@ class MegatronLearner:
             for i, replay in enumerate((True, False)):
                 mbs = self._microbatches(seqs, replay, routing=True)
                 store = self._run(mbs, replay=replay, forward_only=True, record_free=self.replayer is not None,
-                                  loss_fn=lambda mb, out: (out.sum() * 0.0, {"k3": _k3(-out.float(), mb.old_logprobs,
-                                                                                       mb.loss_mask).sum(),
+                                  loss_fn=lambda mb, out: (out.sum() * 0.0, {"k3": k3(-out.float(), mb.old_logprobs,
+                                                                                      mb.loss_mask).sum(),
                                                                              "tokens": mb.loss_mask.sum()}))
                 if self.is_last_stage and self.rank["tp"] == 0:
                     sums[i] += sum(float(rec["k3"]) for rec in store)
                     sums[2] += sum(float(rec["tokens"]) for rec in store) if i == 0 else 0.0
                 if replay and self.replayer is not None:
-                    sums[3:] += torch.tensor(self._router_disagreement(mbs)[:2], dtype=torch.float64,
+                    sums[3:] += torch.tensor(router_disagreement(self.rank_model, mbs)[:2], dtype=torch.float64,
                                              device=self.device)
         finally:
             for p, data in zip(params, live):
@@ -620,29 +494,6 @@ class MegatronLearner:
         k3_on, k3_off, tokens, differ, decisions = sums.tolist()
         return {"kl_replay_on": k3_on / tokens, "kl_replay_off": k3_off / tokens,
                 "router_disagreement": differ / decisions if decisions else float("nan")}
-
-    def optimizer_step(self) -> dict[str, float]:
-        """Apply the accumulated gradients, unless any is NaN/inf on any rank (then raise, weights unchanged)."""
-        self._wait_for_readers()
-        grads_finite = torch.tensor([1.0 if self._grads_finite() else 0.0], device=self.device)
-        torch.distributed.all_reduce(grads_finite, op=torch.distributed.ReduceOp.MIN)
-        if grads_finite.item() < 1.0:
-            self.zero_grad()
-            raise NonFiniteError(
-                f"step {self.step_count + 1}: non-finite gradient on at least one rank; "
-                "optimizer step skipped, weights unchanged"
-            )
-        ok, grad_norm, _ = self.optimizer.step()
-        if not ok:
-            raise NonFiniteError(f"step {self.step_count + 1}: Megatron's optimizer refused the update")
-        self.step_count += 1
-        return {"grad_norm": float(grad_norm), "step": float(self.step_count)}
-
-    def _grads_finite(self) -> bool:
-        for buffer in list(self.model.buffers) + list(self.model.expert_parallel_buffers):
-            if not bool(torch.isfinite(buffer.grad_data).all()):
-                return False
-        return True
 
     # ------------------------------------------------------------------ learning rate
     @property
@@ -671,10 +522,6 @@ class MegatronLearner:
         set_lr(self.optimizer, float(lr))
 
     # ------------------------------------------------------------------ checkpoints (checkpoint_io.py)
-    def _wait_for_readers(self) -> None:
-        for wait in self.before_update:
-            wait()
-
     def save_checkpoint(self, directory: str) -> None:
         """Megatron distributed checkpoint of the weights, written to a temp dir and renamed into place."""
         checkpoint_io.save_weights(self.module, self.spec, directory)
