@@ -7,6 +7,8 @@ order (they are collectives); each data-parallel rank passes its own sequences. 
     forward_pass.py     one pass of Megatron's schedule over a rank's microbatches (`RankModel`)
     routing_record.py   R2's recorded routing, the routers' ids per microbatch and per sequence
     rollout_gap.py      k3 KL estimate and router disagreement between the rollout and a forward
+    kl_reference.py     the KL penalty's reference weights and their forward
+    probe_copies.py     the weights of published versions and the mismatch probe scored with them
     checkpoint_io.py    weights and run-state checkpoints (checkpoint_files.py checks their files first)
     rng_state.py        every generator of the process, saved per rank
     lora.py             the LoRA adapters and their PEFT form
@@ -30,10 +32,12 @@ from moe_grpo.learner.checkpoint_files import IncompleteCheckpointError  # noqa:
 from moe_grpo.learner.config import LearnerConfig
 from moe_grpo.learner.forward_pass import (RankModel, from_last_stage, keep_logprobs, microbatches, run_schedule,
                                            unpack)
+from moe_grpo.learner.kl_reference import copy_weights, reference_logprobs
 from moe_grpo.learner.lora import apply_lora, gather_adapter_state, load_adapter_state
 from moe_grpo.learner.lora_config import LoraConfig
 from moe_grpo.learner.optimizer import build_ddp_and_optimizer, current_lr, lr_scheduler, set_lr
 from moe_grpo.learner.parallel import ParallelLayout, init_distributed, ranks, seed_everything
+from moe_grpo.learner.probe_copies import MAX_SNAPSHOTS, ProbeCopies, probe_gap  # noqa: F401 - MAX_SNAPSHOTS: callers'
 from moe_grpo.learner.rng_state import restore_rng_state
 from moe_grpo.learner.rollout_gap import k3, router_disagreement
 from moe_grpo.models.megatron import MegatronOptions, build_gpt_model, transformer_config
@@ -59,11 +63,6 @@ def _check_settings(layout: ParallelLayout, options: MegatronOptions, temperatur
     if not (temperature > 0 and math.isfinite(temperature)):
         raise ValueError(f"temperature={temperature}, expected a finite number > 0 (the engines' sampling "
                          "temperature; greedy evaluation trains nothing)")
-
-
-MAX_SNAPSHOTS = 2
-"""Published versions whose weights `snapshot_weights` keeps for the probe at once (each a copy of the rank's
-parameters): the newest and the one before it, whose probe may still be on its way back from the engines."""
 
 
 def _stale_positions(mb: Microbatch, policy_version: int) -> torch.Tensor:
@@ -168,7 +167,7 @@ class MegatronLearner:
         """The KL penalty's reference weights (`set_reference`); run state."""
         self._scheduler: tuple[int, Any] | None = None
         """(total steps, Megatron's OptimizerParamScheduler), built by the first `schedule_lr`."""
-        self._snapshots: dict[int, list[torch.Tensor]] = {}
+        self.probe_copies = ProbeCopies()
         """Published versions kept for `probe` (weights as published)."""
         self.before_update: list[Callable[[], None]] = []
         """Called before the optimizer changes the weights (a background weight sync still copying them waits here)."""
@@ -324,7 +323,7 @@ class MegatronLearner:
             if self._reference is None:
                 raise ValueError("the loss has a KL penalty (kl_coef > 0) but no reference policy was set; "
                                  "call set_reference() once (after the warm start)")
-            ref = self._reference_logprobs(mbs, replay=mode == "r3", targets=targets)
+            ref = reference_logprobs(self.rank_model, self._reference, mbs, replay=mode == "r3", targets=targets)
         self.model.train()
         scale = len(mbs) * dp_size / denominator
         stat_keys = tuple(loss_fn.stat_keys)
@@ -417,31 +416,11 @@ class MegatronLearner:
         Costs one more copy of this rank's parameters (in their dtype), and one no-grad forward per step that
         uses it. The copy is swapped into the live parameters for that forward (no second model, so every
         layout and the routing replay work unchanged)."""
-        self._reference = [p.detach().clone() for p in self.module.parameters()]
+        self._reference = copy_weights(self.module)
 
     @property
     def has_reference(self) -> bool:
         return self._reference is not None
-
-    @torch.no_grad()
-    def _reference_logprobs(self, mbs: list[Microbatch], *, replay: bool,
-                            targets: list[torch.Tensor] | None) -> list[torch.Tensor]:
-        """Log-probs of every position under the reference weights, routed as the training forward is."""
-        assert self._reference is not None
-        params = list(self.module.parameters())
-        live = [p.data for p in params]
-        was_training = self.model.training
-        self.model.eval()
-        try:
-            for p, ref in zip(params, self._reference):
-                p.data = ref
-            store = self._run(mbs, replay=replay, targets=targets, forward_only=True,
-                              loss_fn=lambda mb, output: (output.sum() * 0.0, {"logprobs": (-output.float()).detach()}))
-        finally:
-            for p, data in zip(params, live):
-                p.data = data
-            self.model.train(was_training)
-        return [rec["logprobs"] for rec in store]
 
     # ------------------------------------------------------------------ the mismatch probe
     def snapshot_weights(self, version: int, dtype: torch.dtype | None = None) -> None:
@@ -449,51 +428,16 @@ class MegatronLearner:
         learner trains on meanwhile). At most `MAX_SNAPSHOTS` are kept, the oldest dropped first. `dtype`: what
         the version travels in; the copy holds the weights rounded to it (in the learner's dtype), as the engines
         hold them, so the probe measures the engine-vs-learner gap on the same weights."""
-        self._snapshots[version] = [p.detach().clone() if dtype is None or dtype == p.dtype
-                                    else p.detach().to(dtype).to(p.dtype) for p in self.module.parameters()]
-        while len(self._snapshots) > MAX_SNAPSHOTS:
-            self._snapshots.pop(min(self._snapshots))
+        self.probe_copies.keep(version, self.module, dtype)
 
-    @torch.no_grad()
     def probe(self, seqs: Sequence[LearnerSequence], version: int) -> dict[str, float] | None:
         """The engine-vs-learner gap on the same weights: score `seqs` (sampled by an engine serving `version`,
         with their rollout log-probs and traces) with the weights published as `version`, routing replayed (R3)
         and free. Returns `kl_replay_on`, `kl_replay_off` (k3 estimates of KL(rollout || learner) over the
         response tokens) and `router_disagreement` (the free routers' top-k vs the engine's trace), or None when
         that version's snapshot is gone (a newer one replaced it). Every rank passes the same sequences."""
-        weights = self._snapshots.pop(version, None)
-        if weights is None:
-            return None
-        params = list(self.module.parameters())
-        live = [p.data for p in params]
-        was_training = self.model.training
-        self.model.eval()
-        sums = torch.zeros(5, dtype=torch.float64, device=self.device)
-        try:
-            for p, w in zip(params, weights):
-                p.data = w
-            for i, replay in enumerate((True, False)):
-                mbs = self._microbatches(seqs, replay, routing=True)
-                store = self._run(mbs, replay=replay, forward_only=True, record_free=self.replayer is not None,
-                                  loss_fn=lambda mb, out: (out.sum() * 0.0, {"k3": k3(-out.float(), mb.old_logprobs,
-                                                                                      mb.loss_mask).sum(),
-                                                                             "tokens": mb.loss_mask.sum()}))
-                if self.is_last_stage and self.rank["tp"] == 0:
-                    sums[i] += sum(float(rec["k3"]) for rec in store)
-                    sums[2] += sum(float(rec["tokens"]) for rec in store) if i == 0 else 0.0
-                if replay and self.replayer is not None:
-                    sums[3:] += torch.tensor(router_disagreement(self.rank_model, mbs)[:2], dtype=torch.float64,
-                                             device=self.device)
-        finally:
-            for p, data in zip(params, live):
-                p.data = data
-            self.model.train(was_training)
-            if self.replayer is not None:
-                self.replayer.reset_counters()
-        torch.distributed.all_reduce(sums)
-        k3_on, k3_off, tokens, differ, decisions = sums.tolist()
-        return {"kl_replay_on": k3_on / tokens, "kl_replay_off": k3_off / tokens,
-                "router_disagreement": differ / decisions if decisions else float("nan")}
+        weights = self.probe_copies.take(version)
+        return None if weights is None else probe_gap(self.rank_model, weights, seqs)
 
     # ------------------------------------------------------------------ learning rate
     @property
