@@ -5,6 +5,7 @@ order (they are collectives); each data-parallel rank passes its own sequences. 
 (weights, optimizer, step count, learning rate, KL reference) and composes the modules that do each job:
 
     forward_pass.py     one pass of Megatron's schedule over a rank's microbatches (`RankModel`)
+    policy_step.py      the loss's forward and backward, normalised over the whole step, and its metrics
     routing_record.py   R2's recorded routing, the routers' ids per microbatch and per sequence
     rollout_gap.py      k3 KL estimate and router disagreement between the rollout and a forward
     kl_reference.py     the KL penalty's reference weights and their forward
@@ -24,22 +25,22 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
-from moe_grpo.algo.corrections import Correction
-from moe_grpo.algo.losses import PolicyLoss, TokenLoss
-from moe_grpo.learner import checkpoint_io, routing_record
+from moe_grpo.algo.losses import TokenLoss
+from moe_grpo.learner import checkpoint_io, policy_step, routing_record
 from moe_grpo.learner.batch import LearnerSequence, Microbatch
 from moe_grpo.learner.checkpoint_files import IncompleteCheckpointError  # noqa: F401 - raised by the loads; named here
 from moe_grpo.learner.config import LearnerConfig
 from moe_grpo.learner.forward_pass import (RankModel, from_last_stage, keep_logprobs, microbatches, run_schedule,
                                            unpack)
-from moe_grpo.learner.kl_reference import copy_weights, reference_logprobs
+from moe_grpo.learner.kl_reference import copy_weights
 from moe_grpo.learner.lora import apply_lora, gather_adapter_state, load_adapter_state
 from moe_grpo.learner.lora_config import LoraConfig
 from moe_grpo.learner.optimizer import build_ddp_and_optimizer, current_lr, lr_scheduler, set_lr
 from moe_grpo.learner.parallel import ParallelLayout, init_distributed, ranks, seed_everything
+from moe_grpo.learner.policy_step import (REPLAY_MODES, SUPERVISED_LOSS, NonFiniteError,  # noqa: F401 - callers'
+                                          default_loss, grads_finite, replay_mode)
 from moe_grpo.learner.probe_copies import MAX_SNAPSHOTS, ProbeCopies, probe_gap  # noqa: F401 - MAX_SNAPSHOTS: callers'
 from moe_grpo.learner.rng_state import restore_rng_state
-from moe_grpo.learner.rollout_gap import k3, router_disagreement
 from moe_grpo.models.megatron import MegatronOptions, build_gpt_model, transformer_config
 from moe_grpo.models.spec import MoEModelSpec
 from moe_grpo.routing.replay import RoutingReplayer, check_replay_supported
@@ -63,53 +64,6 @@ def _check_settings(layout: ParallelLayout, options: MegatronOptions, temperatur
     if not (temperature > 0 and math.isfinite(temperature)):
         raise ValueError(f"temperature={temperature}, expected a finite number > 0 (the engines' sampling "
                          "temperature; greedy evaluation trains nothing)")
-
-
-def _stale_positions(mb: Microbatch, policy_version: int) -> torch.Tensor:
-    """1.0 on every position of the microbatch's sequences that hold a response token sampled before
-    `policy_version` (by older weights), 0.0 elsewhere."""
-    old = ((mb.versions < float(policy_version)) & (mb.loss_mask > 0)).cpu()
-    out = torch.zeros(mb.input_ids.shape, dtype=torch.float32)
-    for _, row, start, end in mb.spans:
-        if bool(old[row, start:end].any()):
-            out[row, start:end] = 1.0
-    return out
-
-
-class NonFiniteError(FloatingPointError):
-    """A loss or gradient was NaN/inf; the optimizer step was not taken."""
-
-
-REPLAY_MODES = ("r3", "r2", "off")
-"""Routing in the training forward: r3 = the engine's (the rollout trace), r2 = the learner's own, recorded in a
-no-grad forward of the batch before the training forward, off = the routers choose freely."""
-
-
-def _segments(mb: Microbatch) -> torch.Tensor:
-    """Per position, the index of its sequence within the microbatch; -1 on padding."""
-    seg = torch.full(mb.input_ids.shape, -1, dtype=torch.int64, device=mb.input_ids.device)
-    for j, (_, row, start, end) in enumerate(mb.spans):
-        seg[row, start:end] = j
-    return seg
-
-
-def replay_mode(replay: bool | str) -> str:
-    """`True`/`False` (the older boolean API) or a mode name -> one of `REPLAY_MODES`."""
-    if replay is True or replay is False:
-        return "r3" if replay else "off"
-    if replay not in REPLAY_MODES:
-        raise ValueError(f"replay={replay!r}, expected one of {list(REPLAY_MODES)} (or a bool: True = r3)")
-    return str(replay)
-
-
-def default_loss() -> PolicyLoss:
-    """GRPO: PPO clip 0.2 on the ratio to the rollout policy, token-level TIS at 2, token-mean."""
-    return PolicyLoss(correction=Correction("tis", high=2.0))
-
-
-SUPERVISED_LOSS = PolicyLoss(correction=Correction("none"))
-"""The warm start's loss: token-mean, no correction (without rollout log-probs the ratio is 1 and, with advantage 1,
-the gradient is the NLL's)."""
 
 
 class MegatronLearner:
@@ -297,91 +251,11 @@ class MegatronLearner:
         any of its tokens was sampled before `policy_version`) with `offpolicy/stale_fraction` of the tokens. The
         engine-vs-learner gap on the same weights is measured by `probe` instead.
         """
-        from megatron.core import parallel_state as ps
-
-        mode = replay_mode(replay)
-        self.model.train()
-        loss_fn = loss_fn if loss_fn is not None else default_loss()
-        have_traces = all(s.routing is not None for s in seqs)
-        mbs = self._microbatches(seqs, mode == "r3", routing=have_traces)
-        dp_size = ps.get_data_parallel_world_size()
-        if global_num_tokens is None or global_num_sequences is None:
-            local = torch.tensor([sum(float(mb.loss_mask.sum()) for mb in mbs), float(len(seqs))],
-                                 dtype=torch.float64, device=self.device)
-            torch.distributed.all_reduce(local, group=ps.get_data_parallel_group())
-            global_num_tokens = int(local[0].item()) if global_num_tokens is None else global_num_tokens
-            global_num_sequences = int(local[1].item()) if global_num_sequences is None else global_num_sequences
-        if global_num_tokens <= 0:
-            raise ValueError("forward_backward got no response tokens to train on (every loss mask is empty)")
-        normaliser = getattr(loss_fn, "normaliser", "tokens")
-        denominator = global_num_tokens if normaliser == "tokens" else global_num_sequences
-        have_old = all(s.old_logprobs is not None for s in seqs)
-        # r2: the routing recorded now, or earlier by `train_batch` (before the batch's first update)
-        targets = (r2_targets if r2_targets is not None else self._record_own_routing(mbs)) if mode == "r2" else None
-        ref = None
-        if getattr(loss_fn, "kl_coef", 0.0) > 0:
-            if self._reference is None:
-                raise ValueError("the loss has a KL penalty (kl_coef > 0) but no reference policy was set; "
-                                 "call set_reference() once (after the warm start)")
-            ref = reference_logprobs(self.rank_model, self._reference, mbs, replay=mode == "r3", targets=targets)
-        self.model.train()
-        scale = len(mbs) * dp_size / denominator
-        stat_keys = tuple(loss_fn.stat_keys)
-        mb_index = {id(mb): i for i, mb in enumerate(mbs)}
-        stale = [_stale_positions(mb, policy_version) for mb in mbs]
-
-        def loss(mb: Microbatch, output: torch.Tensor) -> Any:
-            logp = -output.float()
-            old = mb.old_logprobs if have_old else logp.detach()
-            staleness = (float(policy_version) - mb.versions) * mb.loss_mask
-            kwargs: dict[str, Any] = {"segments": _segments(mb)}
-            if ref is not None:
-                kwargs["ref_logprobs"] = ref[mb_index[id(mb)]].to(logp.device)
-            pg_sum, stats = loss_fn(logp, old, mb.advantages, mb.loss_mask, staleness, **kwargs)
-            k3_pos = torch.zeros_like(logp, dtype=torch.float64)
-            if have_old:
-                k3_pos = k3(logp.detach(), mb.old_logprobs, mb.loss_mask)
-            stale_mask = stale[mb_index[id(mb)]].to(logp.device) * mb.loss_mask
-            nll = -(logp.detach().double() * mb.loss_mask).sum()
-            return pg_sum * scale, {"pg_sum": pg_sum.detach(), "k3_sum": k3_pos.sum(), "nll_sum": nll,
-                                    "k3_stale_sum": (k3_pos * stale_mask).sum(), "stale_tokens": stale_mask.sum(),
-                                    **{k: stats[k].detach() for k in stat_keys}}
-
-        store = self._run(mbs, replay=mode == "r3", targets=targets, forward_only=False, loss_fn=loss,
-                          record_free=have_traces)
-        keys = ("pg_sum", "k3_sum", "nll_sum", "k3_stale_sum", "stale_tokens") + stat_keys
-        local = torch.zeros(len(keys) + 6, dtype=torch.float64, device=self.device)
-        if self.is_last_stage and self.rank["tp"] == 0:
-            for rec in store:
-                local[: len(keys)] += torch.tensor([float(rec[k]) for k in keys], dtype=torch.float64, device=self.device)
-        if self.replayer is not None:
-            if self.rank["tp"] == 0:
-                local[len(keys) : len(keys) + 2] += torch.tensor(
-                    [self.replayer.calls, self.replayer.replayed_calls], dtype=torch.float64, device=self.device)
-            if have_traces:
-                local[len(keys) + 2 :] += torch.tensor(router_disagreement(self.rank_model, mbs, stale), dtype=torch.float64,
-                                                       device=self.device)
-        torch.distributed.all_reduce(local)
-        sums = dict(zip(keys, local.tolist()))
-        calls, replayed, differ, decisions, differ_stale, decisions_stale = local[len(keys) :].tolist()
-        nan = float("nan")
-        metrics = {
-            "loss": sums["pg_sum"] / denominator,
-            "tokens": float(global_num_tokens),
-            "sequences": float(global_num_sequences),
-            "nll": sums["nll_sum"] / global_num_tokens,
-            "replay/applied": replayed / calls if calls else 0.0,
-            **{k: sums[k] / global_num_tokens for k in stat_keys},
-        }
-        if decisions:
-            metrics["train/router_disagreement"] = differ / decisions
-            metrics["offpolicy/router_disagreement"] = differ_stale / decisions_stale if decisions_stale else nan
-        if have_old:
-            metrics["train/rollout_kl"] = sums["k3_sum"] / global_num_tokens
-            stale_tokens = sums["stale_tokens"]
-            metrics["offpolicy/kl"] = sums["k3_stale_sum"] / stale_tokens if stale_tokens else nan
-            metrics["offpolicy/stale_fraction"] = stale_tokens / global_num_tokens
-        if not math.isfinite(sums["pg_sum"]):
+        metrics = policy_step.forward_backward(
+            self.rank_model, seqs, mode=replay_mode(replay), loss_fn=loss_fn if loss_fn is not None else default_loss(),
+            policy_version=policy_version, global_num_tokens=global_num_tokens,
+            global_num_sequences=global_num_sequences, r2_targets=r2_targets, reference=self._reference)
+        if not math.isfinite(metrics["loss"]):
             self.zero_grad()
             raise NonFiniteError(f"step {self.step_count + 1}: loss={metrics['loss']}; gradients dropped, no update")
         return metrics
@@ -389,9 +263,9 @@ class MegatronLearner:
     def optimizer_step(self) -> dict[str, float]:
         """Apply the accumulated gradients, unless any is NaN/inf on any rank (then raise, weights unchanged)."""
         self._wait_for_readers()
-        grads_finite = torch.tensor([1.0 if self._grads_finite() else 0.0], device=self.device)
-        torch.distributed.all_reduce(grads_finite, op=torch.distributed.ReduceOp.MIN)
-        if grads_finite.item() < 1.0:
+        finite = torch.tensor([1.0 if grads_finite(self.model) else 0.0], device=self.device)
+        torch.distributed.all_reduce(finite, op=torch.distributed.ReduceOp.MIN)
+        if finite.item() < 1.0:
             self.zero_grad()
             raise NonFiniteError(
                 f"step {self.step_count + 1}: non-finite gradient on at least one rank; "
@@ -402,12 +276,6 @@ class MegatronLearner:
             raise NonFiniteError(f"step {self.step_count + 1}: Megatron's optimizer refused the update")
         self.step_count += 1
         return {"grad_norm": float(grad_norm), "step": float(self.step_count)}
-
-    def _grads_finite(self) -> bool:
-        for buffer in list(self.model.buffers) + list(self.model.expert_parallel_buffers):
-            if not bool(torch.isfinite(buffer.grad_data).all()):
-                return False
-        return True
 
     # ------------------------------------------------------------------ reference policy (KL penalty)
     def set_reference(self) -> None:

@@ -49,7 +49,7 @@ VLLM_GPU_MEMORY_UTILIZATION = 0.9
 """vLLM's default share of a GPU for weights + KV cache (the engines do not change it)."""
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 PROBE_SNAPSHOTS = 2
-"""Copies of a rank's weights the mismatch probe keeps: learner/megatron_learner.py's MAX_SNAPSHOTS (not imported:
+"""Copies of a rank's weights the mismatch probe keeps: learner/probe_copies.py's MAX_SNAPSHOTS (not imported:
 that module loads torch and Megatron, and a dry run loads neither; a test checks the two agree)."""
 
 
