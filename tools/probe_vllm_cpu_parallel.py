@@ -2,7 +2,8 @@
 
 Writes a tiny Qwen3-MoE checkpoint (transformers, random fp32 weights), then serves it in a fresh process per
 layout with vLLM's offline `LLM` and the multiprocessing executor: TP=1, TP=2, and TP=2 with
-`enable_expert_parallel=True` (EP=2 inside the engine). Each run scores the same sequences (prompt log-probs); the
+`enable_expert_parallel=True` (EP=2 inside the engine), and two pipeline stages (PP=2, same executor, one host).
+Each run scores the same sequences (prompt log-probs); the
 TP=2 runs are compared with TP=1. A layout vLLM refuses is reported with its error, quoted.
 
     .venv/bin/python tools/probe_vllm_cpu_parallel.py [--out DIR]
@@ -21,7 +22,8 @@ import time
 import traceback
 
 LAYOUTS = {"tp1": dict(tensor_parallel_size=1), "tp2": dict(tensor_parallel_size=2),
-           "tp2_ep": dict(tensor_parallel_size=2, enable_expert_parallel=True)}
+           "tp2_ep": dict(tensor_parallel_size=2, enable_expert_parallel=True),
+           "pp2": dict(pipeline_parallel_size=2)}
 
 
 def write_qwen3_moe(path: str) -> None:
@@ -40,7 +42,7 @@ def serve(path: str, layout: str, seqs: list[list[int]], queue: mp.Queue) -> Non
     t0 = time.perf_counter()
     try:
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = "1"
-        tp = LAYOUTS[layout]["tensor_parallel_size"]
+        tp = LAYOUTS[layout].get("tensor_parallel_size", 1) * LAYOUTS[layout].get("pipeline_parallel_size", 1)
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i) for i in range(tp))  # one core per worker
         from vllm import LLM, SamplingParams
 
