@@ -31,7 +31,7 @@ import shutil
 import signal
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -45,7 +45,8 @@ from moe_grpo.orchestrator.engine_pool import EngineFailedError, EnginePool, Eng
 from moe_grpo.orchestrator.groups import (Scoring, drop_failed, learner_sequences, prompt_seed, sampling_settings,
                                           score_group, shape_group)
 from moe_grpo.orchestrator.learner_group import LearnerCall, LearnerGroup
-from moe_grpo.orchestrator.placement_plan import PlanRefused, build_plan, not_runnable_yet
+from moe_grpo.orchestrator.placement_plan import Plan, PlanRefused, build_plan, not_runnable_yet
+from moe_grpo.orchestrator.pools import Pools
 from moe_grpo.orchestrator.probe import MismatchProbe, probe_due
 from moe_grpo.orchestrator.process_record import ProcessRecord
 from moe_grpo.orchestrator.run_checkpoint import ResumeRefused
@@ -59,6 +60,9 @@ from moe_grpo.orchestrator.watch import JumpWatch
 from moe_grpo.reward.functions import Rewards
 from moe_grpo.reward.scoring import score_held_out, submit_group
 from moe_grpo.sync.sync_metrics import combine_sync_metrics
+
+if TYPE_CHECKING:  # the run's config composes the orchestrator's: it is a layer above (pyproject.toml)
+    from moe_grpo.config import RunConfig
 
 log = logging.getLogger("moe_grpo")
 
@@ -79,7 +83,7 @@ class Stopped(Exception):
 class Driver:
     """The schedule and the state it runs on."""
 
-    def __init__(self, run: Any, run_dir: str, pools: Any, tokenizer: Any, source: Any, rewards: Any,
+    def __init__(self, run: RunConfig, run_dir: str, pools: Pools, tokenizer: Any, source: Any, rewards: Any,
                  state: RunState) -> None:
         self.run, self.run_dir, self.pools = run, run_dir, pools
         self.learners: LearnerGroup = pools.learners
@@ -95,7 +99,7 @@ class Driver:
                                   run.rollout, pools.make_engine, run.cluster.start_timeout_s)
         self.greedy = sampling_settings(run, tokenizer, greedy=True)
         self.probe = MismatchProbe(source.probe_set(run.routing.probe_prompts), self._probe_sampling)
-        self.record: Any = None
+        self.record: RunRecord | None = None
         self.epoch = 0
         """Bumped by a rollback: requests sent before it are thrown away when they return."""
         self.training: LearnerCall | None = None
@@ -112,7 +116,7 @@ class Driver:
         self.t_last = time.perf_counter()
         self.busy_last: dict[str, float] = {}
         self.tokens_at_last = 0
-        self.process_record: Any = None
+        self.process_record: ProcessRecord | None = None
         """The run's `ProcessRecord` (processes.json), brought up to date each step (`write_processes`)."""
 
     # ------------------------------------------------------------------ the schedule
@@ -369,7 +373,7 @@ class Driver:
             abort_resubmits += stats.get("resubmitted", 0.0)
         sync = combine_sync_metrics(self.learners.call("sync_metrics", what="reading sync metrics"))
         self.advance_probe()
-        row = step_row(self.run, self.state, metrics, self.train_batch, trained_version=self.state.step - 1,
+        row = step_row(self.state, metrics, self.train_batch, trained_version=self.state.step - 1,
                        interval=interval, train_seconds=metrics["train_seconds"],
                        infer_busy=busy / (interval * len(self.engines.slots)),
                        rollout_tokens=self.state.generated_tokens - self.tokens_at_last, sync=sync,
@@ -500,7 +504,7 @@ class Driver:
             self.stop_after_checkpoint = self.due
 
 
-def check_resumable(run: Any, saved_config: dict[str, Any], saved_schedule: dict[str, Any] | None = None) -> None:
+def check_resumable(run: RunConfig, saved_config: dict[str, Any], saved_schedule: dict[str, Any] | None = None) -> None:
     """Refuse a resume whose config changes what the checkpoint's buffer, prompts and optimizer mean, or the
     learning-rate schedule its steps followed (`saved_schedule`: the checkpoint's; older ones: from its config)."""
     now = dataclasses.asdict(run)
@@ -526,7 +530,7 @@ def _schedule_of(saved_config: dict[str, Any]) -> dict[str, Any]:
     return {**learner, "lr_decay_steps": decay_steps if decay_steps is not None else saved_config.get("steps")}
 
 
-def check_schedule(run: Any, saved: dict[str, Any]) -> None:
+def check_schedule(run: RunConfig, saved: dict[str, Any]) -> None:
     """A resumed run's learning rate continues the checkpoint's schedule. Its length follows `steps` unless
     `learner.lr_decay_steps` is set, so a resume with another `steps` would change the learning rate of every step
     still to run (of a finished run: from `min_lr`, 0 by default, back up); that is refused unless the config says
@@ -546,7 +550,7 @@ def check_schedule(run: Any, saved: dict[str, Any]) -> None:
                 "learning rate follows the new schedule from here", now, want)
 
 
-def _warm_start(run: Any, learners: LearnerGroup, tokenizer: Any, source: Any) -> list[float]:
+def _warm_start(run: RunConfig, learners: LearnerGroup, tokenizer: Any, source: Any) -> list[float]:
     from moe_grpo.learner.batch import LearnerSequence
 
     batches = []
@@ -567,7 +571,7 @@ class InitialWeights:
     """What the learner ranks do before the engines start: warm start (fresh run) or load (resume), then publish
     the weights the engines start from and write the model directory they load."""
 
-    run: Any
+    run: RunConfig
     run_dir: str
     tokenizer: Any
     source: Any
@@ -598,7 +602,7 @@ class InitialWeights:
         return learners.call("export_version", version, model_dir, what=f"exporting version {version}", ranks=1)[0]
 
 
-def train(run: Any, run_dir: str | Path, *, learner_cls: type | None = None) -> dict[str, Any]:
+def train(run: RunConfig, run_dir: str | Path, *, learner_cls: type | None = None) -> dict[str, Any]:
     """Run `run.steps` optimizer steps (from the newest checkpoint with `run.resume`); returns a summary.
 
     `learner_cls`: a `LearnerWorker` subclass to run instead (tests inject slow or failing learners)."""
@@ -726,7 +730,7 @@ def _close_record(record: Any) -> None:
             log.info("plots: %s", png)
 
 
-def _stop_sync_hosts(pools: Any, report: dict[str, Any]) -> None:
+def _stop_sync_hosts(pools: Pools | None, report: dict[str, Any]) -> None:
     """Each host's buffers under the relay removed; what each received goes into `report` (the run's summary)."""
     from moe_grpo.orchestrator.sync_hosts import relay_report, stop_sync_hosts
 
@@ -735,7 +739,7 @@ def _stop_sync_hosts(pools: Any, report: dict[str, Any]) -> None:
         stop_sync_hosts(pools.sync_agents or [])
 
 
-def checked_plan(run: Any) -> tuple[Any, Any]:
+def checked_plan(run: RunConfig) -> tuple[RunConfig, Plan]:
     """Log the placement plan (orchestrator/placement_plan.py); return it and `run` with what it decided (a slurm
     plan's nodes, learner ranks and GPUs per actor). Raises PlanRefused with every reason for a plan that cannot
     run."""
@@ -749,7 +753,7 @@ def checked_plan(run: Any) -> tuple[Any, Any]:
     return dataclasses.replace(run, cluster=plan.cluster_for_run(run.cluster)), plan
 
 
-def _rewards(run: Any) -> Any:
+def _rewards(run: RunConfig) -> Rewards:
     return Rewards(*run.reward.resolved(run.task.name), timeout_s=run.reward.timeout_s, workers=run.reward.workers)
 
 

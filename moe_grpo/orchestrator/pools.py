@@ -9,16 +9,20 @@ import secrets
 import shutil
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from moe_grpo.orchestrator.config import ClusterConfig
 from moe_grpo.orchestrator.learner_group import LearnerGroup
+
+if TYPE_CHECKING:  # the run's config composes the orchestrator's: it is a layer above (pyproject.toml)
+    from moe_grpo.config import RunConfig
 
 
 @dataclass
 class EngineFactory:
     """Starts the engine actor of one placement bundle (at start, and again when an engine's actor died)."""
 
-    run: Any
+    run: RunConfig
     run_dir: str
     sync: Any
     """The run's `SyncLayout`: where each engine's versions arrive."""
@@ -60,7 +64,7 @@ class Pools:
     """One `SyncHostAgent` per sync host under the relay (orchestrator/sync_hosts.py); empty on one host."""
 
 
-def start_ray(cluster: Any, run_dir: str) -> str | None:
+def start_ray(cluster: ClusterConfig, run_dir: str) -> str | None:
     """Start a Ray cluster of this run's own (or join `cluster.ray_address` when it names one); returns the run's
     private directory (Ray's temp dir and vLLM's RPC sockets, 0700) that `stop_pools` removes, or None when joining
     (or when this process is connected to Ray already: the run uses that connection, see `stop_pools`)."""
@@ -157,7 +161,7 @@ def start_local_ray(num_cpus: int | None = None) -> str:
 VLLM_RPC_ENV = "VLLM_RPC_BASE_PATH"
 
 
-def _cores(cluster: Any, index: int, per: float, offset: int) -> list[int] | None:
+def _cores(cluster: ClusterConfig, index: int, per: float, offset: int) -> list[int] | None:
     if not cluster.pin_cpus:
         return None
     n = max(1, int(per))
@@ -199,7 +203,7 @@ def single_host() -> bool:
     return len([n for n in ray.nodes() if n.get("Alive")]) == 1
 
 
-def start_pools(run: Any, run_dir: str, sync_name: str, model_dir_fn: Any, learner_cls: type | None = None,
+def start_pools(run: RunConfig, run_dir: str, sync_name: str, model_dir_fn: Any, learner_cls: type | None = None,
                 bundle_nodes: list[str | None] | None = None) -> Pools:
     """Learner ranks first (they build the initial weights), then engines on `model_dir_fn(learners)` (the ranks'
     `LearnerGroup`).
@@ -241,7 +245,7 @@ def start_pools(run: Any, run_dir: str, sync_name: str, model_dir_fn: Any, learn
         raise
 
 
-def _start_actors(run: Any, run_dir: str, pg: Any, layout: Any, agents: list[Any], model_dir_fn: Any,
+def _start_actors(run: RunConfig, run_dir: str, pg: Any, layout: Any, agents: list[Any], model_dir_fn: Any,
                   learner_cls: type | None) -> Pools:
     import ray
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy

@@ -33,11 +33,14 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from moe_grpo.orchestrator.engine_pool import Request
+from moe_grpo.orchestrator.engine_pool import EnginePool, Request
 from moe_grpo.orchestrator.groups import completion_sequence
 from moe_grpo.orchestrator.learner_group import LearnerCall, LearnerFailedError, LearnerGroup
+
+if TYPE_CHECKING:  # the run's config composes the orchestrator's: it is a layer above (pyproject.toml)
+    from moe_grpo.config import RunConfig
 
 log = logging.getLogger("moe_grpo")
 
@@ -45,7 +48,7 @@ PROBE_SEED = 1_000_000_007
 """Sampling seed of probe prompt i: PROBE_SEED + i (the same samples for a given version on every engine)."""
 
 
-def probe_due(run: Any, version: int) -> bool:
+def probe_due(run: RunConfig, version: int) -> bool:
     """Whether the publish of `version` is probed (the learner ranks keep a copy of its weights for it): with
     routing.probe_prompts > 0, every routing.probe_every-th published version. The one rule for the initial
     publish, every later one and the driver's first round."""
@@ -113,13 +116,13 @@ class MismatchProbe:
                       [r.version for r in self.rounds] + [version])
         self.rounds.append(ProbeRound(version, set(engines)))
 
-    def submit(self, pool: Any) -> None:
+    def submit(self, pool: EnginePool) -> None:
         """Ask each engine that now serves a round's version to sample the probe prompts; an engine already past
         it (it skipped the version) or restarting is left out of that round."""
         for r in self.rounds:
             self._submit(r, pool)
 
-    def _submit(self, r: ProbeRound, pool: Any) -> None:
+    def _submit(self, r: ProbeRound, pool: EnginePool) -> None:
         if not r.waiting:
             return
         for name in sorted(r.waiting):
@@ -156,7 +159,7 @@ class MismatchProbe:
         if r is not None and engine in r.outstanding:
             del r.outstanding[engine]
 
-    def score(self, learners: LearnerGroup, pool: Any) -> None:
+    def score(self, learners: LearnerGroup, pool: EnginePool) -> None:
         """Hand each round's completions to the learner ranks once every engine has answered or dropped out."""
         for r in [r for r in self.rounds if not r.outstanding and not r.waiting]:
             self.rounds.remove(r)

@@ -12,13 +12,10 @@ import json
 import math
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import Any, Mapping
 
 import numpy as np
 from tqdm import tqdm
-
-if TYPE_CHECKING:  # the run's config composes the orchestrator's: it is a layer above (pyproject.toml)
-    from moe_grpo.config import RunConfig
 
 REQUIRED_KEYS = (
     "step", "policy_version", "reward/mean", "reward/std", "mismatch/kl", "mismatch/router_disagreement",
@@ -178,7 +175,7 @@ def _value(row: dict[str, Any], key: str) -> float:
     return float(value) if isinstance(value, (int, float)) and (value or key != "sync/full_bytes") else float("nan")
 
 
-def step_row(run: RunConfig | None, state: Any, metrics: dict[str, float], groups: list[Any], *, trained_version: int,
+def step_row(state: Any, metrics: dict[str, float], groups: list[Any], *, trained_version: int,
              interval: float, train_seconds: float, infer_busy: float, rollout_tokens: int, sync: dict[str, float],
              buffer: Any, engines: Any, abort_resubmits: float) -> dict[str, float]:
     """One optimizer step's line of metrics.jsonl, from the learner's metrics and the driver's state."""

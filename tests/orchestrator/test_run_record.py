@@ -18,7 +18,7 @@ def row(train_seconds: float, interval: float) -> dict[str, float]:
     completion = Completion(prompt_ids=np.arange(4), token_ids=np.arange(3), versions=np.array([1, 2, 2]))
     groups = [SimpleNamespace(rewards=np.array([0.0, 1.0]), completions=[completion, completion])]
     engines = SimpleNamespace(restarts=0, requests_resubmitted=0, sync_failures=0)
-    return step_row(None, state, {"train_seconds": train_seconds}, groups, trained_version=2, interval=interval,
+    return step_row(state, {"train_seconds": train_seconds}, groups, trained_version=2, interval=interval,
                     train_seconds=train_seconds, infer_busy=0.5, rollout_tokens=6, sync={},
                     buffer=EmptyBuffer(), engines=engines, abort_resubmits=0.0)
 
