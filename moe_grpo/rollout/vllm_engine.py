@@ -900,8 +900,13 @@ class VllmEngine:
         return sum(int(n) for n in self._rpc("moe_grpo_num_routing_buffers"))  # a leak in any worker counts
 
     def weight_digests(self) -> dict[str, str]:
-        """sha256 of each tensor the (first) worker serves from, by vLLM's parameter name: equal digests, equal bits."""
-        return dict(self._rpc("moe_grpo_weight_digests")[0])
+        """sha256 of each tensor the workers serve from, by vLLM's parameter name (with several workers
+        'tp<rank>/<name>': each holds its own slices): equal digests, equal bits."""
+        answers = self._rpc("moe_grpo_weight_digests")
+        if self.tensor_parallel == 1:
+            return dict(answers[0])
+        ranks = [int(r) for r in self._rpc("moe_grpo_tp_rank")]
+        return {f"tp{rank}/{name}": digest for rank, answer in zip(ranks, answers) for name, digest in answer.items()}
 
     # ------------------------------------------------------------------ weights
     async def _load(self, rpcs: list[tuple[str, tuple]], version: int, source: Any) -> None:

@@ -67,6 +67,7 @@ def _serve(hf: str, spec, tp: int, transport, seqs) -> dict:
         apply_version(engine, transport, 1)
         out["v1"] = _measure(engine, seqs)
         out["buffers_left"] = engine.num_routing_buffers()
+        out["digests_v1"] = engine.weight_digests()
         if tp > 1:
             real, silenced = engine._collective_rpc, []
 
@@ -83,7 +84,8 @@ def _serve(hf: str, spec, tp: int, transport, seqs) -> dict:
                     apply_version(engine, transport, 2)
             finally:
                 engine._collective_rpc = real
-            out["after_refused"] = {"version": engine.policy_version, "prompt_lps": engine.score(seqs)}
+            out["after_refused"] = {"version": engine.policy_version, "prompt_lps": engine.score(seqs),
+                                    "digests": engine.weight_digests()}
         return out
     finally:
         engine.shutdown()
@@ -151,6 +153,15 @@ def test_tp2_engine_serves_a_version_only_when_every_worker_loaded_it(served):
     two = served["tp2"]
     assert two["after_refused"]["version"] == 1
     assert _gap(two["after_refused"]["prompt_lps"], two["v1"]["prompt_lps"]) == 0.0
+    # Both workers hold version 1 again, bit for bit, each its own slices (rank 1's experts differ from rank 0's).
+    # On CPU vLLM packs dense linear weights (attention, router gate) into oneDNN / sgl handles and leaves the
+    # parameters empty, so the digests cover embeddings, experts, norms and the LM head only.
+    digests = two["after_refused"]["digests"]
+    assert digests == two["digests_v1"]
+    assert {name.split("/")[0] for name in digests} == {"tp0", "tp1"}
+    sliced = [n.split("/", 1)[1] for n in digests if n.startswith("tp0/") and digests[n] != digests.get(
+        "tp1/" + n.split("/", 1)[1])]
+    assert any(n.endswith("w13_weight") for n in sliced) and any(n.endswith("w2_weight") for n in sliced), sliced
 
 
 def test_tp2_engine_keeps_no_routing_buffers(served):
