@@ -27,7 +27,6 @@ import dataclasses
 import logging
 import os
 import random
-import shutil
 import signal
 import time
 from pathlib import Path
@@ -36,26 +35,24 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from moe_grpo.checkpoint import hf_init
-from moe_grpo.data.tasks import supervised_sequences
 from moe_grpo.data.tokenizer import load_tokenizer
-from moe_grpo.orchestrator import pools as pool_setup  # the module: tests stand in for its start_ray
 from moe_grpo.orchestrator import run_checkpoint
 from moe_grpo.orchestrator.buffer import RolloutBuffer
 from moe_grpo.orchestrator.engine_pool import EngineFailedError, EnginePool, EngineSlot, Request
 from moe_grpo.orchestrator.groups import (Scoring, drop_failed, learner_sequences, prompt_seed, sampling_settings,
                                           score_group, shape_group)
+from moe_grpo.orchestrator.initial_weights import InitialWeights
 from moe_grpo.orchestrator.learner_group import LearnerCall, LearnerGroup
-from moe_grpo.orchestrator.placement_plan import Plan, PlanRefused, build_plan, not_runnable_yet
 from moe_grpo.orchestrator.pools import Pools
 from moe_grpo.orchestrator.probe import MismatchProbe, probe_due
 from moe_grpo.orchestrator.process_record import ProcessRecord
-from moe_grpo.orchestrator.run_checkpoint import ResumeRefused
-from moe_grpo.orchestrator.run_dirs import make_sync_root, release_private_dir
+from moe_grpo.orchestrator.resume import resume_point
 from moe_grpo.orchestrator.run_prompts import engine_context, prompt_source
 from moe_grpo.orchestrator.run_record import RunRecord, step_row
-from moe_grpo.orchestrator.session import SignalRelay, Teardown, keep_handlers_through_ray_shutdown
+from moe_grpo.orchestrator.run_summary import RunSummary
+from moe_grpo.orchestrator.session import RunSession, checked_plan, run_rewards
 from moe_grpo.orchestrator.state import RunState
-from moe_grpo.orchestrator.trackers import check_installed, close_trackers, open_trackers
+from moe_grpo.orchestrator.trackers import check_installed
 from moe_grpo.orchestrator.watch import JumpWatch
 from moe_grpo.reward.functions import Rewards
 from moe_grpo.reward.scoring import score_held_out, submit_group
@@ -69,12 +66,6 @@ log = logging.getLogger("moe_grpo")
 SCORING_POLL_S = 0.02
 """While groups are being scored, the loop waits at most this long for engines or rewards before it looks again."""
 
-RESUME_MUST_MATCH = ("model", "algo", "task", "data", "reward.fn", "reward.weights", "mode", "routing.replay",
-                     "rollout.max_tokens", "rollout.temperature", "rollout.top_p", "learner.seed", "init", "learner.lr",
-                     "learner.lr_warmup_steps", "learner.lr_decay", "learner.min_lr")
-"""Config a resumed run must share with its checkpoint (what the saved buffer, prompts and optimizer mean, and the
-learning-rate schedule the saved steps followed; its length, `learner.lr_decay_steps`, by `check_schedule`)."""
-
 
 class Stopped(Exception):
     """The run was asked to stop (SIGTERM) and has written its checkpoint."""
@@ -83,7 +74,7 @@ class Stopped(Exception):
 class Driver:
     """The schedule and the state it runs on."""
 
-    def __init__(self, run: RunConfig, run_dir: str, pools: Pools, tokenizer: Any, source: Any, rewards: Any,
+    def __init__(self, run: RunConfig, run_dir: str, pools: Pools, tokenizer: Any, source: Any, rewards: Rewards,
                  state: RunState) -> None:
         self.run, self.run_dir, self.pools = run, run_dir, pools
         self.learners: LearnerGroup = pools.learners
@@ -504,112 +495,11 @@ class Driver:
             self.stop_after_checkpoint = self.due
 
 
-def check_resumable(run: RunConfig, saved_config: dict[str, Any], saved_schedule: dict[str, Any] | None = None) -> None:
-    """Refuse a resume whose config changes what the checkpoint's buffer, prompts and optimizer mean, or the
-    learning-rate schedule its steps followed (`saved_schedule`: the checkpoint's; older ones: from its config)."""
-    now = dataclasses.asdict(run)
-    changed = []
-    for key in RESUME_MUST_MATCH:
-        section, _, name = key.partition(".")
-        a, b = now.get(section), saved_config.get(section)
-        if name:
-            a, b = (a or {}).get(name), (b or {}).get(name)
-        if a != b:
-            changed.append(key)
-    if changed:
-        raise ResumeRefused(f"resume=true: the config differs from the checkpoint's in {changed}; a resumed run "
-                            f"must keep {list(RESUME_MUST_MATCH)} (steps (see learner.lr_decay_steps), timeouts, "
-                            "cluster and the learner layout may change)")
-    check_schedule(run, saved_schedule if saved_schedule is not None else _schedule_of(saved_config))
-
-
-def _schedule_of(saved_config: dict[str, Any]) -> dict[str, Any]:
-    """The schedule a checkpoint written before checkpoints saved theirs followed: over its run's `steps`."""
-    learner = saved_config.get("learner") or {}
-    decay_steps = learner.get("lr_decay_steps")
-    return {**learner, "lr_decay_steps": decay_steps if decay_steps is not None else saved_config.get("steps")}
-
-
-def check_schedule(run: RunConfig, saved: dict[str, Any]) -> None:
-    """A resumed run's learning rate continues the checkpoint's schedule. Its length follows `steps` unless
-    `learner.lr_decay_steps` is set, so a resume with another `steps` would change the learning rate of every step
-    still to run (of a finished run: from `min_lr`, 0 by default, back up); that is refused unless the config says
-    which schedule the run continues on."""
-    cfg = run.learner
-    want, now = saved.get("lr_decay_steps"), cfg.decay_steps(run.steps)
-    if cfg.lr_decay == "constant" or want is None or now == want:
-        return
-    if cfg.lr_decay_steps is None:
-        raise ResumeRefused(
-            f"resume=true with steps={run.steps}: the checkpoint's learning rate decays ({cfg.lr_decay}) to "
-            f"learner.min_lr={cfg.min_lr:g} at step {want}, this run's would at step {now}, which changes the learning "
-            f"rate of every step still to run. Extending a run is a choice: learner.lr_decay_steps={want} keeps the "
-            f"saved schedule (steps after {want} run at learner.min_lr), learner.lr_decay_steps={now} stretches it over "
-            "the new steps (the learning rate rises to where that schedule stands)")
-    log.warning("resume: learner.lr_decay_steps=%d, the checkpoint's schedule reached learner.min_lr at step %d: the "
-                "learning rate follows the new schedule from here", now, want)
-
-
-def _warm_start(run: RunConfig, learners: LearnerGroup, tokenizer: Any, source: Any) -> list[float]:
-    from moe_grpo.learner.batch import LearnerSequence
-
-    batches = []
-    for _ in range(run.warm_start_steps):
-        pairs = supervised_sequences(source.take(run.algo.prompts_per_step), tokenizer)
-        batches.append([LearnerSequence(np.asarray(t), prompt_len=p, advantage=1.0) for t, p in pairs])
-    if not batches:
-        return []
-    per_batch = [learners.split(b) for b in batches]  # each batch's shares, rank order
-    shares = [[shares_of_batch[rank] for shares_of_batch in per_batch] for rank in range(len(learners))]
-    # One call runs every warm-start step: each step gets the limit of a training step.
-    return learners.call("warm_start", shares=shares, what=f"the warm start ({len(batches)} supervised steps)",
-                         timeout_s=learners.timeout_s * len(batches))[0]
-
-
-@dataclasses.dataclass
-class InitialWeights:
-    """What the learner ranks do before the engines start: warm start (fresh run) or load (resume), then publish
-    the weights the engines start from and write the model directory they load."""
-
-    run: RunConfig
-    run_dir: str
-    tokenizer: Any
-    source: Any
-    state: RunState
-    resume_from: Path | None = None
-
-    def __call__(self, learners: LearnerGroup) -> str:
-        t0 = time.perf_counter()
-        if self.resume_from is not None:
-            lr = self.run.learner.lr * self.state.lr_scale
-            learners.call("load_run_state", str(self.resume_from / "learner"), lr,
-                          what=f"loading {self.resume_from.name}")
-            version = self.state.step
-            log.info("resume: learner state of step %d loaded in %.1f s", version, time.perf_counter() - t0)
-        else:
-            version = 0
-            self.state.warm_start_loss = _warm_start(self.run, learners, self.tokenizer, self.source)
-            warm = self.state.warm_start_loss
-            if warm:
-                log.info("warm start: %d supervised steps in %.1fs, answer NLL %.3f -> %.3f", len(warm),
-                         time.perf_counter() - t0, warm[0], warm[-1])
-        # The first half of `Driver.push_version` (the driver and its engines come once this returns).
-        self.state.published = version
-        learners.publish(version, background=False, snapshot=probe_due(self.run, version))
-        if self.run.init.hf and not self.state.warm_start_loss and self.resume_from is None and not self.run.lora.enabled:
-            return str(hf_init.engine_dir(self.run.init.hf, self.run.model, os.path.join(self.run_dir, "model_v0")))
-        model_dir = os.path.join(self.run_dir, f"model_v{version}")
-        return learners.call("export_version", version, model_dir, what=f"exporting version {version}", ranks=1)[0]
-
-
 def train(run: RunConfig, run_dir: str | Path, *, learner_cls: type | None = None) -> dict[str, Any]:
-    """Run `run.steps` optimizer steps (from the newest checkpoint with `run.resume`); returns a summary.
+    """Run `run.steps` optimizer steps (from the newest checkpoint with `run.resume`); returns the run's summary
+    (`RunSummary.as_dict()`). What the run creates around the schedule is released however it ends (`RunSession`).
 
     `learner_cls`: a `LearnerWorker` subclass to run instead (tests inject slow or failing learners)."""
-    import ray
-
-    from moe_grpo.sync.layout import host_root
-
     check_installed(run.logger)  # a missing tracker package fails now, not after the pools took minutes to start
     t_start, started_at = time.perf_counter(), time.time()  # started_at: the run's processes are those started after
     run_dir = str(Path(run_dir).resolve())
@@ -619,92 +509,53 @@ def train(run: RunConfig, run_dir: str | Path, *, learner_cls: type | None = Non
     run = dataclasses.replace(run, rollout=dataclasses.replace(run.rollout, max_model_len=engine_context(run, source)))
     run, plan = checked_plan(run)  # which node runs what, checked and printed before anything starts
     state = RunState(bad_rows=source.bad_rows)
-    saved, resume_from = None, None
-    if run.resume:
-        found = run_checkpoint.resume_point(run_dir)  # an earlier run's steps with no checkpoint to continue: refused
-        if found is None:
-            log.info("resume=true: %s holds no checkpoint and no recorded step; starting from the beginning", run_dir)
-        else:
-            resume_from = found[0]
-            saved = run_checkpoint.load_driver_state(resume_from)
-            check_resumable(run, saved["config"], saved.get("lr_schedule"))
-            state.load_state_dict(saved["run_state"])  # step and lr_scale, for the learner ranks' start
-            log.info("resume: continuing from %s (step %d of %d)", resume_from, state.step, run.steps)
-    rewards = _rewards(run)
+    resume_from, saved = resume_point(run, run_dir, state)
+    rewards = run_rewards(run)
     run = hf_init.prepare(run, run_dir)  # init.hf: the learner's converted checkpoint (cached next to the run)
-    # The run's weight buffers on this host, private and held by this process (run_dirs.py) before any actor opens
-    # them; what SIGKILLed runs left under the root is swept first.
-    sync_name, sync_root = make_sync_root(host_root(run.sync.root))
-    pools, driver, private_dir, record = None, None, None, None
-    ray_was_up, ray_own = True, False  # until start_ray: nothing of Ray is the run's to end
-    sync_report: dict[str, Any] = {}
-    signals = SignalRelay()  # made before Ray: it gives back the handlers from before Ray's
-    processes = ProcessRecord(run_dir, sync_root=sync_root, since=started_at)
-    stopped, trackers, outcome = None, [], "FAILED"
+    session = RunSession(run, run_dir, rewards, since=started_at)
+    stopped = None
     try:
-        processes.update()
-        # Before the pools: a bad key or an unreachable server fails the run now, not minutes in. A resumed run goes
-        # on in its checkpoint's tracker runs; their ids go into every checkpoint from here.
-        trackers = open_trackers(run.logger, run_dir, dataclasses.asdict(run), resume=state.tracker_runs)
-        state.tracker_runs = {t.key: t.run_id for t in trackers}
-        keep_handlers_through_ray_shutdown()  # before Ray: its shutdown would reset SIGTERM under Python's feet
-        ray_was_up = ray.is_initialized()  # the caller's connection: left to the caller
-        private_dir = pool_setup.start_ray(run.cluster, run_dir)
-        ray_own = private_dir is not None  # a cluster of the run's own: its shutdown ends everything of the run
-        signals.install()  # after Ray, whose own SIGTERM handler would exit without cleaning up
-        processes.update()
-        t0 = time.perf_counter()
-        initial = InitialWeights(run, run_dir, tokenizer, source, state, resume_from)
-        pools = pool_setup.start_pools(run, run_dir, sync_name, initial, learner_cls,
-                                       bundle_nodes=plan.bundle_nodes() if plan.pinned else None)
-        log.info("pools up in %.0fs: %d engine(s), %d learner rank(s) (%.2fM parameters on rank 0)",
-                 time.perf_counter() - t0, len(pools.engines), len(pools.learners), pools.learners.infos[0].parameters / 1e6)
-        driver = signals.driver = Driver(run, run_dir, pools, tokenizer, source, rewards, state)
-        driver.last_checkpoint = resume_from
-        driver.process_record = processes
-        driver.write_processes()
-        if saved is not None:
-            driver.load_state_dict(saved)
-            log.info("resume: %d buffered group(s) restored, %d prompt(s) that were in flight sent again",
-                     state.resume_buffered_groups, state.resume_resubmitted)
-        driver.offer_version(state.published, background=False, probe=probe_due(run, state.published))
-        if run.eval_every and not source.held_out:
-            log.info("no held-out set (data.eval_path is not set): no evaluation")
-        if run.eval_every and source.held_out and resume_from is None:
-            driver.evaluate()
-        driver.record = record = RunRecord(run_dir, run.steps,
-                                           resume_step=state.step if resume_from is not None else None,
-                                           trackers=trackers)
+        session.open_trackers(state)
+        session.start_ray()
+        pools = session.start_pools(InitialWeights(run, run_dir, tokenizer, source, state, resume_from), learner_cls,
+                                    plan)
+        driver = Driver(run, run_dir, pools, tokenizer, source, rewards, state)
+        session.attach(driver)
+        start_schedule(driver, saved, resume_from, session.processes)
+        driver.record = session.record = RunRecord(run_dir, run.steps,
+                                                   resume_step=state.step if resume_from is not None else None,
+                                                   trackers=session.trackers)
         stopped = run_to_end(driver)
-        outcome = "KILLED" if stopped else "FINISHED"
+        session.outcome = "KILLED" if stopped else "FINISHED"
     except KeyboardInterrupt:  # SIGTERM during start-up, Ctrl-C
-        outcome = "KILLED"
+        session.outcome = "KILLED"
         raise
     except EngineFailedError as e:
-        raise EngineFailedError(f"{e}; {driver._checkpoint_hint() if driver else 'no run checkpoint was written'}") from e
+        hint = session.driver._checkpoint_hint() if session.driver else "no run checkpoint was written"
+        raise EngineFailedError(f"{e}; {hint}") from e
     finally:
-        # Each step runs whatever the ones before did, with signals held: a second SIGTERM cannot cut it short.
-        teardown = Teardown(signals, after_each=lambda: processes.update(full=True))
-        teardown.add("the reward workers", rewards.close)
-        teardown.add("the run record", lambda: _close_record(record))
-        teardown.add("the trackers", lambda: close_trackers(trackers, outcome))
-        teardown.add("the sync hosts", lambda: _stop_sync_hosts(pools, sync_report))
-        teardown.add("the pools", lambda: pool_setup.stop_pools(pools, list(driver.engines.handles().values())
-                                                     if driver is not None else None,
-                                                     release=not ray_own, disconnect=not ray_was_up))
-        teardown.add("the private directory", lambda: release_private_dir(private_dir, run_dir))
-        teardown.add("the weight slots", lambda: shutil.rmtree(sync_root, ignore_errors=True))
-        teardown.run()
-    engines = driver.engines
-    return {"steps": state.step, "eval_start": state.evals[0][1] if state.evals else float("nan"),
-            "eval_end": state.evals[-1][1] if state.evals else float("nan"), "evals": state.evals,
-            "warm_start_loss": state.warm_start_loss, "seconds": time.perf_counter() - t_start, "run_dir": run_dir,
-            "policy_dir": os.path.join(run_dir, "policy"), "reward_failed": state.reward_failed,
-            "bad_rows": state.bad_rows, "stopped": stopped, "sync": sync_report,
-            "checkpoint": str(driver.last_checkpoint) if driver.last_checkpoint else None,
-            "faults": {"requests_lost": state.requests_lost, "steps_skipped": state.steps_skipped,
-                       "sync_failures": engines.sync_failures, "engine_restarts": engines.restarts,
-                       "requests_resubmitted": engines.requests_resubmitted, "rollbacks": state.rollbacks}}
+        session.close()
+    return RunSummary.of(state, driver.engines, driver.last_checkpoint, run_dir=run_dir,
+                         seconds=time.perf_counter() - t_start, stopped=stopped, sync=session.sync_report).as_dict()
+
+
+def start_schedule(driver: Driver, saved: dict[str, Any] | None, resume_from: Path | None,
+                   processes: ProcessRecord) -> None:
+    """Before the first pass: the resumed state loaded (`saved`), the engines offered the start-up's version (the
+    learner ranks wrote it in `InitialWeights`), and a fresh run's held-out reward at step 0."""
+    run, state = driver.run, driver.state
+    driver.last_checkpoint = resume_from
+    driver.process_record = processes
+    driver.write_processes()
+    if saved is not None:
+        driver.load_state_dict(saved)
+        log.info("resume: %d buffered group(s) restored, %d prompt(s) that were in flight sent again",
+                 state.resume_buffered_groups, state.resume_resubmitted)
+    driver.offer_version(state.published, background=False, probe=probe_due(run, state.published))
+    if run.eval_every and not driver.source.held_out:
+        log.info("no held-out set (data.eval_path is not set): no evaluation")
+    if run.eval_every and driver.source.held_out and resume_from is None:
+        driver.evaluate()
 
 
 def run_to_end(driver: Driver) -> str | None:
@@ -721,40 +572,6 @@ def run_to_end(driver: Driver) -> str | None:
     policy_dir = export_policy(driver)
     log.info("final policy (version %d) exported to %s", driver.state.step, policy_dir)
     return None
-
-
-def _close_record(record: Any) -> None:
-    if record is not None:
-        png = record.close()
-        if png:
-            log.info("plots: %s", png)
-
-
-def _stop_sync_hosts(pools: Pools | None, report: dict[str, Any]) -> None:
-    """Each host's buffers under the relay removed; what each received goes into `report` (the run's summary)."""
-    from moe_grpo.orchestrator.sync_hosts import relay_report, stop_sync_hosts
-
-    if pools is not None:
-        report.update(relay_report(pools.sync, pools.sync_agents or []))
-        stop_sync_hosts(pools.sync_agents or [])
-
-
-def checked_plan(run: RunConfig) -> tuple[RunConfig, Plan]:
-    """Log the placement plan (orchestrator/placement_plan.py); return it and `run` with what it decided (a slurm
-    plan's nodes, learner ranks and GPUs per actor). Raises PlanRefused with every reason for a plan that cannot
-    run."""
-    plan = build_plan(run, seq_len=run.rollout.max_model_len)
-    log.info("%s", plan.render())
-    if not plan.ok:
-        raise PlanRefused(plan.refusal())
-    limits = not_runnable_yet(plan)
-    if limits:
-        raise PlanRefused("this build cannot run the plan yet: " + "; ".join(limits))
-    return dataclasses.replace(run, cluster=plan.cluster_for_run(run.cluster)), plan
-
-
-def _rewards(run: RunConfig) -> Rewards:
-    return Rewards(*run.reward.resolved(run.task.name), timeout_s=run.reward.timeout_s, workers=run.reward.workers)
 
 
 def export_policy(driver: Driver) -> str:

@@ -6,14 +6,33 @@ limit, a user may press on; each is noted and the cleanup goes on to its last st
 short leaves the run's processes, weight slots and private directory behind. Ray installs a SIGTERM handler of its
 own that exits on the spot; the relay is installed over it and, at the end, gives back the handlers from before Ray.
 Ray's shutdown also resets SIGTERM under Python's feet (`keep_handlers_through_ray_shutdown`).
+
+`RunSession` holds what a run creates around the schedule (weight slots, trackers, Ray, the pools, the run record)
+and releases it however the run ends (`close`); `checked_plan` and `run_rewards` are the start-up's other parts.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import shutil
 import signal
 import time
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
+
+from moe_grpo.orchestrator import pools as pool_setup  # the module: tests stand in for its start_ray
+from moe_grpo.orchestrator.placement_plan import Plan, PlanRefused, build_plan, not_runnable_yet
+from moe_grpo.orchestrator.pools import Pools
+from moe_grpo.orchestrator.process_record import ProcessRecord
+from moe_grpo.orchestrator.run_dirs import make_sync_root, release_private_dir
+from moe_grpo.orchestrator.run_record import RunRecord
+from moe_grpo.orchestrator.state import RunState
+from moe_grpo.orchestrator.trackers import close_trackers, open_trackers
+from moe_grpo.reward.functions import Rewards
+
+if TYPE_CHECKING:  # the run's config composes the orchestrator's: it is a layer above (pyproject.toml)
+    from moe_grpo.config import RunConfig
+    from moe_grpo.orchestrator.driver import Driver
 
 log = logging.getLogger("moe_grpo")
 
@@ -124,3 +143,109 @@ class Teardown:
             log.info("cleanup done in %.1f s (%s)", time.perf_counter() - t0,
                      ", ".join(f"{name} {s:.1f} s" for name, s in slowest if s >= 0.05) or "no step took 0.1 s")
             self.signals.restore()
+
+
+class RunSession:
+    """What a run creates around its schedule, started in order and released by `close` however the run ends.
+
+    Made before anything starts: the run's weight buffers on this host (private and held by this process,
+    run_dirs.py, before any actor opens them; what SIGKILLed runs left under the root is swept first), the signal
+    relay (before Ray: it gives back the handlers from before Ray's) and the process record."""
+
+    def __init__(self, run: RunConfig, run_dir: str, rewards: Rewards, *, since: float) -> None:
+        from moe_grpo.sync.layout import host_root  # brings torch in: the dry run and --help import this module
+
+        self.run, self.run_dir, self.rewards = run, run_dir, rewards
+        self.sync_name, self.sync_root = make_sync_root(host_root(run.sync.root))
+        self.signals = SignalRelay()
+        self.processes = ProcessRecord(run_dir, sync_root=self.sync_root, since=since)
+        self.trackers: list[Any] = []
+        self.ray_was_up, self.ray_own = True, False  # until start_ray: nothing of Ray is the run's to end
+        self.private_dir: str | None = None
+        self.pools: Pools | None = None
+        self.driver: Driver | None = None
+        self.record: RunRecord | None = None
+        self.sync_report: dict[str, Any] = {}
+        """What each sync host under the relay received, filled in by `close` (the run's summary)."""
+        self.outcome = "FAILED"
+        """How the trackers' runs end: FINISHED, KILLED or FAILED."""
+
+    def open_trackers(self, state: RunState) -> None:
+        """Before the pools: a bad key or an unreachable server fails the run now, not minutes in. A resumed run goes
+        on in its checkpoint's tracker runs; their ids go into every checkpoint from here."""
+        self.processes.update()
+        self.trackers = open_trackers(self.run.logger, self.run_dir, dataclasses.asdict(self.run),
+                                      resume=state.tracker_runs)
+        state.tracker_runs = {t.key: t.run_id for t in self.trackers}
+
+    def start_ray(self) -> None:
+        import ray
+
+        keep_handlers_through_ray_shutdown()  # before Ray: its shutdown would reset SIGTERM under Python's feet
+        self.ray_was_up = ray.is_initialized()  # the caller's connection: left to the caller
+        self.private_dir = pool_setup.start_ray(self.run.cluster, self.run_dir)
+        self.ray_own = self.private_dir is not None  # a cluster of the run's own: its shutdown ends everything
+        self.signals.install()  # after Ray, whose own SIGTERM handler would exit without cleaning up
+        self.processes.update()
+
+    def start_pools(self, initial_weights: Callable[[Any], str], learner_cls: type | None, plan: Plan) -> Pools:
+        """The learner ranks and engines (pools.py); `initial_weights(learners)` gives the engines' model directory."""
+        t0 = time.perf_counter()
+        self.pools = pools = pool_setup.start_pools(self.run, self.run_dir, self.sync_name, initial_weights,
+                                                    learner_cls,
+                                                    bundle_nodes=plan.bundle_nodes() if plan.pinned else None)
+        log.info("pools up in %.0fs: %d engine(s), %d learner rank(s) (%.2fM parameters on rank 0)",
+                 time.perf_counter() - t0, len(pools.engines), len(pools.learners),
+                 pools.learners.infos[0].parameters / 1e6)
+        return pools
+
+    def attach(self, driver: Driver) -> None:
+        """The schedule's driver: signals reach it from here, and `close` releases its engines."""
+        self.driver = self.signals.driver = driver
+
+    def close(self) -> None:
+        """Each step runs whatever the ones before did, with signals held: a second SIGTERM cannot cut it short."""
+        teardown = Teardown(self.signals, after_each=lambda: self.processes.update(full=True))
+        teardown.add("the reward workers", self.rewards.close)
+        teardown.add("the run record", self._close_record)
+        teardown.add("the trackers", lambda: close_trackers(self.trackers, self.outcome))
+        teardown.add("the sync hosts", self._stop_sync_hosts)
+        teardown.add("the pools", lambda: pool_setup.stop_pools(
+            self.pools, list(self.driver.engines.handles().values()) if self.driver is not None else None,
+            release=not self.ray_own, disconnect=not self.ray_was_up))
+        teardown.add("the private directory", lambda: release_private_dir(self.private_dir, self.run_dir))
+        teardown.add("the weight slots", lambda: shutil.rmtree(self.sync_root, ignore_errors=True))
+        teardown.run()
+
+    def _close_record(self) -> None:
+        if self.record is not None:
+            png = self.record.close()
+            if png:
+                log.info("plots: %s", png)
+
+    def _stop_sync_hosts(self) -> None:
+        """Each host's buffers under the relay removed; what each received goes into `sync_report`."""
+        from moe_grpo.orchestrator.sync_hosts import relay_report, stop_sync_hosts  # brings torch in
+
+        if self.pools is not None:
+            self.sync_report.update(relay_report(self.pools.sync, self.pools.sync_agents or []))
+            stop_sync_hosts(self.pools.sync_agents or [])
+
+
+def checked_plan(run: RunConfig) -> tuple[RunConfig, Plan]:
+    """Log the placement plan (orchestrator/placement_plan.py); return it and `run` with what it decided (a slurm
+    plan's nodes, learner ranks and GPUs per actor). Raises PlanRefused with every reason for a plan that cannot
+    run."""
+    plan = build_plan(run, seq_len=run.rollout.max_model_len)
+    log.info("%s", plan.render())
+    if not plan.ok:
+        raise PlanRefused(plan.refusal())
+    limits = not_runnable_yet(plan)
+    if limits:
+        raise PlanRefused("this build cannot run the plan yet: " + "; ".join(limits))
+    return dataclasses.replace(run, cluster=plan.cluster_for_run(run.cluster)), plan
+
+
+def run_rewards(run: RunConfig) -> Rewards:
+    """The run's reward functions and their workers (closed by `RunSession.close`)."""
+    return Rewards(*run.reward.resolved(run.task.name), timeout_s=run.reward.timeout_s, workers=run.reward.workers)

@@ -296,7 +296,7 @@ def test_bundles_are_pinned_to_the_ray_node_of_each_planned_host():
 
 
 def test_the_driver_refuses_a_plan_before_anything_starts():
-    from moe_grpo.orchestrator.driver import checked_plan
+    from moe_grpo.orchestrator.session import checked_plan
 
     with pytest.raises(PlanRefused, match="parallel.pipeline_parallel=5 does not divide the model's 3 layers"):
         checked_plan(run_config(["parallel.pipeline_parallel=5"]))

@@ -283,7 +283,7 @@ def test_a_resume_that_changes_what_the_checkpoint_means_is_refused():
     import dataclasses
 
     from moe_grpo.config import from_hydra, load_model_spec
-    from moe_grpo.orchestrator.driver import check_resumable
+    from moe_grpo.orchestrator.resume import check_resumable
 
     def run(**algo):
         return from_hydra({"model": dataclasses.asdict(load_model_spec("deepseek_moe")), "algo": algo})
@@ -302,7 +302,7 @@ def test_a_resume_keeps_the_saved_learning_rate_schedule_and_extending_it_is_a_c
     import dataclasses
 
     from moe_grpo.config import from_hydra, load_model_spec
-    from moe_grpo.orchestrator.driver import check_resumable
+    from moe_grpo.orchestrator.resume import check_resumable
 
     model = dataclasses.asdict(load_model_spec("deepseek_moe"))
 
