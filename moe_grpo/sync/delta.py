@@ -60,6 +60,9 @@ ENCODINGS = ("index", "bitmap", "varint")
 _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 """Integer dtype of each element size: changed elements are found by comparing bits, not values."""
 
+COMPARE_CHUNK = 1 << 22
+"""Elements compared at a time in a diff (a 4 MB mask, reused)."""
+
 Placement = tuple[Sequence[int], Sequence[int], int]
 """Where a shard lies in its full HF tensor: (shape, strides, element offset) of a view of the contiguous tensor."""
 
@@ -151,7 +154,7 @@ class BucketChange:
     values: torch.Tensor
     """The new values, in the engine's dtype, one per index."""
     steps: torch.Tensor | None = None
-    """int64 differences of the new values' bit patterns from the old ones (None: no old values, a first
+    """Integer differences of the new values' bit patterns from the old ones (None: no old values, a first
     version): a small weight update moves a bf16 value by a few units in its last place, which a varint carries
     in one byte."""
     _positions: torch.Tensor | None = field(default=None, repr=False)
@@ -235,33 +238,35 @@ def _position_dtype(numel: int) -> torch.dtype:
 
 
 def _varint_sizes(x: np.ndarray) -> np.ndarray:
-    """Bytes of each unsigned value as a LEB128 varint (7 bits a byte)."""
-    n = np.ones(x.shape, dtype=np.int64)
-    rest = x >> np.uint64(7)
-    while rest.any():
-        n += rest > 0
-        rest >>= np.uint64(7)
+    """Bytes of each unsigned value as a LEB128 varint (7 bits a byte), as uint8."""
+    n = np.ones(x.shape, dtype=np.uint8)
+    top = int(x.max(initial=0))
+    for k in range(1, max(1, (top.bit_length() + 6) // 7)):
+        n += x >= np.asarray(1 << (7 * k)).astype(x.dtype)
     return n
 
 
 def _varint(x: np.ndarray, n: np.ndarray | None = None) -> np.ndarray:
-    """Unsigned values as LEB128 varints, one after another (vectorised: one pass per byte of the longest);
-    `n`: their sizes (`_varint_sizes`), if known."""
-    x = x.astype(np.uint64)
+    """Unsigned values as LEB128 varints, one after another; `n`: their sizes (`_varint_sizes`), if known.
+    Vectorised: each value's bytes as a row of a (values, longest) matrix, continuation bits set, and the rows'
+    used bytes taken in order."""
     n = _varint_sizes(x) if n is None else n
-    out = np.empty(int(n.sum()), dtype=np.uint8)
-    starts = np.cumsum(n) - n
-    for k in range(int(n.max(initial=0))):
-        sel = n > k if k else slice(None)
-        byte = (x[sel] >> np.uint64(7 * k)) & np.uint64(127)
-        out[starts[sel] + k] = (byte | (np.uint64(128) * (n[sel] > k + 1))).astype(np.uint8)
-    return out
+    longest = int(n.max(initial=0))
+    if longest <= 1:
+        return x.astype(np.uint8)
+    k = np.arange(longest, dtype=x.dtype)
+    rows = ((x[:, None] >> (7 * k)[None, :]) & np.asarray(127).astype(x.dtype)).astype(np.uint8)
+    used = k[None, :] < n[:, None]
+    rows |= (k[None, :] + 1 < n[:, None]).astype(np.uint8) << 7
+    return rows[used]
 
 
 def _unvarint(buf: np.ndarray, count: int) -> tuple[np.ndarray, int]:
     """The first `count` LEB128 varints of `buf`, and the bytes they took."""
     if count == 0:
         return np.zeros(0, dtype=np.uint64), 0
+    if len(buf) >= count and not (buf[:count] >= 128).any():  # every value in one byte
+        return buf[:count].astype(np.uint64), count
     ends = np.flatnonzero(buf < 128)[:count]
     if len(ends) < count:
         raise ValueError(f"a varint section holds {len(ends)} values, expected {count}")
@@ -269,14 +274,19 @@ def _unvarint(buf: np.ndarray, count: int) -> tuple[np.ndarray, int]:
     lens = ends - starts + 1
     out = buf[starts].astype(np.uint64) & np.uint64(127)
     for k in range(1, int(lens.max())):
-        sel = lens > k
+        sel = np.flatnonzero(lens > k)
         out[sel] |= (buf[starts[sel] + k].astype(np.uint64) & np.uint64(127)) << np.uint64(7 * k)
     return out, int(ends[-1]) + 1
 
 
+def _narrow(x: np.ndarray) -> np.ndarray:
+    """Unsigned values in uint32 where they fit (half the memory traffic of the varint passes)."""
+    return x.astype(np.uint32) if int(x.max(initial=0)) < 2**32 else x
+
+
 def _zigzag(v: torch.Tensor) -> np.ndarray:
-    x = v.cpu().numpy().astype(np.int64)
-    return ((x << 1) ^ (x >> 63)).astype(np.uint64)
+    x = v.cpu().numpy().astype(np.int64, copy=False)
+    return _narrow(((x << 1) ^ (x >> 63)).view(np.uint64))
 
 
 def _unzigzag(u: np.ndarray) -> np.ndarray:
@@ -285,8 +295,8 @@ def _unzigzag(u: np.ndarray) -> np.ndarray:
 
 def _gaps(local: torch.Tensor) -> np.ndarray:
     """Ascending indices as their gaps (the first from -1), all >= 1."""
-    x = local.cpu().numpy().astype(np.int64)
-    return np.diff(x, prepend=-1).astype(np.uint64)
+    x = local.cpu().numpy()
+    return _narrow(np.diff(x, prepend=-1).view(np.uint64))
 
 
 def _sizes(change: BucketChange, item: int) -> dict[str, int]:
@@ -298,7 +308,7 @@ def _sizes(change: BucketChange, item: int) -> dict[str, int]:
         if change.steps is not None:
             gaps, steps = _gaps(change.local), _zigzag(change.steps)
             gap_n, step_n = _varint_sizes(gaps), _varint_sizes(steps)
-            sizes["varint"] = int(gap_n.sum() + step_n.sum())
+            sizes["varint"] = int(gap_n.sum(dtype=np.int64) + step_n.sum(dtype=np.int64))
             sizes["_varints"] = (gaps, gap_n, steps, step_n)
         change._sizes = sizes
     return {k: v for k, v in change._sizes.items() if not k.startswith("_")}
@@ -441,7 +451,16 @@ class DeltaTracker:
                                                          for n, _, p in s], item)
                       for i, s in self.shards.items()}
         """Each bucket's part of this rank (where its shards lie in the bucket)."""
-        self._scratch = torch.empty(max((p.numel for p in self.parts.values()), default=0), dtype=self.dtype)
+        device = next((src.device for s in self.shards.values() for _, src, _ in s), torch.device("cpu"))
+        self._scratch = torch.empty(max((p.numel for p in self.parts.values()), default=0), dtype=self.dtype,
+                                    device=device)
+        """One bucket's part cast to the engine's dtype, on the sources' device (the kept copy lives there too)."""
+        self._mask = torch.empty(min(COMPARE_CHUNK, self._scratch.numel()), dtype=torch.bool, device=device)
+        self._casts = {i: ([self._scratch[a : a + n].view(src.shape) for (_, src, _), a, n
+                            in zip(s, part.starts.tolist(), part.numels)], [src for _, src, _ in s])
+                       for i, (s, part) in ((i, (s, self.parts[i])) for i, s in self.shards.items())}
+        """Per bucket: each shard's place in the scratch buffer, and its source (built once: the optimizer
+        updates the sources in place)."""
         self.last: dict[int, torch.Tensor] | None = None
         """The engine-dtype values of the last version, per bucket (the part's shards one after another); None
         before the first version."""
@@ -450,12 +469,23 @@ class DeltaTracker:
 
     def _cast(self, index: int) -> torch.Tensor:
         """This bucket's shards rounded to the engine's dtype, one after another (in the scratch buffer)."""
-        part = self.parts[index]
-        out = self._scratch[: part.numel]
-        dsts = [out[int(a) : int(a) + n].view(src.shape) for (_, src, _), a, n
-                in zip(self.shards[index], part.starts.tolist(), part.numels)]
-        torch._foreach_copy_(dsts, [src.detach() for _, src, _ in self.shards[index]])  # rounds as .to(dtype)
-        return out
+        dsts, srcs = self._casts[index]
+        with torch.no_grad():
+            torch._foreach_copy_(dsts, srcs)  # rounds as .to(dtype)
+        return self._scratch[: self.parts[index].numel]
+
+    def _changed(self, new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
+        """Ascending indices where the integer views `new` and `old` differ: compared a chunk at a time into one
+        reused mask (a fresh mask of a 256 MB bucket's part cost more in page faults than the comparison)."""
+        out = []
+        for start in range(0, new.numel(), COMPARE_CHUNK):
+            end = min(new.numel(), start + COMPARE_CHUNK)
+            mask = self._mask[: end - start]
+            torch.ne(new[start:end], old[start:end], out=mask)
+            found = (torch.from_numpy(np.flatnonzero(mask.numpy())) if mask.device.type == "cpu"
+                     else mask.nonzero().view(-1))
+            out.append(found + start if start else found)
+        return torch.cat(out) if len(out) > 1 else (out[0] if out else torch.zeros(0, dtype=torch.int64))
 
     def diff(self, version: int) -> VersionDelta:
         """The changes of the current weights against the last version (call `commit` once they are published).
@@ -464,13 +494,15 @@ class DeltaTracker:
         for index, part in self.parts.items():
             new = self._cast(index)
             if self.last is None:
-                out.changes[index] = BucketChange(part, torch.arange(part.numel), new.clone())
+                out.changes[index] = BucketChange(part, torch.arange(part.numel), new.cpu().clone())
                 continue
             old = self.last[index]
-            local = torch.ne(bits(new), bits(old)).nonzero().view(-1)
-            if local.numel():
-                steps = bits(new)[local].to(torch.int64) - bits(old)[local].to(torch.int64)
-                out.changes[index] = BucketChange(part, local, new[local], steps)
+            local = self._changed(bits(new), bits(old))
+            if local.numel():  # what travels is on the host (the shard relay, the encodings)
+                values = new[local]
+                wide = torch.int32 if values.element_size() <= 2 else torch.int64  # no overflow, half the bytes
+                steps = bits(values).to(wide) - bits(old)[local].to(wide)
+                out.changes[index] = BucketChange(part, local.cpu(), values.cpu(), steps.cpu())
         self._diffed = out
         return out
 
@@ -480,10 +512,11 @@ class DeltaTracker:
         delta = self._diffed
         assert delta is not None, "commit() without diff()"
         if self.last is None:
-            self.last = {i: c.values.clone() for i, c in delta.changes.items()}
+            self.last = {i: c.values.to(self._scratch.device, copy=True) for i, c in delta.changes.items()}
         else:
             for i, c in delta.changes.items():
-                self.last[i][c.local] = c.values
+                last = self.last[i]
+                last[c.local.to(last.device)] = c.values.to(last.device)
         self.last_version, self._diffed = delta.version, None
 
     def forget(self) -> None:

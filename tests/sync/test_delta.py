@@ -299,7 +299,7 @@ def test_a_bucket_is_diffed_encoded_and_applied_at_once_not_tensor_by_tensor() -
         s.add_(1.0)
     with _CountOps() as diff_ops:
         delta = tracker.diff(2)
-    assert diff_ops.ops.get("ne", 0) == 1 and diff_ops.ops.get("nonzero", 0) == 1, diff_ops.ops
+    assert diff_ops.ops.get("ne", 0) == 1 and diff_ops.ops.get("nonzero", 0) <= 1, diff_ops.ops
     assert delta.names() == set(names[::7])
     flats, views = _buffers(plan)
     with _CountOps() as apply_ops:
@@ -307,3 +307,26 @@ def test_a_bucket_is_diffed_encoded_and_applied_at_once_not_tensor_by_tensor() -
     assert apply_ops.ops.get("index_put_", 0) == 1, apply_ops.ops
     for n, s in zip(names[::7], srcs[::7]):
         assert torch.equal(views[n].view(torch.int16), s.to(torch.bfloat16).view(torch.int16))
+
+
+def test_changes_found_chunk_by_chunk_are_the_same_as_over_the_whole_bucket(monkeypatch) -> None:
+    """The diff compares a bucket a chunk at a time into one reused mask: an index shifted by a chunk's start,
+    or a change at a chunk's edge left out, would put a value at the wrong place or miss it."""
+    import moe_grpo.sync.delta as delta_module
+
+    monkeypatch.setattr(delta_module, "COMPARE_CHUNK", 7)
+    plan = BucketPlan("toy", "bfloat16", (Bucket(0, (BucketEntry("a", (5, 4), 0), BucketEntry("b", (31,), 64)), 128),))
+    g = torch.Generator().manual_seed(11)
+    a, b = torch.randn(5, 4, generator=g), torch.randn(31, generator=g)
+    tracker = DeltaTracker(plan, {0: [("a", a, torch.empty(5, 4, device="meta")), ("b", b, torch.empty(31, device="meta"))]})
+    tracker.diff(1)
+    tracker.commit()
+    before = torch.cat([a.view(-1), b]).to(torch.bfloat16)
+    hit = torch.tensor([0, 6, 7, 13, 14, 20, 27, 50])  # both sides of chunk edges, both tensors
+    a.view(-1)[hit[hit < 20]] += 1.0
+    b[hit[hit >= 20] - 20] += 1.0
+    flat = torch.cat([a.view(-1), b]).to(torch.bfloat16)
+    d = tracker.diff(2)
+    want = (bits(flat) != bits(before)).nonzero().view(-1)
+    assert d.changes[0].local.tolist() == want.tolist() == hit.tolist()
+    assert d.changes[0].positions().tolist() == [i if i < 20 else 32 + i - 20 for i in hit.tolist()]
