@@ -377,9 +377,17 @@ def main() -> None:
     ap.add_argument("--delta", action="store_true",
                     help="delta versions against full versions from real optimizer steps (tools/bench_sync_delta.py)")
     ap.add_argument("--delta-steps", type=int, default=5, help="--delta: optimizer steps per model and rate")
+    ap.add_argument("--delta-skip-large", action="store_true",
+                    help="--delta: leave out the 315 MB 'large' config (large_* keys)")
+    ap.add_argument("--delta-profile", default=None, metavar="DIR",
+                    help="--delta: cProfile each publish, relay receiver and engine-side load into DIR/*.prof")
     args = ap.parse_args()
     if args.delta:
         import bench_sync_delta  # tools/ is sys.path[0] when this file runs as a script
+
+        if args.delta_profile:  # read by the learner ranks too (spawned processes inherit the environment)
+            os.makedirs(args.delta_profile, exist_ok=True)
+            os.environ[bench_sync_delta.PROFILE_ENV] = os.path.abspath(args.delta_profile)
 
         print(json.dumps(bench_sync_delta.run(args)))
         return

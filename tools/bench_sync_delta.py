@@ -2,7 +2,8 @@
 
 For each model (the tiny default, conf/model/deepseek_moe.yaml, and the 128-expert top-8 config,
 conf/model/deepseek_moe_128e.yaml at its own 4 layers: small enough for 2 CPU cores) and each learning rate
-(1e-6, 1e-5, 1e-4), a 2-rank learner (EP=2: MegatronLearner, fp32 master weights, Adam, lr_decay constant, seed 5)
+(1e-6, 1e-5, 1e-4), and for a "large" config (the 128-expert model widened to a 315 MB bf16 version, `LARGE`,
+at 1e-6 only: a second one ran the 24 GiB machine out of memory; `--delta-skip-large` leaves it out), a 2-rank learner (EP=2: MegatronLearner, fp32 master weights, Adam, lr_decay constant, seed 5)
 takes `--delta-steps` real `train_step`s on synthetic sequences (tests/learner/layout_scenarios.py's
 `make_sequences`, built the same way here). Version 1 is its initial weights; after each step it publishes the
 version in bf16 four times:
@@ -24,21 +25,29 @@ Exactness: sha256 of every tensor's bits in the delta transport's version agains
 differ over every model, rate, version and transport.
 
 Projection: for Qwen3-30B-A3B and DeepSeek-V3 (conf/model/*.yaml, bf16 bucket plans from sync/plan.py, nothing
-built), the bytes of a delta version at each measured changed fraction, in the smaller of the two encodings the
-sync uses per bucket (indices: 4 + 2 bytes per change; bitmap: 1 bit per element + 2 bytes per change), and its
+built), the bytes of a delta version at each measured changed fraction, in the smallest of the encodings the
+sync uses per bucket (indices: 4 + 2 bytes per change; bitmap: 1 bit per element + 2 bytes per change; varint
+gaps + 1-byte varint steps), and its
 seconds over a 25 GB/s link per engine host (bytes / 25e9: the link is the bottleneck, encode/apply not counted),
 beside a full version's; verl's published figures go beside them.
+
+`--delta-profile DIR` also writes a cProfile of every publish after the first (per model, rate, way and rank),
+of every relay receiver and of the engine-side loads into DIR/*.prof (the breakdown in docs/results.md).
 
 Progress goes to stderr; the last stdout line is one JSON object.
 """
 
 from __future__ import annotations
 
+import cProfile
+import contextlib
+import gc
 import hashlib
 import json
 import math
 import os
 import secrets
+import shutil
 import statistics
 import sys
 import tempfile
@@ -47,8 +56,15 @@ import time
 from typing import Any
 
 LEARNING_RATES = (1e-6, 1e-5, 1e-4)
-MODELS = (("tiny", "deepseek_moe", None), ("128e", "deepseek_moe_128e", None))
-"""(key prefix, conf/model name, num_layers override or None)."""
+LARGE = {"hidden_size": 512, "head_dim": 128, "moe_ffn_hidden_size": 256}
+"""The "large" config: the 128-expert model widened so one bf16 version is 315 MB (151 M parameters, nearly all
+routed experts): large enough that copying and sending the bytes, not per-version overheads, dominates a full
+version on this machine."""
+MODELS = (("tiny", "deepseek_moe", {}, LEARNING_RATES), ("128e", "deepseek_moe_128e", {}, LEARNING_RATES),
+          ("large", "deepseek_moe_128e", LARGE, (1e-6,)))
+"""(key, conf/model name, ModelSpec overrides, learning rates). Key prefixes on the last line: none for 128e
+(the issue's required keys), `tiny_`, `large_`."""
+PREFIX = {"128e": "", "tiny": "tiny_", "large": "large_"}
 LINK_BYTES_PER_S = 25e9
 """The assumed link per engine host for the projection."""
 VERL = {"qwen3_30b_a3b_full_s": 32.2, "qwen3_30b_a3b_delta_s": 7.1, "qwen3_235b_full_s": [246, 266],
@@ -59,6 +75,33 @@ VERL = {"qwen3_30b_a3b_full_s": 32.2, "qwen3_30b_a3b_delta_s": 7.1, "qwen3_235b_
 STEP_BYTES = 1
 """Bytes per varint step assumed in projections: an optimizer step at these learning rates moves a changed bf16
 value by fewer than 64 units in its last place (the measured delta bytes above carry the real steps)."""
+
+
+PROFILE_ENV = "BENCH_SYNC_DELTA_PROFILE"
+"""A directory: profile (cProfile) every publish after the first version, per rank, model, rate and way, every
+relay receiver and the engine-side loads, into <dir>/<what>.prof (`--delta-profile`)."""
+
+
+@contextlib.contextmanager
+def profiled(what: str):
+    """cProfile of the block into $BENCH_SYNC_DELTA_PROFILE/<what>.prof (added up over calls); nothing without it."""
+    root = os.environ.get(PROFILE_ENV)
+    if not root:
+        yield
+        return
+    prof = cProfile.Profile()
+    prof.enable()
+    try:
+        yield
+    finally:
+        prof.disable()
+        path = os.path.join(root, f"{what}.prof")
+        import pstats
+
+        stats = pstats.Stats(prof)
+        if os.path.exists(path):
+            stats.add(path)
+        stats.dump_stats(path)
 
 
 def log(msg: str) -> None:
@@ -156,8 +199,8 @@ def rank_work(configs: list[dict], shm_root: str, host_roots: list[str], steps: 
     out = []
     for c in configs:
         spec = load_model_spec(c["model"])
-        if c["layers"]:
-            spec = spec.replace(num_layers=c["layers"])
+        if c["overrides"]:
+            spec = spec.replace(**c["overrides"])
         learner = MegatronLearner(spec, ParallelLayout(1, 2, 1),
                                   LearnerConfig(seed=5, lr=c["lr"], lr_decay="constant"))
         tag = f"{c['key']}_{c['lr']:g}"
@@ -180,7 +223,8 @@ def rank_work(configs: list[dict], shm_root: str, host_roots: list[str], steps: 
             for name, sync in syncs.items():
                 torch.distributed.barrier()
                 t0 = time.perf_counter()
-                report = sync.sync(version).wait()
+                with profiled(f"{tag}_{name}_r{rank}") if version > 1 else contextlib.nullcontext():
+                    report = sync.sync(version).wait()
                 if name.startswith("relay") and rank == 1:  # host A: whole once both ranks' parts landed
                     local = sync.transport.local
                     deadline = time.monotonic() + 120
@@ -196,8 +240,10 @@ def rank_work(configs: list[dict], shm_root: str, host_roots: list[str], steps: 
             row["mismatched"] = sorted(n for n in want if got.get(n) != want[n])
             if rank == 0:  # the engine side on the shared-memory host: full load vs reload of what changed
                 changed = shm_delta.changed_since(version - 1, version) if version > 1 else None
-                row["load_full_seconds"] = load_into(shm_full, version, held_full, None)
-                row["load_delta_seconds"] = load_into(shm_delta, version, held_delta, changed)
+                with profiled(f"{tag}_load_full") if version > 1 else contextlib.nullcontext():
+                    row["load_full_seconds"] = load_into(shm_full, version, held_full, None)
+                with profiled(f"{tag}_load_delta") if version > 1 else contextlib.nullcontext():
+                    row["load_delta_seconds"] = load_into(shm_delta, version, held_delta, changed)
                 row["load_delta_tensors"] = len(changed) if changed is not None else len(want)
                 if version > 1:
                     row["mismatched"] += sorted(n for n in held_full
@@ -210,6 +256,10 @@ def rank_work(configs: list[dict], shm_root: str, host_roots: list[str], steps: 
             if hasattr(p, "close_relay"):
                 p.close_relay()
         torch.distributed.barrier()
+        del syncs, learner, held_full, held_delta
+        if rank == 0:  # this config's shared-memory versions (the large one's take GBs); the relay's stay
+            shutil.rmtree(f"{shm_root}/{tag}", ignore_errors=True)
+        gc.collect()
         out.append({"key": c["key"], "lr": c["lr"], "versions": per_version})
         log(f"rank {rank}: {tag} done")
     return out
@@ -221,8 +271,9 @@ def _receive(transport: Any, layout: Any, rank: int, host: str, stop: threading.
     receiver = ShardReceiver(transport, layout.group(rank), layout.member(rank, host), rank, layout.world,
                              claims=layout.claimer(host) == rank)
     if receiver.connect(stop):
-        while receiver.receive() is not None:
-            pass
+        with profiled(f"receiver_{layout.run_name}_r{rank}_{host}"):
+            while receiver.receive() is not None:
+                pass
 
 
 def summarize(results: list[list[dict]]) -> dict[str, Any]:
@@ -270,9 +321,10 @@ def run(args: Any) -> dict[str, Any]:
         roots = {"B": f"{tmp}/hostB", "A": f"{tmp}/hostA"}
         configs, servers, threads = [], [], []
         stop = threading.Event()
-        for key, model, layers in MODELS:
-            for lr in LEARNING_RATES:
-                config = {"key": key, "model": model, "layers": layers, "lr": lr}
+        models = [m for m in MODELS if m[0] != "large" or not getattr(args, "delta_skip_large", False)]
+        for key, model, overrides, rates in models:
+            for lr in rates:
+                config = {"key": key, "model": model, "overrides": overrides, "lr": lr}
                 for kind in ("full", "delta"):
                     secret = secrets.token_hex(32)
                     server = RunStoreServer("127.0.0.1", 0, secret)
@@ -308,7 +360,7 @@ def run(args: Any) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name, row in summary["rows"].items():
         key, lr = name.split("_lr")
-        prefix = "" if key == "128e" else "tiny_"
+        prefix = PREFIX[key]
         out[f"{prefix}delta_bytes_ratio_lr{lr}"] = round(row["delta_bytes_ratio"], 6)
         out[f"{prefix}delta_seconds_ratio_relay_lr{lr}"] = round(row["delta_seconds_ratio_relay"], 4)
         out[f"{prefix}delta_seconds_ratio_shm_lr{lr}"] = round(row["delta_seconds_ratio_shm"], 4)
@@ -320,6 +372,9 @@ def run(args: Any) -> dict[str, Any]:
         out[f"{prefix}delta_load_seconds_ratio_lr{lr}"] = round(row["load_seconds_ratio"], 4)
         out[f"{prefix}changed_fraction_lr{lr}"] = round(row["changed_fraction"], 8)
         out[f"{prefix}full_bytes"] = int(row["full_bytes"])
+        for way in ("shm", "relay"):
+            out[f"{prefix}full_seconds_{way}_lr{lr}"] = round(row[f"seconds_{way}_full"], 5)
+            out[f"{prefix}delta_seconds_{way}_lr{lr}"] = round(row[f"seconds_{way}_delta"], 5)
     out["delta_tensor_mismatches"] = summary["mismatches"]
     for model, short in (("qwen3_moe_30b_a3b", "qwen3_30b_a3b"), ("deepseek_v3", "deepseek_v3")):
         for name, row in summary["rows"].items():
@@ -335,7 +390,8 @@ def run(args: Any) -> dict[str, Any]:
             out[f"projected_{short}_delta_seconds_at_{fraction:g}"] = round(p["delta_seconds"], 4)
     out["projection_link_bytes_per_s"] = LINK_BYTES_PER_S
     out["verl"] = VERL
-    out["models"] = {"tiny": "conf/model/deepseek_moe.yaml", "128e": "conf/model/deepseek_moe_128e.yaml (4 layers)"}
+    out["models"] = {"tiny": "conf/model/deepseek_moe.yaml", "128e": "conf/model/deepseek_moe_128e.yaml (4 layers)",
+                     "large": f"conf/model/deepseek_moe_128e.yaml with {LARGE}"}
     out["relay"] = "simulated two hosts (two shm roots, ShardReceiver threads, loopback TCP)"
     out["seconds"] = round(time.perf_counter() - started, 1)
     return out
