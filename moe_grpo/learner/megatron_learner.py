@@ -257,7 +257,7 @@ class MegatronLearner:
             global_num_sequences=global_num_sequences, r2_targets=r2_targets, reference=self._reference)
         if not math.isfinite(metrics["loss"]):
             self.zero_grad()
-            raise NonFiniteError(f"step {self.step_count + 1}: loss={metrics['loss']}; gradients dropped, no update")
+            raise NonFiniteError(f"loss={metrics['loss']}; gradients dropped, no update")
         return metrics
 
     def optimizer_step(self) -> dict[str, float]:
@@ -268,12 +268,10 @@ class MegatronLearner:
         if finite.item() < 1.0:
             self.zero_grad()
             raise NonFiniteError(
-                f"step {self.step_count + 1}: non-finite gradient on at least one rank; "
-                "optimizer step skipped, weights unchanged"
-            )
+                "non-finite gradient on at least one rank; optimizer step skipped, weights unchanged")
         ok, grad_norm, _ = self.optimizer.step()
         if not ok:
-            raise NonFiniteError(f"step {self.step_count + 1}: Megatron's optimizer refused the update")
+            raise NonFiniteError("Megatron's optimizer refused the update")
         self.step_count += 1
         return {"grad_norm": float(grad_norm), "step": float(self.step_count)}
 
