@@ -216,11 +216,17 @@ class RoutingCaptureExtension:
 
     def moe_grpo_weight_digests(self) -> dict[str, str]:
         """sha256 of every parameter and buffer of the served model, as vLLM holds them (fused, repacked): two
-        loads that leave the same bits give the same digests."""
+        loads that leave the same bits give the same digests. A linear layer whose weight vLLM's CPU backend packed
+        into a oneDNN / sgl-kernel handle (its parameter left empty) is read back through that handle
+        (`packed_linear_weight`), so its digest is of the bits it computes with, not of an empty tensor."""
         import torch
 
         model = self.model_runner.get_model()  # type: ignore[attr-defined]
         tensors = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+        for module_name, module in model.named_modules():
+            packed = packed_linear_weight(module)
+            if packed is not None:
+                tensors[f"{module_name}.weight" if module_name else "weight"] = packed
         return {name: hashlib.sha256(t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
                                      ).hexdigest() for name, t in tensors.items()}
 
@@ -272,3 +278,29 @@ class RoutingCaptureExtension:
             self.reload_weights(weights_iterator=iter(list(group.items())))  # type: ignore[attr-defined]
             n += len(group)
         return n
+
+
+PACKED_READBACK_ROWS = 1024
+"""Rows of the identity matrix sent through a packed linear at a time (`packed_linear_weight`): bounds its memory."""
+
+
+def packed_linear_weight(module: Any) -> Any:
+    """The weight [out, in] a linear layer computes with when vLLM's CPU backend (vLLM 0.32,
+    `dispatch_cpu_unquantized_gemm`) packed it into a kernel handle and left `module.weight` empty; None for any
+    other module. Read back exactly by sending the identity through the layer without its bias: row j of the
+    output is 1 * W[:, j] plus exact zeros."""
+    import torch
+
+    cpu_linear, weight = getattr(module, "cpu_linear", None), getattr(module, "weight", None)
+    if cpu_linear is None or not isinstance(weight, torch.Tensor) or weight.numel() != 0:
+        return None
+    in_features = getattr(module, "input_size_per_partition", None) or getattr(module, "input_size", None)
+    if not in_features:
+        return None
+    rows = []
+    for start in range(0, in_features, PACKED_READBACK_ROWS):
+        stop = min(start + PACKED_READBACK_ROWS, in_features)
+        eye = torch.zeros(stop - start, in_features, dtype=weight.dtype)
+        eye[torch.arange(stop - start), torch.arange(start, stop)] = 1
+        rows.append(cpu_linear(eye, weight, None))
+    return torch.cat(rows).t().contiguous()

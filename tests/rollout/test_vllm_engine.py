@@ -134,6 +134,33 @@ def test_loaded_weights_change_the_engine_and_match_the_learner(engine_and_learn
         engine.load_weights(hf_state_from_megatron(learner.spec, dict(learner.module.state_dict())), version=3)
 
 
+def test_weight_digests_see_one_ulp_in_a_weight_vllm_packed_for_its_cpu_kernels(engine_and_learner):
+    """vLLM's CPU backend packs dense linear weights (attention projections, routers) into kernel handles and
+    leaves their parameters empty: digests of those parameters hashed zero bytes, so every test that takes equal
+    digests for equal bits (delta sync, restarts, dtype) was blind to them. One ulp in one attention weight must
+    change that weight's digest and no other."""
+    import torch
+
+    engine, learner = engine_and_learner
+    state = _current_hf_state(learner)
+    name = next(k for k in state if "o_proj.weight" in k or "out_proj.weight" in k)
+    engine.load_weights(state, version=engine.policy_version + 1)
+    before = engine.weight_digests()
+    nudged = dict(state)
+    w = state[name].clone()
+    w.view(-1)[7] = torch.nextafter(w.view(-1)[7], torch.tensor(float("inf"), dtype=w.dtype))
+    nudged[name] = w
+    try:
+        engine.load_weights(nudged, version=engine.policy_version + 1)
+        after = engine.weight_digests()
+    finally:
+        engine.load_weights(state, version=engine.policy_version + 1)
+    changed = sorted(k for k in after if after[k] != before.get(k))
+    assert len(changed) == 1 and name.rsplit(".", 2)[0].split("layers.")[-1] in changed[0], \
+        f"one ulp in {name}: digests that changed {changed}"
+    assert engine.weight_digests() == before, "the original weights loaded again give the original digests"
+
+
 def test_many_requests_in_flight_from_other_threads_route_as_when_served_alone(engine_and_learner):
     engine, _ = engine_and_learner
     greedy = SamplingSettings(n=1, max_tokens=8, temperature=0.0)
