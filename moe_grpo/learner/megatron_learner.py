@@ -344,15 +344,9 @@ class MegatronLearner:
         checkpoint_io.set_weights(self.module, state, without_adapters=without_adapters, directory=directory)
 
     def save_run_state(self, directory: str) -> None:
-        """Collective: everything this learner needs to continue, written into `directory` (created).
-
-        Files: `dist/` (a Megatron distributed checkpoint holding the weights, the optimizer state (Adam moments and
-        steps, fp32 main parameters where there are any) and the KL reference weights when set, all sharded per
-        model tensor so that any TP/EP/PP layout can load them; it is also a weights checkpoint `load_checkpoint`
-        and the export read), `rng_rank{N}.pt` (per global rank: Python, NumPy, torch, CUDA and Megatron's tracker
-        generators) and, written last by rank 0, `learner_meta.json` (layout, step count, learning rate, Adam step,
-        whether a reference is set, and every file above with its size). Not atomic on its own: the caller writes
-        the enclosing directory under a temporary name and renames it."""
+        """Collective: everything this learner needs to continue (weights, optimizer state, RNG states, the KL
+        reference, step count, learning rate), written into `directory`; `checkpoint_io.save_run_state` lists the
+        files."""
         record = checkpoint_io.RunStateRecord(layout=self.layout, step_count=self.step_count, lr=self.lr,
                                               params_dtype=self.options.dtype)
         checkpoint_io.save_run_state(directory, self.module, self.optimizer, self.spec, self._reference, record)
