@@ -28,7 +28,7 @@ import math
 import os
 import sys
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -37,10 +37,14 @@ from moe_grpo.models.param_count import param_counts
 from moe_grpo.orchestrator.checkpoint_time import CheckpointTime, checkpoint_bytes, measure_write_gbps
 from moe_grpo.orchestrator.cluster_env import (NodeFacts, RunCommand, local_facts, run_command_stdout, signal_warning_s,
                                                slurm_facts)
+from moe_grpo.orchestrator.config import ClusterConfig
 from moe_grpo.orchestrator.memory_estimate import (DTYPE_BYTES, GIB, RESERVED_GIB, EngineMemory, RankMemory,
                                                    TrainingShape, engine_memory, rank_memory)
 from moe_grpo.orchestrator.run_prompts import engine_context, prompt_source
 from moe_grpo.sync.dtypes import version_dtype
+
+if TYPE_CHECKING:  # the run's config composes the orchestrator's: it is a layer above (pyproject.toml)
+    from moe_grpo.config import RunConfig
 
 
 class PlanRefused(ValueError):
@@ -153,7 +157,7 @@ class Plan:
             return [None] * (len(self.engines) + len(self.ranks))
         return [e.node for e in self.engines] + [r.node for r in self.ranks]
 
-    def cluster_for_run(self, cluster: Any) -> Any:
+    def cluster_for_run(self, cluster: ClusterConfig) -> ClusterConfig:
         """`cluster` with what the plan decided filled in (slurm: the nodes, learner ranks, GPUs per engine and per
         rank); a local plan changes nothing."""
         if not self.pinned:
@@ -252,7 +256,7 @@ def _bytes(n: float) -> str:
     return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.2f} MB"
 
 
-def build_plan(run: Any, environ: Mapping[str, str] | None = None, *, seq_len: int | None = None,
+def build_plan(run: RunConfig, environ: Mapping[str, str] | None = None, *, seq_len: int | None = None,
                run_command: RunCommand | None = run_command_stdout, write_gbps: float | None = None,
                measure_write: Callable[[str], float] | None = measure_write_gbps,
                checkpoint_dir: str | None = None) -> Plan:
@@ -323,7 +327,7 @@ def build_plan(run: Any, environ: Mapping[str, str] | None = None, *, seq_len: i
                 checkpoint=checkpoint)
 
 
-def _checkpoint_time(run: Any, total_params: int, environ: Mapping[str, str], write_gbps: float | None,
+def _checkpoint_time(run: RunConfig, total_params: int, environ: Mapping[str, str], write_gbps: float | None,
                      measure_write: Callable[[str], float] | None, directory: str | None,
                      notes: list[str]) -> CheckpointTime:
     signal_s = signal_warning_s(environ, notes)
@@ -338,7 +342,7 @@ def _checkpoint_time(run: Any, total_params: int, environ: Mapping[str, str], wr
     return CheckpointTime(weights, optimizer, write_gbps, where, signal_s)
 
 
-def _run_dir(run: Any) -> str:
+def _run_dir(run: RunConfig) -> str:
     """Where the run's checkpoints go: Hydra's run directory (its nearest existing ancestor), else the current
     directory (a dry run's Hydra directory is a temporary one)."""
     path = os.getcwd()
@@ -369,7 +373,7 @@ class _Pools:
     rank_gpus: float
 
 
-def _slurm_pools(run: Any, nodes: tuple[str, ...], gpus: int | None, cpus: int | None, problems: list[str],
+def _slurm_pools(run: RunConfig, nodes: tuple[str, ...], gpus: int | None, cpus: int | None, problems: list[str],
                  notes: list[str]) -> _Pools:
     """The job's nodes split between the pools (training first), each actor on a node with room for it."""
     c = run.cluster
@@ -431,7 +435,7 @@ def _slurm_pools(run: Any, nodes: tuple[str, ...], gpus: int | None, cpus: int |
                   rank_gpus)
 
 
-def _local_pools(run: Any, nodes: tuple[str, ...], gpus: int | None, cpus: int | None, problems: list[str],
+def _local_pools(run: RunConfig, nodes: tuple[str, ...], gpus: int | None, cpus: int | None, problems: list[str],
                  notes: list[str]) -> _Pools:
     """Both pools on this host (or the joined cluster, where Ray places them), GPUs as `cluster.*_gpus` reserve."""
     c = run.cluster
@@ -449,7 +453,7 @@ def _local_pools(run: Any, nodes: tuple[str, ...], gpus: int | None, cpus: int |
     return _Pools(training, inference, unused, engine_nodes, rank_nodes, world, engine_gpus, rank_gpus)
 
 
-def _facts(c: Any, environ: Mapping[str, str], run_command: RunCommand | None, problems: list[str]) -> NodeFacts:
+def _facts(c: ClusterConfig, environ: Mapping[str, str], run_command: RunCommand | None, problems: list[str]) -> NodeFacts:
     if c.launcher == "local":
         if c.ray_address:
             return NodeFacts((f"<the Ray cluster at {c.ray_address}>",), None, None,
@@ -479,7 +483,7 @@ def _per_node(gpus_each: float, gpus: int | None, cpus_each: float, cpus: int | 
     return min(fits)
 
 
-def _split_nodes(c: Any, nodes: Sequence[str], engines_per_node: int,
+def _split_nodes(c: ClusterConfig, nodes: Sequence[str], engines_per_node: int,
                  problems: list[str]) -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]:
     """(training, inference, unused) nodes: the training pool first (rank 0 next to the driver on the first node)."""
     n = len(nodes)
@@ -510,7 +514,7 @@ def _fill(count: int, nodes: Sequence[str], per_node: int) -> list[str | None]:
     return [nodes[i // per_node] if per_node and i // per_node < len(nodes) else None for i in range(count)]
 
 
-def _layout(run: Any, world: int, problems: list[str]) -> Layout | None:
+def _layout(run: RunConfig, world: int, problems: list[str]) -> Layout | None:
     """Megatron's split of `world` (parallel_state.initialize_model_parallel's rules, and the model's), or None."""
     p, spec = run.parallel, run.model
     tp, pp, ep = p.tensor_parallel, p.pipeline_parallel, p.expert_parallel
@@ -535,7 +539,7 @@ def _layout(run: Any, world: int, problems: list[str]) -> Layout | None:
     return Layout(world, tp, pp, world // (tp * pp), ep)
 
 
-def _training_shape(run: Any, layout: Layout, seq_len: int | None, notes: list[str]) -> TrainingShape:
+def _training_shape(run: RunConfig, layout: Layout, seq_len: int | None, notes: list[str]) -> TrainingShape:
     learner, rollout = run.learner, run.rollout
     if learner.packed and learner.packed_seq_len:
         positions = learner.packed_seq_len
@@ -560,7 +564,7 @@ def _training_shape(run: Any, layout: Layout, seq_len: int | None, notes: list[s
                          sync_dtype=version_dtype(run.rollout.dtype, run.lora))
 
 
-def _memory_refusal(run: Any, total: int, mem: RankMemory, layout: Layout) -> str:
+def _memory_refusal(run: RunConfig, total: int, mem: RankMemory, layout: Layout) -> str:
     wbytes = DTYPE_BYTES[run.megatron.params_dtype]
     state = total * (wbytes + (4 if run.megatron.grad_reduce_in_fp32 or wbytes == 4 else wbytes)
                      + (8 if wbytes == 4 else 12))
@@ -621,7 +625,7 @@ def pin_bundles(bundles: list[dict[str, float]], bundle_nodes: Sequence[str | No
     return pinned
 
 
-def dry_run(run: Any) -> int:
+def dry_run(run: RunConfig) -> int:
     """`cluster.dry_run=true`: print the placement plan (the prompts are read for the context length, nothing is
     started) and return the exit status: 0 when it fits, 2 with the reasons when it is refused."""
     seq_len = run.rollout.max_model_len
