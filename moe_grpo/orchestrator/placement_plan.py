@@ -450,6 +450,14 @@ def _local_pools(run: RunConfig, nodes: tuple[str, ...], gpus: int | None, cpus:
                         f"{rank_gpus:g} GPU need {need:g} GPUs; {host} has {gpus}")
     elif need and gpus is None and not c.ray_address:
         notes.append(f"the pools reserve {need:g} GPUs; this host's GPU count is unknown (not checked)")
+    cpus_needed = c.num_engines * c.engine_cpus + world * c.learner_cpus
+    if not c.ray_address and cpus and cpus_needed > cpus:
+        # The run's own Ray cluster gets this host's CPUs; a placement group asking for more waits, silently,
+        # until cluster.start_timeout_s.
+        problems.append(f"{c.num_engines} engine(s) x cluster.engine_cpus={c.engine_cpus:g} + {world} learner "
+                        f"rank(s) x cluster.learner_cpus={c.learner_cpus:g} reserve {cpus_needed:g} CPUs; {host} has "
+                        f"{cpus}: lower them (a fraction shares a core) or join a larger Ray cluster "
+                        f"(cluster.ray_address)")
     return _Pools(training, inference, unused, engine_nodes, rank_nodes, world, engine_gpus, rank_gpus)
 
 

@@ -254,10 +254,24 @@ def test_the_default_local_run_is_planned_as_before_on_this_host():
 
 
 def test_a_local_run_asking_for_more_gpus_than_the_host_has_is_refused():
-    run = run_config(["cluster.learner_gpus=1", "cluster.engine_gpus=1", "parallel.expert_parallel=2"])
+    run = run_config(["cluster.learner_gpus=1", "cluster.engine_gpus=1", "parallel.expert_parallel=2",
+                      "cluster.cpus_per_node=16"])
     plan = build_plan(run, {"CUDA_VISIBLE_DEVICES": "0,1"}, seq_len=32)
     assert plan.problems == (f"1 engine(s) x 1 GPU + 2 learner rank(s) x 1 GPU need 3 GPUs; {plan.facts.nodes[0]} "
                              "has 2",)
+
+
+def test_a_local_run_asking_for_more_cpus_than_the_host_has_is_refused_and_one_that_joins_a_cluster_is_not():
+    """Would have caught: an engine of tensor parallelism 2 and a 2-rank learner on a 2-core host (3 CPUs reserved)
+    printed "plan: OK", then Ray waited for the CPUs with nothing on the console until cluster.start_timeout_s."""
+    crowded = ["cluster.engine_tensor_parallel=2", "cluster.learner_ranks=2", "parallel.expert_parallel=2",
+               "cluster.cpus_per_node=2"]
+    plan = build_plan(run_config(crowded), {}, seq_len=32)
+    assert plan.problems == ("1 engine(s) x cluster.engine_cpus=1 + 2 learner rank(s) x cluster.learner_cpus=1 "
+                             f"reserve 3 CPUs; {plan.facts.nodes[0]} has 2: lower them (a fraction shares a core) or "
+                             "join a larger Ray cluster (cluster.ray_address)",)
+    assert build_plan(run_config(crowded + ["cluster.learner_cpus=0.5"]), {}, seq_len=32).ok
+    assert build_plan(run_config(crowded + ["cluster.ray_address=127.0.0.1:6379"]), {}, seq_len=32).ok
 
 
 @pytest.mark.parametrize("tp, pp, dp, ep", [(2, 2, 4, 2), (1, 2, 4, 4), (4, 1, 2, 2), (2, 3, 2, 1), (1, 1, 8, 8)])
