@@ -414,6 +414,8 @@ class VllmEngine:
         """Every process holding part of the model: the workers, and with several the engine core between them."""
         self._capture_index = 0
         """Position of tensor-parallel rank 0 (the worker that captures routing) in collective_rpc's answers."""
+        self._tp_ranks: list[int] = [0]
+        """Each worker's tensor-parallel rank, in the order collective_rpc answers (`_check_workers`)."""
         self._closing = None
         try:
             info = self._call(self._astart(), "start", timeout_s=timeout_s or max(self.request_timeout_s, 300.0))
@@ -581,7 +583,7 @@ class VllmEngine:
         if sorted(ranks) != list(range(self.tensor_parallel)):
             raise EngineError(f"engine {self.engine_id}: workers report tensor-parallel ranks {ranks}, expected "
                               f"0..{self.tensor_parallel - 1} once each")
-        self._capture_index = ranks.index(0)
+        self._tp_ranks, self._capture_index = ranks, ranks.index(0)
         capturing = [r for r, i in zip(ranks, infos) if i["capturing"]]
         if self.capture and not self.native and capturing != [0]:
             raise EngineError(f"engine {self.engine_id}: routing captured by tensor-parallel ranks {capturing}, "
@@ -740,10 +742,11 @@ class VllmEngine:
 
     def _failure(self, e: BaseException, what: str) -> EngineError:
         """The EngineError for a vLLM call that raised `e`: the engine shut down, its process died, or vLLM failed."""
-        pid = self._dead_pid() or self.worker_pid
+        dead = self._dead_pid()
+        pid = dead or self.worker_pid
         if self._closing:
             return EngineError(f"engine {self.engine_id}: {what} was lost: {self._closing}")
-        if type(e).__name__ == "EngineDeadError" or self._dead_pid() is not None:
+        if type(e).__name__ == "EngineDeadError" or dead is not None:
             return EngineError(f"engine {self.engine_id}: vLLM process {pid} died during {what} "
                                f"({type(e).__name__})")
         return EngineError(f"engine {self.engine_id}: {what} failed: {e}")
@@ -905,8 +908,8 @@ class VllmEngine:
         answers = self._rpc("moe_grpo_weight_digests")
         if self.tensor_parallel == 1:
             return dict(answers[0])
-        ranks = [int(r) for r in self._rpc("moe_grpo_tp_rank")]
-        return {f"tp{rank}/{name}": digest for rank, answer in zip(ranks, answers) for name, digest in answer.items()}
+        return {f"tp{rank}/{name}": digest for rank, answer in zip(self._tp_ranks, answers)
+                for name, digest in answer.items()}
 
     # ------------------------------------------------------------------ weights
     async def _load(self, rpcs: list[tuple[str, tuple]], version: int, source: Any) -> None:

@@ -93,11 +93,6 @@ class RoutingCaptureExtension:
             runner._mg_wrapped = True
         return {"moe_layers": self._mg_layers, "pid": os.getpid(), "tp_rank": tp_rank, "capturing": capture}
 
-    def moe_grpo_tp_rank(self) -> int:
-        from vllm.distributed import get_tensor_model_parallel_rank
-
-        return int(get_tensor_model_parallel_rank())
-
     def moe_grpo_set_capture(self, on: bool) -> bool:
         from vllm.distributed import get_tensor_model_parallel_rank
 
