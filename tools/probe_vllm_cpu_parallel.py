@@ -46,9 +46,14 @@ def serve(path: str, layout: str, seqs: list[list[int]], queue: mp.Queue) -> Non
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i) for i in range(tp))  # one core per worker
         from vllm import LLM, SamplingParams
 
-        llm = LLM(model=path, skip_tokenizer_init=True, dtype="float32", enforce_eager=True, max_model_len=256,
-                  max_num_seqs=8, enable_prefix_caching=False, distributed_executor_backend="mp", seed=0,
-                  **LAYOUTS[layout])
+        from moe_grpo.process_ties import started_processes_die_with_this_thread
+
+        # vLLM's engine core and workers die with this process however it ends: a layout that crashes them, or
+        # main's kill after its timeout, otherwise leaves them behind (seen: orphaned workers of 1.7 GB each).
+        with started_processes_die_with_this_thread():
+            llm = LLM(model=path, skip_tokenizer_init=True, dtype="float32", enforce_eager=True, max_model_len=256,
+                      max_num_seqs=8, enable_prefix_caching=False, distributed_executor_backend="mp", seed=0,
+                      **LAYOUTS[layout])
         started = time.perf_counter() - t0
         outs = llm.generate([{"prompt_token_ids": s} for s in seqs],
                             SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0))
