@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from moe_grpo.process_ties import LeftoverProcessesError, leftovers, owner_key, wait_until_gone
+from moe_grpo.process_ties import TAG_ENV, LeftoverProcessesError, leftovers, owner_key, wait_until_gone
 
 pytestmark = pytest.mark.slow  # each test starts and kills process trees
 from moe_grpo.processes import process_alive
@@ -117,13 +117,21 @@ HOLDER = textwrap.dedent("""
     from moe_grpo.process_ties import tag_processes
     tag_processes(sys.argv[1])
     kids = [subprocess.Popen(["sleep", "120"]) for _ in range(2)]  # untied: they stay when this one dies
+    # Popen returns once the child's exec closed its pipe, which is before the kernel set up the new environment
+    # block: /proc/<pid>/environ reads empty for that moment (seen once on a slow CI machine). Wait until the mark
+    # is readable, so the test checks what a later holder finds, not the exec's timing.
+    for k in kids:
+        deadline = time.monotonic() + 30
+        while {tag!r} not in open(f"/proc/{{k.pid}}/environ", "rb").read() and time.monotonic() < deadline:
+            time.sleep(0.01)
     print(*[k.pid for k in kids], flush=True)
     time.sleep(120)
 """)
 
 
 def _holder(owner: str) -> tuple[subprocess.Popen, list[int]]:
-    proc = subprocess.Popen([sys.executable, "-c", HOLDER.format(root=ROOT), owner], stdout=subprocess.PIPE, text=True)
+    script = HOLDER.format(root=ROOT, tag=TAG_ENV.encode())
+    proc = subprocess.Popen([sys.executable, "-c", script, owner], stdout=subprocess.PIPE, text=True)
     return proc, [int(p) for p in proc.stdout.readline().split()]
 
 
