@@ -1,11 +1,20 @@
-"""One Ray actor per vLLM engine: every call into the engine goes through it, under a timeout."""
+"""One Ray actor per vLLM engine: every call into the engine goes through it, under a timeout.
+
+The driver imports this module to name the actor's class (orchestrator/pools.py), so what brings in torch or vLLM
+(the engine, the transports, vLLM itself) is imported inside the methods that run in the actor's process
+(moe_grpo/deferred_imports.py)."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import time
 from typing import Any, Sequence
+
+from moe_grpo.orchestrator.logs import quiet_libraries, quiet_vllm
+from moe_grpo.process_ties import forget_shm, owner_key, record_shm, remove_previous_shm, tag_processes, wait_until_gone
+from moe_grpo.rollout.context import context_length
 
 LEFTOVER_TIMEOUT_S = 60.0
 """Seconds a new engine actor waits for the processes of the engine's previous actor on its host to go before it
@@ -30,9 +39,7 @@ class EngineWorker:
         `model_dir` None: get ready (imports included) and wait for `start(model_dir)`; a run starts its engines'
         actors this way while its learner ranks build the weights the model directory is written from, so vLLM's
         import (about 10 s on CPU) is not added to the run's start-up."""
-        from moe_grpo.orchestrator.logs import quiet_libraries, quiet_vllm
-        from moe_grpo.process_ties import owner_key, remove_previous_shm, tag_processes, wait_until_gone
-        from moe_grpo.sync.transports import make_receiver
+        from moe_grpo.sync.transports import make_receiver  # brings in torch: see the module's docstring
 
         # The engine's previous actor (killed, or dead) may have left processes holding memory this one needs (GPU
         # memory, /dev/shm ring buffers): start only once they are gone, and remove the ring buffers they left
@@ -56,8 +63,6 @@ class EngineWorker:
         quiet_vllm(run_dir)
         quiet_libraries()
         if self.previous_processes or self.previous_shm:
-            import logging
-
             logging.getLogger("moe_grpo").warning(
                 "engine %s: waited %.1f s for %d process(es) of its previous actor (%s) to go before starting; "
                 "removed what its engine left in /dev/shm (%s)", name, self.waited_s, len(self.previous_processes),
@@ -75,8 +80,7 @@ class EngineWorker:
             self._start_engine(model_dir)
 
     def _start_engine(self, model_dir: str) -> None:
-        from moe_grpo.rollout.context import context_length
-        from moe_grpo.rollout.vllm_engine import VllmEngine
+        from moe_grpo.rollout.vllm_engine import VllmEngine  # brings in torch (and vLLM when it starts)
 
         if self.engine is not None:
             raise RuntimeError(f"engine {self.name} was started already (on {self.engine.model_dir})")
@@ -96,8 +100,6 @@ class EngineWorker:
 
     def _record_shm(self) -> None:
         """Note the engine's /dev/shm entries for the next actor of this engine (should this one be killed)."""
-        from moe_grpo.process_ties import record_shm
-
         record_shm(self.owner, self.record_dir, self.engine.shm_inodes())
 
     def _enter(self) -> None:
@@ -113,7 +115,7 @@ class EngineWorker:
     async def generate(self, prompt: Sequence[int], sampling: Any) -> list[Any]:
         """`sampling.n` completions of one prompt; fails (EngineError naming this engine) if its vLLM process dies,
         hangs (nothing back within `rollout.request_timeout_s`, e.g. SIGSTOPped) or is restarted meanwhile."""
-        from moe_grpo.rollout.vllm_engine import EngineError
+        from moe_grpo.rollout.vllm_engine import EngineError  # brings in torch
 
         self._enter()
         try:
@@ -138,7 +140,7 @@ class EngineWorker:
 
     async def apply_version(self, version: int, timeout_s: float) -> float:
         """Load a published version between forward passes (requests in flight keep going); seconds taken."""
-        from moe_grpo.sync.deliver import apply_version
+        from moe_grpo.sync.deliver import apply_version  # brings in torch
 
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(None, lambda: apply_version(self.engine, self.transport, version,
@@ -178,8 +180,6 @@ class EngineWorker:
         in /dev/shm (VllmEngine.shutdown's path for a hung engine) rather than wait for vLLM's graceful shutdown:
         nothing an engine holds outlives the run, and the graceful one took 5.8 of a small run's 8.5 s of cleanup
         (its worker's exit 3.2 s, then the engine core's 2.5 s, on 2 cores)."""
-        from moe_grpo.process_ties import forget_shm
-
         if self.engine is None:  # never started: nothing of vLLM's to end
             return {"processes_left": []}
         out = self.engine.shutdown(kill=kill)

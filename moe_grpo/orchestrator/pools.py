@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import logging
 import os
 import secrets
@@ -11,8 +12,14 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from moe_grpo.learner.spawn import free_port
 from moe_grpo.orchestrator.config import ClusterConfig
+from moe_grpo.orchestrator.engine_actor import EngineWorker
+from moe_grpo.orchestrator.learner_actor import LearnerWorker
 from moe_grpo.orchestrator.learner_group import LearnerGroup
+from moe_grpo.orchestrator.placement_plan import pin_bundles
+from moe_grpo.orchestrator.ray_loopback import loopback_node
+from moe_grpo.orchestrator.run_dirs import make_private_dir, remove_orphaned_private_dirs
 
 if TYPE_CHECKING:  # the run's config composes the orchestrator's: it is a layer above (pyproject.toml)
     from moe_grpo.config import RunConfig
@@ -34,8 +41,6 @@ class EngineFactory:
     def __call__(self, bundle: int) -> Any:
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-        from moe_grpo.orchestrator.engine_actor import EngineWorker
 
         c = self.run.cluster
         strategy = PlacementGroupSchedulingStrategy(placement_group=self.placement_group,
@@ -94,16 +99,12 @@ def join_ray(address: str) -> None:
     at address <host ip>:<port>" until it gives up), and this driver's node must be the cluster's node, 127.0.0.1."""
     import ray
 
-    from moe_grpo.orchestrator.ray_loopback import loopback_node
-
     host = address.rsplit(":", 1)[0].strip("[]")
     with loopback_node() if _is_loopback(host) else contextlib.nullcontext():
         ray.init(address=address, **RAY_INIT)
 
 
 def _is_loopback(host: str) -> bool:
-    import ipaddress
-
     if host == "localhost":
         return True
     try:
@@ -133,9 +134,6 @@ def start_local_ray(num_cpus: int | None = None) -> str:
     made for it (a small run's actors began their imports 10.6 s after the driver started with one, 6.4 s
     without, on 2 cores)."""
     import ray
-
-    from moe_grpo.orchestrator.ray_loopback import loopback_node
-    from moe_grpo.orchestrator.run_dirs import make_private_dir, remove_orphaned_private_dirs
 
     remove_orphaned_private_dirs()
     private = make_private_dir()
@@ -178,8 +176,6 @@ def _rendezvous(single_host: bool) -> tuple[str, int]:
     to reach it), this node's address otherwise."""
     import ray
 
-    from moe_grpo.learner.spawn import free_port
-
     return ("127.0.0.1" if single_host else ray.util.get_node_ip_address()), free_port()
 
 
@@ -221,15 +217,13 @@ def start_pools(run: RunConfig, run_dir: str, sync_name: str, model_dir_fn: Any,
     bundles = ([{"CPU": c.engine_cpus, **({"GPU": c.engine_gpus} if c.engine_gpus else {})}] * c.num_engines
                + [{"CPU": c.learner_cpus, **({"GPU": c.learner_gpus} if c.learner_gpus else {})}] * world)
     if bundle_nodes is not None:
-        from moe_grpo.orchestrator.placement_plan import pin_bundles
-
         bundles = pin_bundles(bundles, bundle_nodes, ray.nodes())
     pg = placement_group(bundles, strategy="PACK")
     if not pg.wait(timeout_seconds=c.start_timeout_s):
         raise RuntimeError(f"Ray could not reserve {bundles} within {c.start_timeout_s:.0f} s "
                            f"(cluster has {ray.cluster_resources()}); lower cluster.* resources or add nodes")
 
-    from moe_grpo.orchestrator.sync_hosts import plan_sync, start_sync_hosts
+    from moe_grpo.orchestrator.sync_hosts import plan_sync, start_sync_hosts  # brings in torch (the transports)
 
     layout, agents = start_sync_hosts(plan_sync(run, pg, sync_name))
     try:
@@ -237,7 +231,7 @@ def start_pools(run: RunConfig, run_dir: str, sync_name: str, model_dir_fn: Any,
     except BaseException:
         from ray.util.placement_group import remove_placement_group
 
-        from moe_grpo.orchestrator.sync_hosts import stop_sync_hosts
+        from moe_grpo.orchestrator.sync_hosts import stop_sync_hosts  # brings in torch (the transports)
 
         stop_sync_hosts(agents)
         with contextlib.suppress(Exception):  # ends the actors started so far (no Pools to release them by)
@@ -249,8 +243,6 @@ def _start_actors(run: RunConfig, run_dir: str, pg: Any, layout: Any, agents: li
                   learner_cls: type | None) -> Pools:
     import ray
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-    from moe_grpo.orchestrator.learner_actor import LearnerWorker
 
     c = run.cluster
     world = run.learner_world_size()
