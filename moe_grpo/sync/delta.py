@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 import zlib
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
@@ -237,66 +238,85 @@ def _position_dtype(numel: int) -> torch.dtype:
     return torch.int32 if numel < 2**31 else torch.int64
 
 
-def _varint_sizes(x: np.ndarray) -> np.ndarray:
-    """Bytes of each unsigned value as a LEB128 varint (7 bits a byte), as uint8."""
-    n = np.ones(x.shape, dtype=np.uint8)
-    top = int(x.max(initial=0))
+def _flatnonzero(mask: torch.Tensor) -> torch.Tensor:
+    """int64 indices of a flat bool tensor's True elements (numpy's on CPU: a third of torch's `nonzero` time on
+    a 75M-element mask; no copy either way)."""
+    if mask.device.type == "cpu":
+        return torch.from_numpy(np.flatnonzero(mask.numpy()))
+    return mask.nonzero().view(-1)
+
+
+def _varint_sizes(x: torch.Tensor) -> torch.Tensor:
+    """Bytes of each non-negative integer as a LEB128 varint (7 bits a byte), as uint8."""
+    n = torch.ones(x.shape, dtype=torch.uint8)
+    top = int(x.max()) if x.numel() else 0
     for k in range(1, max(1, (top.bit_length() + 6) // 7)):
-        n += x >= np.asarray(1 << (7 * k)).astype(x.dtype)
+        n += x >= (1 << (7 * k))
     return n
 
 
-def _varint(x: np.ndarray, n: np.ndarray | None = None) -> np.ndarray:
-    """Unsigned values as LEB128 varints, one after another; `n`: their sizes (`_varint_sizes`), if known.
-    Vectorised: each value's bytes as a row of a (values, longest) matrix, continuation bits set, and the rows'
-    used bytes taken in order."""
+def _varint(x: torch.Tensor, n: torch.Tensor | None = None) -> torch.Tensor:
+    """Non-negative integers as LEB128 varints, one after another (uint8); `n`: their sizes (`_varint_sizes`), if
+    known. A small update's gaps and steps take one byte but for a few: every value's low byte at once, the few
+    longer ones' first bytes fixed, and their further bytes inserted after them (work on the few, not on all)."""
     n = _varint_sizes(x) if n is None else n
-    longest = int(n.max(initial=0))
-    if longest <= 1:
-        return x.astype(np.uint8)
-    k = np.arange(longest, dtype=x.dtype)
-    rows = ((x[:, None] >> (7 * k)[None, :]) & np.asarray(127).astype(x.dtype)).astype(np.uint8)
-    used = k[None, :] < n[:, None]
-    rows |= (k[None, :] + 1 < n[:, None]).astype(np.uint8) << 7
-    return rows[used]
+    first = x.to(torch.uint8)  # a one-byte value is its low byte
+    if not x.numel() or int(n.max()) <= 1:
+        return first
+    long = _flatnonzero(n > 1)
+    xl, more = x[long].to(torch.int64), n[long].to(torch.int64) - 1
+    first[long] = ((xl & 127) | 128).to(torch.uint8)
+    k = torch.arange(1, int(more.max()) + 1)
+    rows = (((xl[:, None] >> (7 * k)) & 127) | ((k < more[:, None]).to(torch.int64) << 7)).to(torch.uint8)
+    used = k <= more[:, None]
+    out = np.insert(first.numpy(), np.repeat(long.numpy() + 1, more.numpy()), rows[used].numpy())
+    return torch.from_numpy(out)
 
 
-def _unvarint(buf: np.ndarray, count: int) -> tuple[np.ndarray, int]:
-    """The first `count` LEB128 varints of `buf`, and the bytes they took."""
-    if count == 0:
-        return np.zeros(0, dtype=np.uint64), 0
-    if len(buf) >= count and not (buf[:count] >= 128).any():  # every value in one byte
-        return buf[:count].astype(np.uint64), count
-    ends = np.flatnonzero(buf < 128)[:count]
-    if len(ends) < count:
-        raise ValueError(f"a varint section holds {len(ends)} values, expected {count}")
-    starts = np.concatenate([[0], ends[:-1] + 1])
-    lens = ends - starts + 1
-    out = buf[starts].astype(np.uint64) & np.uint64(127)
+def _unvarint(buf: torch.Tensor, count: int) -> torch.Tensor:
+    """The `count` LEB128 varints that fill the uint8 tensor `buf`, as int64. The few longer than a byte are found
+    by their continuation bytes: every value's first byte at once, then those few finished."""
+    cont = _flatnonzero(buf >= 128)
+    if buf.numel() - cont.numel() != count or (count and int(buf[-1]) >= 128):
+        raise ValueError(f"a varint section of {buf.numel()} bytes holds {buf.numel() - cont.numel()} values"
+                         f"{' and an unfinished one' if count and int(buf[-1]) >= 128 else ''}, expected {count}")
+    if not cont.numel():
+        return buf.to(torch.int64)
+    out = torch.from_numpy(np.delete(buf.numpy(), cont.numpy() + 1)).to(torch.int64)  # each value's first byte
+    starts = torch.ones(cont.numel(), dtype=torch.bool)  # a run of continuation bytes starts a longer value
+    starts[1:] = cont[1:] != cont[:-1] + 1
+    runs = _flatnonzero(starts)
+    at = cont[runs]
+    value = at - runs  # bytes before it that are not first bytes: the continuation bytes before the run
+    lens = torch.diff(runs, append=torch.tensor([cont.numel()])) + 1
+    acc = out[value] & 127
     for k in range(1, int(lens.max())):
-        sel = np.flatnonzero(lens > k)
-        out[sel] |= (buf[starts[sel] + k].astype(np.uint64) & np.uint64(127)) << np.uint64(7 * k)
-    return out, int(ends[-1]) + 1
+        sel = _flatnonzero(lens > k)
+        acc[sel] |= (buf[at[sel] + k] & 127).to(torch.int64) << (7 * k)
+    out[value] = acc
+    return out
 
 
-def _narrow(x: np.ndarray) -> np.ndarray:
-    """Unsigned values in uint32 where they fit (half the memory traffic of the varint passes)."""
-    return x.astype(np.uint32) if int(x.max(initial=0)) < 2**32 else x
+def _zigzag(v: torch.Tensor) -> torch.Tensor:
+    """Signed steps as non-negative integers (0, -1, 1, -2, ... -> 0, 1, 2, 3, ...), in their own dtype (a bf16
+    step fits int32 twice over)."""
+    v = v.cpu()
+    return (v << 1) ^ (v >> (v.element_size() * 8 - 1))
 
 
-def _zigzag(v: torch.Tensor) -> np.ndarray:
-    x = v.cpu().numpy().astype(np.int64, copy=False)
-    return _narrow(((x << 1) ^ (x >> 63)).view(np.uint64))
+def _unzigzag(u: torch.Tensor) -> torch.Tensor:
+    return (u >> 1) ^ -(u & 1)
 
 
-def _unzigzag(u: np.ndarray) -> np.ndarray:
-    return ((u >> np.uint64(1)).astype(np.int64)) ^ -((u & np.uint64(1)).astype(np.int64))
-
-
-def _gaps(local: torch.Tensor) -> np.ndarray:
-    """Ascending indices as their gaps (the first from -1), all >= 1."""
-    x = local.cpu().numpy()
-    return _narrow(np.diff(x, prepend=-1).view(np.uint64))
+def _gaps(local: torch.Tensor, numel: int) -> torch.Tensor:
+    """Ascending indices inside a part of `numel` elements as their gaps (the first from -1), all >= 1; int32
+    where the part allows (half the memory traffic of the varint passes)."""
+    x = local.cpu().to(_position_dtype(numel))
+    out = torch.empty_like(x)
+    if x.numel():
+        out[0] = x[0] + 1
+        torch.sub(x[1:], x[:-1], out=out[1:])
+    return out
 
 
 def _sizes(change: BucketChange, item: int) -> dict[str, int]:
@@ -306,9 +326,9 @@ def _sizes(change: BucketChange, item: int) -> dict[str, int]:
         n, numel = change.count, change.part.numel
         sizes: dict = {"index": n * (_position_dtype(numel).itemsize + item), "bitmap": math.ceil(numel / 8) + n * item}
         if change.steps is not None:
-            gaps, steps = _gaps(change.local), _zigzag(change.steps)
+            gaps, steps = _gaps(change.local, change.part.numel), _zigzag(change.steps)
             gap_n, step_n = _varint_sizes(gaps), _varint_sizes(steps)
-            sizes["varint"] = int(gap_n.sum(dtype=np.int64) + step_n.sum(dtype=np.int64))
+            sizes["varint"] = int(gap_n.sum()) + int(step_n.sum())
             sizes["_varints"] = (gaps, gap_n, steps, step_n)
         change._sizes = sizes
     return {k: v for k, v in change._sizes.items() if not k.startswith("_")}
@@ -354,7 +374,7 @@ def encode(delta: VersionDelta, plan: BucketPlan) -> bytes:
         encoding, _ = encoded_bucket_bytes(c, item)
         if encoding == "varint":
             gaps, gap_n, steps, step_n = c._sizes["_varints"]  # type: ignore[index]
-            where, values = _varint(gaps, gap_n).tobytes(), _varint(steps, step_n).tobytes()
+            where, values = _varint(gaps, gap_n).numpy().tobytes(), _varint(steps, step_n).numpy().tobytes()
         elif encoding == "index":
             where, values = _as_bytes(c.local.to(_position_dtype(c.part.numel))), _as_bytes(c.values)
         else:
@@ -395,8 +415,11 @@ def decode(blob: bytes | memoryview, plan: BucketPlan, parts: dict[int, RankBuck
             if old_values is None:
                 raise ValueError(f"delta of version {out.version}: bucket {index} carries steps from version "
                                  f"{out.base}, and no values of that version were given")
-            local = torch.from_numpy(np.cumsum(_unvarint(where, count)[0].astype(np.int64)) - 1)
-            steps = torch.from_numpy(_unzigzag(_unvarint(values, count)[0]))
+            local = _unvarint(_tensor(where), count).cumsum_(0).sub_(1)
+            steps = _unvarint(_tensor(values), count)
+            if dtype.itemsize <= 2:  # a step of a 2-byte pattern fits int32: half the bytes of what follows
+                steps = steps.to(torch.int32)
+            steps = _unzigzag(steps)
         elif encoding == "index":
             local = torch.from_numpy(where.copy()).view(_position_dtype(numel)).long()  # a copy: aligned storage
         elif encoding == "bitmap":
@@ -419,12 +442,19 @@ def decode(blob: bytes | memoryview, plan: BucketPlan, parts: dict[int, RankBuck
     return out
 
 
+def _tensor(section: np.ndarray) -> torch.Tensor:
+    """A read-only uint8 section of a blob as a tensor, no copy (nothing writes into it)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # torch warns on a non-writable buffer
+        return torch.from_numpy(section)
+
+
 def _stepped(old: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
-    """`old` with each bit pattern moved by its step (wrapping within the element's width)."""
-    width = old.element_size() * 8
-    moved = (bits(old.contiguous()).to(torch.int64) + steps) & ((1 << width) - 1)
-    moved = torch.where(moved >= 1 << (width - 1), moved - (1 << width), moved)  # back to the signed view
-    return moved.to(_INT_VIEW[old.element_size()]).view(old.dtype)
+    """`old` with each bit pattern moved by its step, wrapping within the element's width: the sum in a wider
+    integer, narrowed (a narrowing cast keeps the low bits, i.e. takes the sum modulo 2**width)."""
+    size = old.element_size()
+    wide = torch.int32 if size <= 2 else torch.int64
+    return (bits(old.contiguous()).to(wide) + steps.to(wide)).to(_INT_VIEW[size]).view(old.dtype)
 
 
 def apply_bucket(flat: torch.Tensor, change: BucketChange | None) -> int:
@@ -482,8 +512,7 @@ class DeltaTracker:
             end = min(new.numel(), start + COMPARE_CHUNK)
             mask = self._mask[: end - start]
             torch.ne(new[start:end], old[start:end], out=mask)
-            found = (torch.from_numpy(np.flatnonzero(mask.numpy())) if mask.device.type == "cpu"
-                     else mask.nonzero().view(-1))
+            found = _flatnonzero(mask)
             out.append(found + start if start else found)
         return torch.cat(out) if len(out) > 1 else (out[0] if out else torch.zeros(0, dtype=torch.int64))
 

@@ -330,3 +330,49 @@ def test_changes_found_chunk_by_chunk_are_the_same_as_over_the_whole_bucket(monk
     want = (bits(flat) != bits(before)).nonzero().view(-1)
     assert d.changes[0].local.tolist() == want.tolist() == hit.tolist()
     assert d.changes[0].positions().tolist() == [i if i < 20 else 32 + i - 20 for i in hit.tolist()]
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_varints_of_every_length_round_trip_where_most_take_one_byte(dtype: torch.dtype) -> None:
+    """The varint passes work on the few values longer than a byte (their further bytes are inserted after their
+    first, and found again by their continuation bits): a value of 2..9 bytes next to another long one, at the
+    start or the end of a section, or a run of them, would come back wrong if an inserted byte landed one place
+    off or a run of continuation bytes were split wrongly."""
+    from moe_grpo.sync.delta import _unvarint, _varint, _varint_sizes
+
+    g = torch.Generator().manual_seed(4)
+    top = 31 if dtype == torch.int32 else 63
+    x = torch.randint(0, 128, (5000,), generator=g, dtype=dtype)
+    long_at = torch.tensor([0, 1, 2, 17, 18, 999, 1000, 4000, 4998, 4999])
+    for i, at in enumerate(long_at.tolist()):
+        bits_ = [8, 14, 15, 21, 22, 28, 29, top, 35 if top > 35 else 30, top][i]
+        x[at] = (1 << bits_) - 1 - i  # 2 to 9 bytes, and the largest of each width
+    blob = _varint(x)
+    assert blob.dtype == torch.uint8 and blob.numel() == int(_varint_sizes(x).sum())
+    assert torch.equal(_unvarint(blob, x.numel()), x.to(torch.int64))
+    # one value per byte only, the common case
+    assert torch.equal(_unvarint(_varint(x[3:17]), 14), x[3:17].to(torch.int64))
+
+
+def test_a_varint_section_holding_more_values_than_its_header_says_is_refused() -> None:
+    """The header names each bucket's changes: a varint section with values left over is a corrupt (or
+    mismatched) blob whose values would land at wrong places; decoding took the first ones and applied them."""
+    import json
+
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(4000, generator=g)
+    plan = _one("w", (4000,))
+    tracker = DeltaTracker(plan, {0: [("w", w, torch.empty(4000, device="meta"))]})
+    tracker.diff(1)
+    tracker.commit()
+    old = w.to(torch.bfloat16)
+    w[::40] += 1.0
+    blob = encode(tracker.diff(2), plan)
+    size = int.from_bytes(blob[:8], "little")
+    header = json.loads(blob[8 : 8 + size])
+    assert header["buckets"]["0"][0] == "varint"
+    header["buckets"]["0"][1] -= 1  # one change fewer than the sections hold
+    head = json.dumps(header).encode()
+    tampered = len(head).to_bytes(8, "little") + head + blob[8 + size :]
+    with pytest.raises(ValueError, match="holds 100 values, expected 99"):
+        decode(tampered, plan, {0: tracker.parts[0]}, lambda index, positions: old[positions])
