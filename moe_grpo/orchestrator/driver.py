@@ -89,7 +89,8 @@ class Driver:
                                    for i, ((name, handle), pid) in enumerate(zip(pools.engines, pools.engine_pids))],
                                   run.rollout, pools.make_engine, run.cluster.start_timeout_s)
         self.greedy = sampling_settings(run, tokenizer, greedy=True)
-        self.probe = MismatchProbe(source.probe_set(run.routing.probe_prompts), self._probe_sampling)
+        self.probe = MismatchProbe(source.probe_set(run.routing.probe_prompts), self._probe_sampling,
+                                   run.routing.probe_engines)
         self.record: RunRecord | None = None
         self.epoch = 0
         """Bumped by a rollback: requests sent before it are thrown away when they return."""
@@ -166,6 +167,28 @@ class Driver:
             self.state.admitted += 1
             self.engines.send(request, self._sampling(request))
 
+    def finish_probes(self) -> None:
+        """After the last step: wait for the probe rounds still sampling or being scored, so the run's summary reports
+        the engine-vs-learner gap on its final weights. Step rows carry only the probes finished before they were
+        logged: in a short async run (or with `rollout.on_update=abort`, which cuts a round's requests at each
+        publish) that was none of the trained versions in one of CI's runs. Bounded by `rollout.request_timeout_s`
+        (+30 s for the scoring): a round not done by then is left out and the summary says which version it has."""
+        import ray
+
+        deadline = time.monotonic() + self.run.rollout.request_timeout_s + 30.0
+        while (self.probe.rounds or self.probe.scoring) and time.monotonic() < deadline:
+            self.probe.submit(self.engines)
+            refs = self.engines.request_refs("probe") + self.engines.refs_of_loads() + self.probe.refs()
+            ready, _ = ray.wait(refs, num_returns=1, timeout=1.0) if refs else ([], [])
+            self.collect(ready)
+            self.engines.check_hung()
+            self.engines.settle(block=False)
+            self.advance_probe()
+        if self.probe.rounds or self.probe.scoring:
+            log.warning("mismatch probe: rounds of versions %s not finished %.0f s after the last step; the summary "
+                        "reports version %s", [r.version for r in self.probe.rounds + self.probe.scoring],
+                        self.run.rollout.request_timeout_s + 30.0, self.probe.latest.get("version"))
+
     def _probe_sampling(self, seed: int) -> Any:
         return dataclasses.replace(sampling_settings(self.run, self.tokenizer, seed=seed), n=1)
 
@@ -173,7 +196,7 @@ class Driver:
         """Move the mismatch probe on: failed requests, scoring by the learner ranks, their answer."""
         for request, engine in self.engines.take_failed_probes():
             self.probe.on_failure(request, engine)
-        self.probe.score(self.learners, self.engines)
+        self.probe.score(self.learners, self.engines, learners_busy=self.training is not None)
         self.probe.collect()
 
     def _sampling(self, request: Request) -> Any:
@@ -536,7 +559,8 @@ def train(run: RunConfig, run_dir: str | Path, *, learner_cls: type | None = Non
     finally:
         session.close()
     return RunSummary.of(state, driver.engines, driver.last_checkpoint, run_dir=run_dir,
-                         seconds=time.perf_counter() - t_start, stopped=stopped, sync=session.sync_report).as_dict()
+                         seconds=time.perf_counter() - t_start, stopped=stopped, sync=session.sync_report,
+                         mismatch=driver.probe.row(run.routing.replay)).as_dict()
 
 
 def start_schedule(driver: Driver, saved: dict[str, Any] | None, resume_from: Path | None,
@@ -571,6 +595,11 @@ def run_to_end(driver: Driver) -> str | None:
         return str(e)
     policy_dir = export_policy(driver)
     log.info("final policy (version %d) exported to %s", driver.state.step, policy_dir)
+    if driver.probe.enabled:
+        driver.finish_probes()
+        p = driver.probe.row(driver.run.routing.replay)
+        log.info("mismatch probe, newest version probed (%s of %d): KL(engine || learner) %.3g on %s engine(s)",
+                 p["mismatch/probe_version"], driver.state.step, p["mismatch/kl"], p["mismatch/probe_engines"])
     return None
 
 

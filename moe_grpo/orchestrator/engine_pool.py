@@ -202,6 +202,10 @@ class EnginePool:
         """Everything the driver may wait on: requests, weight loads, restarts."""
         return list(self.in_flight) + self.refs_of_loads()
 
+    def request_refs(self, kind: str) -> list[Any]:
+        """The requests of one kind ('train', 'eval', 'probe') in flight."""
+        return [ref for ref, flight in self.in_flight.items() if flight.request.kind == kind]
+
     # ------------------------------------------------------------------ results and failures
     def result(self, ref: Any) -> tuple[Request, str, list[Any]] | None:
         """(request, engine, completions) for a finished request; None if `ref` is not a request or it failed

@@ -62,16 +62,21 @@ class RunSummary:
     """The newest run checkpoint written or resumed from, or None."""
     faults: Faults
     """The faults the run survived."""
+    mismatch: dict[str, float]
+    """The newest finished mismatch probe: the run record's `mismatch/*` keys (`MismatchProbe.row`) without the
+    prefix ('kl', 'probe_version', ...). In a finished run, measured after waiting for the rounds in progress at the
+    end (`Driver.finish_probes`); NaN without a probe."""
 
     @classmethod
     def of(cls, state: RunState, engines: EnginePool, last_checkpoint: Path | None, *, run_dir: str,
-           seconds: float, stopped: str | None, sync: dict[str, Any]) -> RunSummary:
+           seconds: float, stopped: str | None, sync: dict[str, Any], mismatch: dict[str, float]) -> RunSummary:
         nan = float("nan")
         return cls(steps=state.step, eval_start=state.evals[0][1] if state.evals else nan,
                    eval_end=state.evals[-1][1] if state.evals else nan, evals=state.evals,
                    warm_start_loss=state.warm_start_loss, seconds=seconds, run_dir=run_dir,
                    policy_dir=os.path.join(run_dir, "policy"), reward_failed=state.reward_failed,
                    bad_rows=state.bad_rows, stopped=stopped, sync=sync,
+                   mismatch={k.removeprefix('mismatch/'): v for k, v in mismatch.items()},
                    checkpoint=str(last_checkpoint) if last_checkpoint else None,
                    faults=Faults(requests_lost=state.requests_lost, steps_skipped=state.steps_skipped,
                                  sync_failures=engines.sync_failures, engine_restarts=engines.restarts,

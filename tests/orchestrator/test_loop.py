@@ -78,6 +78,9 @@ def test_sync_mode_trains_on_policy_and_records_what_it_did(sync_run):
     rows = rows_of(run_dir)
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
     check_clean_sync_rows(rows)
+    # A row carries the probes finished before it was logged; the summary waits for the final version's.
+    assert summary["mismatch"]["probe_version"] == 5 > rows[-1]["mismatch/probe_version"], summary["mismatch"]
+    assert summary["mismatch"]["kl"] < 1e-5 and summary["mismatch"]["probe_engines"] == 1, summary["mismatch"]
     assert [s for s, _ in summary["evals"]] == [0, 2, 4, 5]
     assert [r["eval/step"] for r in rows] == [0, 2, 2, 4, 5]
     assert [r["eval/policy_version"] for r in rows] == [0, 2, 2, 4, 5], "held-out scored by the weights of its step"

@@ -43,9 +43,7 @@ def checkpoints(tmp_path_factory):
 
 
 def lora_run(hf, cache, layout, on_update, adapter=None, targets=None, lora_apply="merge"):
-    # More probed publishes for served adapters, whose adapter-version probes were dropped in 2 of 3 runs before
-    # 2026-11-26 (each overtaken by the next publish; tests/orchestrator/test_probe.py).
-    steps = 6 if lora_apply == "serve" else 3
+    steps = 3  # the final version is probed at the run's end (Driver.finish_probes)
     tp, ep = (2, 1) if layout == "TP=2" else (1, 2)
     lora = {"rank": 4, "alpha": 8.0, **({"targets": list(targets)} if targets else {})}
     tree = {"steps": steps, "warm_start_steps": 0, "eval_every": 0, "mode": "async",
@@ -92,8 +90,10 @@ def test_an_async_lora_run_sends_the_base_once_and_engines_match_the_learner(che
     assert rows[0]["sync/bytes"] in (adapter_bytes, first)
     assert adapter_bytes < base_bytes / 5
     measured = [r for r in rows if r["mismatch/probe_version"] is not None]  # null: no probe finished yet
-    probed = [r for r in measured if r["mismatch/probe_version"] >= 1]
-    assert probed, "an adapter-only version was probed"
-    assert measured and all(r["mismatch/kl"] < MAX_PROBE_KL for r in measured), \
+    assert all(r["mismatch/kl"] < MAX_PROBE_KL for r in measured), \
         [(r["mismatch/probe_version"], r["mismatch/kl"]) for r in rows]
+    # The rows' probes may all be of version 0 (CI saw it: each adapter version's round still sampling, or cut by
+    # 'abort', when its step was logged); the summary's is the final version's, an adapter-only one.
+    assert summary["mismatch"]["probe_version"] == run.steps, summary["mismatch"]
+    assert summary["mismatch"]["kl"] < MAX_PROBE_KL, summary["mismatch"]
     assert os.path.isfile(os.path.join(summary["policy_dir"], "peft_adapter", "adapter_model.safetensors"))

@@ -19,11 +19,12 @@ from moe_grpo.orchestrator.state import RunState
 def _summary(state: RunState, last_checkpoint: Path | None, stopped: str | None = None) -> dict:
     engines = SimpleNamespace(sync_failures=1, restarts=2, requests_resubmitted=3)
     return RunSummary.of(state, engines, last_checkpoint, run_dir="/runs/a", seconds=12.5, stopped=stopped,
-                         sync={"host1": {"bytes": 4}}).as_dict()
+                         sync={"host1": {"bytes": 4}}, mismatch={"mismatch/kl": 1e-12, "mismatch/probe_version": 4.0}
+                         ).as_dict()
 
 
-def test_the_summary_holds_the_fourteen_keys_train_returned_with_their_values():
-    """`train` built its summary by hand, 14 keys and 6 fault counts in one expression; `python -m moe_grpo.train`
+def test_the_summary_holds_the_keys_train_returned_with_their_values():
+    """`train` built its summary by hand, 14 keys and 6 fault counts in one expression (the final probe came later); `python -m moe_grpo.train`
     and the whole-run tests index it by name (the closing line names the faults above 0 in this order). Would have
     caught a key renamed or dropped, or the faults' order changed, by the move into a dataclass."""
     state = RunState(step=4, reward_failed=5, bad_rows=6, requests_lost=7, steps_skipped=8, rollbacks=9,
@@ -34,9 +35,11 @@ def test_the_summary_holds_the_fourteen_keys_train_returned_with_their_values():
         "seconds": 12.5, "run_dir": "/runs/a", "policy_dir": "/runs/a/policy", "reward_failed": 5, "bad_rows": 6,
         "stopped": None, "sync": {"host1": {"bytes": 4}}, "checkpoint": "/runs/a/checkpoints/step_000004",
         "faults": {"requests_lost": 7, "steps_skipped": 8, "sync_failures": 1, "engine_restarts": 2,
-                   "requests_resubmitted": 3, "rollbacks": 9}}
+                   "requests_resubmitted": 3, "rollbacks": 9},
+        "mismatch": {"kl": 1e-12, "probe_version": 4.0}}
     assert list(summary) == ["steps", "eval_start", "eval_end", "evals", "warm_start_loss", "seconds", "run_dir",
-                             "policy_dir", "reward_failed", "bad_rows", "stopped", "sync", "checkpoint", "faults"]
+                             "policy_dir", "reward_failed", "bad_rows", "stopped", "sync", "checkpoint", "faults",
+                             "mismatch"]
     assert list(summary["faults"]) == ["requests_lost", "steps_skipped", "sync_failures", "engine_restarts",
                                        "requests_resubmitted", "rollbacks"]
 
@@ -50,7 +53,7 @@ def test_a_run_with_no_evaluation_and_no_checkpoint_says_so():
 
 def test_the_summary_is_frozen():
     summary = RunSummary.of(RunState(), SimpleNamespace(sync_failures=0, restarts=0, requests_resubmitted=0), None,
-                            run_dir="/r", seconds=0.0, stopped=None, sync={})
+                            run_dir="/r", seconds=0.0, stopped=None, sync={}, mismatch={})
     with pytest.raises(dataclasses.FrozenInstanceError):
         summary.steps = 3
 
