@@ -376,3 +376,25 @@ def test_a_varint_section_holding_more_values_than_its_header_says_is_refused() 
     tampered = len(head).to_bytes(8, "little") + head + blob[8 + size :]
     with pytest.raises(ValueError, match="holds 100 values, expected 99"):
         decode(tampered, plan, {0: tracker.parts[0]}, lambda index, positions: old[positions])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_varint_steps_are_exact_in_every_engine_dtype_with_signed_zero_infinities_and_nan(dtype: str) -> None:
+    """Steps are summed in a wider integer and narrowed to the element's width (int32 -> int16 for 2-byte
+    dtypes, int64 -> int32 for float32): a step that wraps, or a narrowing that saturated instead of keeping the
+    low bits, would give an engine wrong bits exactly where a value crosses zero or becomes inf or NaN."""
+    plan = BucketPlan("toy", dtype, (Bucket(0, (BucketEntry("w", (100, 50), 0),), 4 * 5000),))
+    g = torch.Generator().manual_seed(6)
+    w = torch.randn(100, 50, generator=g)
+    w.view(-1)[0] = 0.0
+    tracker = DeltaTracker(plan, {0: [("w", w, torch.empty(100, 50, device="meta"))]})
+    tracker.diff(1)
+    tracker.commit()
+    old = tracker.last[0].clone()
+    w.view(-1)[::3] += torch.randn(1667, generator=g) * 1e-3
+    w.view(-1)[:5] = torch.tensor([-0.0, float("inf"), -float("inf"), -1e-30, float("nan")])
+    blob = encode(tracker.diff(2), plan)
+    assert '"varint"' in blob[8 : 8 + int.from_bytes(blob[:8], "little")].decode()
+    back = decode(blob, plan, tracker.parts, lambda index, positions: old[positions])
+    apply_bucket(old, back.changes[0])
+    assert torch.equal(bits(old), bits(w.to(plan.torch_dtype).view(-1)))
