@@ -1,0 +1,143 @@
+"""What a vLLM engine (rollout/vllm_engine.py) is started with: its options checked, the CPU environment vLLM reads,
+AsyncLLM's engine arguments, and the workers' start-up answers checked."""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Collection
+
+from moe_grpo.models.hf_config import read_hf_config, vllm_hf_overrides
+from moe_grpo.models.spec import MoEModelSpec
+from moe_grpo.rollout import lora_serving
+from moe_grpo.rollout.engine_adapters import adapted_hf
+from moe_grpo.rollout.engine_error import EngineError
+
+EXTENSION = "moe_grpo.rollout.worker_extension.RoutingCaptureExtension"
+
+
+def check_options(*, tensor_parallel: Any, routing_source: str, on_update: str, capture: bool, extension: bool,
+                  lora: Any, lora_apply: str) -> None:
+    """Refuse a combination of `VllmEngine` options that cannot run, naming the bad value (ValueError)."""
+    if not isinstance(tensor_parallel, int) or tensor_parallel < 1:
+        raise ValueError(f"tensor_parallel={tensor_parallel!r}, expected an integer >= 1")
+    if routing_source not in ("auto", "extension", "native"):
+        raise ValueError(f"routing_source={routing_source!r}, expected 'auto', 'extension' or 'native'")
+    if on_update not in ("keep", "abort"):
+        raise ValueError(f"on_update={on_update!r}, expected 'keep' (pause, load, resume) or 'abort' (resubmit)")
+    if capture and not extension and routing_source != "native":
+        raise ValueError("capture=True needs the worker extension (extension=True) or routing_source='native'")
+    if lora is not None and lora.enabled and lora_apply not in ("merge", "serve"):
+        raise ValueError(f"lora_apply={lora_apply!r}, expected 'merge' or 'serve'")
+    if lora is not None and lora.enabled and not extension:
+        raise ValueError("lora with extension=False: the worker extension merges adapters ('merge') and keeps "
+                         "vLLM's CPU MoE kernel with LoRA on ('serve')")
+
+
+def check_cpu_head_size(spec: MoEModelSpec) -> None:
+    """Refuse, before vLLM starts, an attention head size vLLM's CPU attention cannot run: otherwise the engine
+    starts and dies at its first forward, and the pool restarts it into the same error until it gives up."""
+    if spec.uses_mla:
+        return  # MLA's sizes are handled by cpu_env (absorbed kernel or unabsorbed attention)
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    supported = CPUAttentionBackend.get_supported_head_sizes()
+    if spec.kv_channels not in supported:
+        raise EngineError(f"model {spec.name!r}: attention head size {spec.kv_channels} (hidden_size / "
+                          f"num_attention_heads, or head_dim) is not one vLLM's CPU attention runs, expected one of "
+                          f"{supported}")
+
+
+def cpu_omp_bind(tensor_parallel: int, current: str | None, cpus: Collection[int] | None = None) -> str:
+    """`VLLM_CPU_OMP_THREADS_BIND` for an engine of `tensor_parallel` workers: one core list per worker, '|'-separated
+    (vLLM refuses a value whose number of lists is not its local world size). `current` (what the environment holds)
+    is kept when it has one list per worker; otherwise the cores this process may run on (`cpus`, default its
+    affinity) are split into `tensor_parallel` contiguous groups, and one worker alone gets core 0's list as before
+    ("0"). With fewer cores than workers, workers share cores round robin (oversubscribed, but it runs)."""
+    if current and current not in ("auto", "nobind") and len(current.split("|")) == tensor_parallel:
+        return current
+    if tensor_parallel == 1:
+        return "0"
+    cores = sorted(os.sched_getaffinity(0) if cpus is None else cpus)
+    if len(cores) < tensor_parallel:
+        return "|".join(str(cores[i % len(cores)]) for i in range(tensor_parallel))
+    per = len(cores) // tensor_parallel
+    return "|".join(",".join(str(c) for c in cores[i * per:(i + 1) * per]) for i in range(tensor_parallel))
+
+
+def cpu_env(spec: MoEModelSpec, kv_cache_gib: int) -> None:
+    """What vLLM's CPU backend reads from the environment: its KV cache size, and MLA computed unabsorbed where its
+    kernel cannot run it."""
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(int(kv_cache_gib)))
+    if spec.uses_mla and (spec.kv_lora_rank or 0) + spec.qk_rope_head_dim != 576:
+        # vLLM's CPU MLA kernel only takes kv_lora_rank + qk_rope_head_dim == 576; compute MLA unabsorbed.
+        os.environ["VLLM_MLA_DISABLE"] = "1"
+
+
+def prepare_cpu(spec: MoEModelSpec, kv_cache_gib: int, tensor_parallel: int) -> str:
+    """Before a CPU engine starts: refuse a head size vLLM's CPU attention cannot run, set the environment its CPU
+    backend reads (`cpu_env`); returns `VLLM_CPU_OMP_THREADS_BIND` for its workers (`cpu_omp_bind`)."""
+    check_cpu_head_size(spec)
+    cpu_env(spec, kv_cache_gib)
+    return cpu_omp_bind(tensor_parallel, os.environ.get("VLLM_CPU_OMP_THREADS_BIND"))
+
+
+def hf_overrides(model_dir: str) -> dict[str, Any]:
+    """What vLLM needs on top of a transformers-written config.json (models/hf_config.vllm_hf_overrides)."""
+    try:
+        cfg = read_hf_config(model_dir)
+    except FileNotFoundError:
+        return {}  # not a local directory: vLLM reports it
+    return vllm_hf_overrides(cfg)
+
+
+def engine_args(model_dir: str, spec: MoEModelSpec, *, dtype: str, max_model_len: int, max_num_seqs: int, seed: int,
+                tensor_parallel: int, extension: bool, max_num_batched_tokens: int | None, native: bool,
+                served_lora: Any, on_gpu: bool) -> dict[str, Any]:
+    """vLLM's `AsyncEngineArgs` for an engine (see `VllmEngine`). `served_lora`: the LoraConfig whose adapters vLLM
+    serves (`lora_apply='serve'`), else None. `native` (vLLM's own routing capture) also sets the environment
+    variable that selects Model Runner V2."""
+    args: dict[str, Any] = dict(
+        model=model_dir, skip_tokenizer_init=True, trust_remote_code=True, dtype=dtype, enforce_eager=True,
+        max_model_len=max_model_len, max_num_seqs=max_num_seqs, enable_prefix_caching=False, seed=seed,
+        disable_log_stats=True, tensor_parallel_size=tensor_parallel,
+        # The log-probs of the distribution sampled from (after temperature), which the learner computes with
+        # its logits divided by the same temperature; at temperature 1 (and top_p 1) they equal the raw ones.
+        logprobs_mode="processed_logprobs")
+    overrides = hf_overrides(model_dir)
+    if overrides:
+        args["hf_overrides"] = overrides
+    if tensor_parallel > 1:
+        args["distributed_executor_backend"] = "mp"  # one process per worker, on CPU and GPU alike
+    if extension:
+        args["worker_extension_cls"] = EXTENSION
+    if max_num_batched_tokens is not None:
+        args.update(max_num_batched_tokens=max_num_batched_tokens, enable_chunked_prefill=True)
+    if served_lora is not None:
+        lora_serving.check_servable(served_lora.targets, on_gpu)
+        args.update(enable_lora=True, max_lora_rank=lora_serving.max_lora_rank(served_lora.rank),
+                    max_loras=lora_serving.MAX_SERVED_ADAPTERS, max_cpu_loras=2 * lora_serving.MAX_SERVED_ADAPTERS,
+                    lora_target_modules=lora_serving.target_modules(adapted_hf(spec, served_lora)))
+    if native:
+        # vLLM's own capture (it also needs prefix caching on, and Model Runner V2).
+        os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "1")
+        args.update(enable_return_routed_experts=True, enable_prefix_caching=True)
+    return args
+
+
+def check_workers(infos: list[dict[str, Any]], tensor_parallel: int, capture_routing: bool,
+                  engine_id: str) -> list[int]:
+    """From every worker's `moe_grpo_install` answer, check that `tensor_parallel` workers answered, with ranks
+    0..tensor_parallel-1 once each, and (`capture_routing`: the worker extension captures routing) that exactly one
+    worker, tensor-parallel rank 0, captures it. Returns each worker's rank, in the order they answered."""
+    if len(infos) != tensor_parallel:
+        raise EngineError(f"engine {engine_id}: {len(infos)} vLLM workers answered, expected "
+                          f"tensor_parallel={tensor_parallel}")
+    ranks = [int(i["tp_rank"]) for i in infos]
+    if sorted(ranks) != list(range(tensor_parallel)):
+        raise EngineError(f"engine {engine_id}: workers report tensor-parallel ranks {ranks}, expected "
+                          f"0..{tensor_parallel - 1} once each")
+    capturing = [r for r, i in zip(ranks, infos) if i["capturing"]]
+    if capture_routing and capturing != [0]:
+        raise EngineError(f"engine {engine_id}: routing captured by tensor-parallel ranks {capturing}, "
+                          "expected rank 0 alone")
+    return ranks

@@ -1,0 +1,75 @@
+"""The engine's process set and reaper (rollout/engine_processes.py) on a process tree of its own, without vLLM."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import subprocess
+import time
+from multiprocessing.shared_memory import SharedMemory
+
+import pytest
+
+from moe_grpo.processes import SHM_DIR, process_alive, process_state
+from moe_grpo.rollout.engine_processes import EngineProcesses, descendants, mapped_shm
+
+pytestmark = pytest.mark.slow  # starts a process tree
+
+
+def _hold(name: str, conn: object) -> None:
+    """A stand-in engine core: maps a /dev/shm segment of vLLM's kind (`psm_*`), starts a process below itself
+    (a worker), says the worker's pid, and waits."""
+    shm = SharedMemory(name)
+    worker = subprocess.Popen(["sleep", "600"])
+    conn.send(worker.pid)  # type: ignore[attr-defined]
+    time.sleep(600)
+    shm.close()
+
+
+def _wait_for(predicate: object, what: str, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():  # type: ignore[operator]
+        assert time.monotonic() < deadline, f"{what} within {timeout_s} s"
+        time.sleep(0.02)
+
+
+def test_end_kills_a_stopped_engine_core_and_the_processes_below_it_and_removes_its_shm_segment():
+    """`EngineProcesses.end` (VllmEngine.shutdown's process part): a SIGSTOPped engine core is found unresponsive,
+    so it is SIGKILLed at once (kill=None), with the worker below it, and the /dev/shm segment it mapped is removed;
+    the engine's own requests are quiesced first. Would catch a reaper that waits on SIGTERM (a stopped process
+    never acts on it), leaves the processes below the engine core, or leaves its ring buffers in /dev/shm."""
+    if not os.path.isdir(SHM_DIR):
+        pytest.skip(f"no {SHM_DIR}")
+    segment = SharedMemory(create=True, size=4096)  # psm_<hex>: a name of vLLM's kind
+    name = segment.name.lstrip("/")
+    parent, child = multiprocessing.Pipe()
+    core = multiprocessing.get_context("fork").Process(target=_hold, args=(name, child), daemon=True)
+    core.start()
+    worker = None
+    try:
+        assert parent.poll(30), "the stand-in engine core started its worker"
+        worker = parent.recv()
+        recorded = EngineProcesses(descendants([core.pid]), [core], mapped_shm([core.pid]))
+        assert set(recorded.procs) >= {core.pid, worker} and name in recorded.shm, recorded
+        assert recorded.shm_inodes() == {name: os.stat(os.path.join(SHM_DIR, name)).st_ino}
+
+        os.kill(core.pid, signal.SIGSTOP)
+        _wait_for(lambda: process_state(core.pid) in ("T", "t"), "the engine core stopped")
+        quiesced = []
+        out = recorded.end(None, kill=None, timeout_s=1.0, name="test", quiesce=lambda: quiesced.append(True))
+
+        assert quiesced == [True]
+        assert out["hard"] and core.pid in out["unresponsive"], out
+        assert {core.pid, worker} <= set(out["killed"]) and out["processes_left"] == [], out
+        assert not process_alive(core.pid) and not process_alive(worker)
+        assert out["shm_removed"] == [name] and not os.path.exists(os.path.join(SHM_DIR, name))
+        assert recorded.alive() == {} and recorded.shm_inodes() == {}
+    finally:
+        for pid in [core.pid, worker]:
+            if pid and process_alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        core.join(10)
+        segment.close()
+        if os.path.exists(os.path.join(SHM_DIR, name)):
+            segment.unlink()
