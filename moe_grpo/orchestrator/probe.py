@@ -11,8 +11,23 @@ with the fp32 weights instead, 512 probe samples of the default model at step
 disagreement: the weights' rounding on top of the bf16 arithmetic); each
 engine, once it serves v, samples a few fixed prompts (fixed seeds, one sample
 each); the learner scores those completions with v's weights, routing replayed
-(R3) and free. Every engine is probed, so each sync
-is also checked end to end (a wrong shard shows up as a large KL).
+(R3) and free. Each sync is also checked end to end (a wrong shard shows up
+as a large KL).
+
+What it costs, and where it runs. The engines: each probed version is sampled
+by `routing.probe_engines` engines (default 1), taken round robin
+(`engines_for_round`), so the engine time per version does not grow with the
+number of engines and each of N engines is still checked every N probed
+versions; 0 probes every engine (each sync into every engine checked at once,
+at N times the engine time). The learner ranks: their scoring of a round is
+handed to them only while no training step is in flight (`score(...,
+learners_busy=...)`; the driver hands it over at the latest right after each
+step's publish). A learner rank runs its calls in turn, so scoring queued
+behind a training step ran between that step and its publish, which the driver
+waits on: every probed version delayed the next weights by the probe's two
+forwards. `tools/bench_async.py` (one engine, 2 cores, 2026-11-26) measured
+async steps 12% longer with the probe on than off before this (1.224 s against
+1.090 s; async_vs_ideal_ratio 0.82-0.88 in earlier runs against 0.89 off).
 
 The probe never blocks the schedule: requests and learner calls are collected
 as they finish, and a row carries the newest finished probe. A round still
@@ -33,7 +48,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Sequence
 
 from moe_grpo.orchestrator.engine_pool import EnginePool, Request
 from moe_grpo.orchestrator.groups import completion_sequence
@@ -54,6 +69,17 @@ def probe_due(run: RunConfig, version: int) -> bool:
     publish, every later one and the driver's first round."""
     every = run.routing.probe_every
     return run.routing.probe_prompts > 0 and every > 0 and version % (every * run.algo.sync_every) == 0
+
+
+def engines_for_round(engines: Sequence[str], per_round: int, turn: int) -> list[str]:
+    """The engines that sample the `turn`-th probe round (0-based, counted over the run's rounds):
+    `per_round` of `engines` taken round robin in the order given, so with N engines each is chosen once every
+    N / per_round rounds; `per_round` 0 (or >= N) = all of them."""
+    names = list(engines)
+    if per_round == 0 or per_round >= len(names):
+        return names
+    start = turn * per_round % len(names)
+    return [names[(start + j) % len(names)] for j in range(per_round)]
 
 
 MAX_ROUNDS = 2
@@ -80,10 +106,14 @@ class ProbeRound:
 class MismatchProbe:
     """Drives probe rounds through the engine pool and the learner ranks; `latest` is the newest result."""
 
-    def __init__(self, examples: list[Any], sampling: Any) -> None:
+    def __init__(self, examples: list[Any], sampling: Any, engines_per_round: int) -> None:
         self.examples = examples
         self.sampling = sampling
         """`sampling(seed)` -> the engines' sampling settings for one probe sample."""
+        self.engines_per_round = engines_per_round
+        """`routing.probe_engines`: engines that sample each round (0 = every engine), round robin."""
+        self.turns = 0
+        """Rounds started so far (whose turn it is in `engines_for_round`)."""
         self.rounds: list[ProbeRound] = []
         """Rounds still sampling, oldest first (at most `MAX_ROUNDS`)."""
         self.scoring: list[ProbeRound] = []
@@ -104,7 +134,8 @@ class MismatchProbe:
         return next((r for r in self.rounds if r.version == version), None)
 
     def start(self, version: int, engines: list[str]) -> None:
-        """`version` was published (with a weight snapshot on the learner ranks): probe it on every engine."""
+        """`version` was published (with a weight snapshot on the learner ranks): probe it on the engines whose turn
+        it is (`engines_for_round`)."""
         if not self.enabled:
             return
         # A learner call queued before the publish has run by now (an actor runs its calls in order): take it.
@@ -114,7 +145,8 @@ class MismatchProbe:
             self.dropped += 1
             log.debug("probe of version %d dropped: versions %s were published before it came back", old.version,
                       [r.version for r in self.rounds] + [version])
-        self.rounds.append(ProbeRound(version, set(engines)))
+        self.rounds.append(ProbeRound(version, set(engines_for_round(engines, self.engines_per_round, self.turns))))
+        self.turns += 1
 
     def submit(self, pool: EnginePool) -> None:
         """Ask each engine that now serves a round's version to sample the probe prompts; an engine already past
@@ -159,8 +191,12 @@ class MismatchProbe:
         if r is not None and engine in r.outstanding:
             del r.outstanding[engine]
 
-    def score(self, learners: LearnerGroup, pool: EnginePool) -> None:
-        """Hand each round's completions to the learner ranks once every engine has answered or dropped out."""
+    def score(self, learners: LearnerGroup, pool: EnginePool, *, learners_busy: bool = False) -> None:
+        """Hand each round's completions to the learner ranks once every engine has answered or dropped out;
+        `learners_busy` (a training step in flight): not yet. A rank runs its calls in turn: scoring queued behind
+        the step would run before the step's publish and hold it back (module docstring)."""
+        if learners_busy:
+            return
         for r in [r for r in self.rounds if not r.outstanding and not r.waiting]:
             self.rounds.remove(r)
             if not r.completions:

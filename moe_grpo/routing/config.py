@@ -26,6 +26,14 @@ class RoutingConfig:
     parameters per probed version (at most two kept) and two no-grad forwards of these few samples."""
     probe_every: int = 1
     """Probe every this many publishes (1: every published version); 0 = no probe."""
+    probe_engines: int = 1
+    """Engines that sample each probed version, taken round robin over the run's engines (orchestrator/probe.py,
+    `engines_for_round`); 0 = every engine. The default 1 costs one engine's probe per version whatever the number
+    of engines N, and still checks each engine's copy of the weights every N probed versions: a wrong shard in one
+    engine shows up at its next turn, not at the very publish that broke it, and a version whose one chosen engine
+    skips it or is restarting goes unprobed (`mismatch/probe_dropped`). 0 checks every sync end to end on every
+    engine at N times the engine time (the probe's requests queue behind rollouts: before 2026-11-26 it was the
+    only choice)."""
     jump_factor: float = 5.0
     """Warn when a step's train/rollout_kl or train/router_disagreement exceeds this many times its running level
     (the 90th percentile of the previous `jump_window` steps, at least a floor of 1e-3 KL / 0.05 disagreement);
@@ -55,4 +63,5 @@ class RoutingConfig:
         between("routing.rollback_lr_factor", self.rollback_lr_factor, 0.0, 1.0, low_open=True)
         at_least("routing.probe_prompts", self.probe_prompts, 0, "(0 = no probe)")
         at_least("routing.probe_every", self.probe_every, 0, "(0 = no probe)")
+        at_least("routing.probe_engines", self.probe_engines, 0, "(0 = every engine)")
         at_least("routing.jump_window", self.jump_window, 5, "(the warning starts once 5 steps are in)")

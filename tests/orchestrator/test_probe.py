@@ -50,7 +50,7 @@ def completion(version, n=3):
 
 
 def test_each_engine_samples_the_fixed_prompts_once_it_serves_the_version_and_the_learner_scores_them():
-    probe = MismatchProbe(["p0", "p1"], sampling=lambda seed: {"seed": seed})
+    probe = MismatchProbe(["p0", "p1"], sampling=lambda seed: {"seed": seed}, engines_per_round=0)
     pool = Pool({"engine0": Slot("engine0", served=4), "engine1": Slot("engine1", served=4)})
     probe.start(5, list(pool.slots))
     probe.submit(pool)
@@ -72,7 +72,7 @@ def test_each_engine_samples_the_fixed_prompts_once_it_serves_the_version_and_th
 
 
 def test_a_completion_sampled_partly_by_other_weights_is_left_out_and_a_round_two_versions_behind_is_dropped():
-    probe = MismatchProbe(["p0"], sampling=lambda seed: {})
+    probe = MismatchProbe(["p0"], sampling=lambda seed: {}, engines_per_round=0)
     pool = Pool({"engine0": Slot("engine0", served=2)})
     probe.start(2, ["engine0"])
     probe.submit(pool)
@@ -95,7 +95,7 @@ def test_a_round_still_sampling_when_the_next_version_is_published_is_scored_at_
     ~0.4 s, so version v+1 was published while v's probe was in flight; its completions came back wholly at v (each
     request stays on the adapter it started on) and were thrown away with the round. Would have caught: every probe
     of an adapter version dropped in 2 of 3 such runs."""
-    probe = MismatchProbe(["p0", "p1"], sampling=lambda seed: {})
+    probe = MismatchProbe(["p0", "p1"], sampling=lambda seed: {}, engines_per_round=0)
     pool = Pool({"engine0": Slot("engine0", served=1)})
     probe.start(1, ["engine0"])
     probe.submit(pool)
@@ -123,7 +123,7 @@ def test_rows_report_the_newest_version_probed_when_an_older_round_finishes_late
 
     from moe_grpo.orchestrator.probe import ProbeRound
 
-    probe = MismatchProbe(["p0"], sampling=lambda seed: {})
+    probe = MismatchProbe(["p0"], sampling=lambda seed: {}, engines_per_round=0)
     probe.latest = {"kl_replay_on": 1e-14, "kl_replay_off": 1e-3, "router_disagreement": 0.0, "version": 6.0}
     probe.scoring.append(ProbeRound(5, set(), learner_call=LearnerCall(group(Learner()), "the probe of version 5",
                                                                         ["ref-5"], float("inf"), "none")))
@@ -135,7 +135,7 @@ def test_rows_report_the_newest_version_probed_when_an_older_round_finishes_late
 
 
 def test_a_failed_probe_request_ends_that_engines_part_and_rows_carry_nan_before_the_first_result():
-    probe = MismatchProbe(["p0"], sampling=lambda seed: {})
+    probe = MismatchProbe(["p0"], sampling=lambda seed: {}, engines_per_round=0)
     assert all(v != v for k, v in probe.row("r3").items() if k != "mismatch/probe_dropped")
     pool = Pool({"engine0": Slot("engine0", served=1), "engine1": Slot("engine1", served=1)})
     probe.start(1, list(pool.slots))
@@ -159,3 +159,58 @@ def test_the_probe_keeps_as_many_rounds_as_the_learner_keeps_versions_weights():
     from moe_grpo.orchestrator.probe import MAX_ROUNDS
 
     assert MAX_ROUNDS == MAX_SNAPSHOTS
+
+
+def test_each_probed_version_is_sampled_by_one_engine_in_turn_and_every_engine_comes_round(monkeypatch):
+    """`routing.probe_engines=1` (the default): a version's probe costs one engine's time however many engines the
+    run has, and each engine's weights are still checked every N probed versions. Would have caught: every engine
+    sampling every probed version (N times the engine time), or a rotation that never reaches some engine."""
+    import ray
+
+    monkeypatch.setattr(ray, "wait", lambda refs, num_returns, timeout: (list(refs), []))
+    monkeypatch.setattr(ray, "get", lambda ref: {"kl_replay_on": 0.0, "kl_replay_off": 0.0,
+                                                 "router_disagreement": 0.0})
+    names = ["engine0", "engine1", "engine2"]
+    probe = MismatchProbe(["p0"], sampling=lambda seed: {}, engines_per_round=1)
+    pool = Pool({n: Slot(n) for n in names})
+    chosen = []
+    for version in range(1, 7):
+        for slot in pool.slots.values():
+            slot.served = version
+        probe.start(version, names)
+        before = len(pool.sent)
+        probe.submit(pool)
+        chosen.append([e for e, _, _ in pool.sent[before:]])
+        for engine, request, _ in pool.sent[before:]:
+            probe.on_completion(request, engine, completion(version))
+        probe.score(group(Learner()), pool)
+    assert chosen == [["engine0"], ["engine1"], ["engine2"], ["engine0"], ["engine1"], ["engine2"]]
+    probe.collect()
+    assert probe.dropped == 0 and probe.rounds == [] and probe.row("r3")["mismatch/probe_engines"] == 1.0
+
+
+def test_engines_for_round_takes_engines_round_robin_or_all_of_them():
+    """The rotation on its own: k engines per round move on by k; 0 or k >= N is every engine."""
+    from moe_grpo.orchestrator.probe import engines_for_round
+
+    names = ["a", "b", "c"]
+    assert [engines_for_round(names, 2, turn) for turn in range(3)] == [["a", "b"], ["c", "a"], ["b", "c"]]
+    assert engines_for_round(names, 0, 5) == names and engines_for_round(names, 4, 1) == names
+    assert engines_for_round(["solo"], 1, 7) == ["solo"]
+
+
+def test_a_finished_round_waits_for_the_learner_ranks_to_finish_their_training_step():
+    """A learner rank runs its calls in turn, and the driver waits on each step's publish: scoring queued behind a
+    training step ran before that publish, so every probed version held the next weights back by the probe's
+    forwards (async steps 12% longer with the probe on, tools/bench_async.py, 2026-11-26). Would have caught: a
+    probe handed to the learner ranks while they train."""
+    probe = MismatchProbe(["p0"], sampling=lambda seed: {}, engines_per_round=1)
+    pool = Pool({"engine0": Slot("engine0", served=3)})
+    probe.start(3, ["engine0"])
+    probe.submit(pool)
+    probe.on_completion(pool.sent[0][1], "engine0", completion(3))
+    learner = Learner()
+    probe.score(group(learner), pool, learners_busy=True)
+    assert learner.calls == [] and [r.version for r in probe.rounds] == [3], "kept until the step is done"
+    probe.score(group(learner), pool, learners_busy=False)
+    assert learner.calls == [(1, 3)] and probe.rounds == [] and probe.dropped == 0
