@@ -6,7 +6,9 @@ the same weights: prompt log-probs, greedy completions (tokens, log-probs) and r
 generated positions, row for row), first on the start directory's weights, then on a published version that both
 load through shared memory (`load_published`: every TP=2 worker maps the buckets and vLLM's loaders take its
 slices). Then the TP=2 engine is handed a version one of its workers does not report loaded: it keeps serving
-the version it had. The engines run one after the other (2 cores); each family starts two.
+the version it had. The engines run one after the other (2 cores). The TP=1 engine is the session's on the
+family's checkpoint (tests/rollout/family_engines.py, shared with test_families.py); each family starts one TP=2
+engine.
 
 Before tensor parallelism was built, `VllmEngine(..., tensor_parallel=2)` did not exist (TypeError) and a run
 with `cluster.engine_tensor_parallel=2` was refused at start.
@@ -19,7 +21,7 @@ import pytest
 import torch
 
 from publishing import publish_version
-from test_families import _eval_tokens, write_checkpoint
+from test_families import _eval_tokens
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -54,61 +56,73 @@ def _measure(engine, seqs: list[list[int]]) -> dict:
             "routes": [g[0].routing.expert_ids for g in greedy], "versions": [g[0].versions for g in greedy]}
 
 
-def _serve(hf: str, spec, tp: int, transport, seqs) -> dict:
-    """Start an engine of `tp` workers, measure version 0 (start directory) and version 1 (published); for TP > 1
-    also hand it version 2 with one worker's answer missing. Shut down before returning."""
-    from moe_grpo.rollout.vllm_engine import VllmEngine
+def _exercise(engine, transport, seqs, base: int) -> dict:
+    """Measure `engine` on what it serves (the start directory's weights) and on version base + 1 (published); for
+    TP > 1 also hand it version base + 2 with one worker's answer missing."""
     from moe_grpo.sync.deliver import apply_version
     from moe_grpo.sync.transport import SyncError
 
-    engine = VllmEngine(hf, spec, max_model_len=256, max_num_seqs=8, tensor_parallel=tp, name=f"tp{tp}")
+    out = {"workers": len(engine._model_pids), "v0": _measure(engine, seqs)}
+    apply_version(engine, transport, base + 1)
+    out["v1"] = _measure(engine, seqs)
+    out["buffers_left"] = engine.num_routing_buffers()
+    out["digests_v1"] = engine.weight_digests()
+    if engine.tensor_parallel > 1:
+        real, silenced = engine._collective_rpc, []
+
+        async def one_worker_silent(method, args=()):  # once: the rollback that follows goes through
+            answers = await real(method, args)
+            if method == "moe_grpo_reload_bucket" and not silenced:
+                silenced.append(method)
+                return answers[:1]
+            return answers
+
+        engine._collective_rpc = one_worker_silent
+        try:
+            with pytest.raises(SyncError, match=r"expected the same count from each of 2"):
+                apply_version(engine, transport, base + 2)
+        finally:
+            engine._collective_rpc = real
+        out["after_refused"] = {"version": engine.policy_version, "prompt_lps": engine.score(seqs),
+                                "digests": engine.weight_digests()}
+    return out
+
+
+def _serve_tp2(hf: str, spec, transport, seqs, base: int) -> dict:
+    """Start an engine of 2 workers on `hf`, `_exercise` it, shut it down."""
+    from moe_grpo.rollout.vllm_engine import VllmEngine
+
+    engine = VllmEngine(hf, spec, max_model_len=256, max_num_seqs=8, tensor_parallel=2, name="tp2")
     try:
-        out = {"workers": len(engine._model_pids), "v0": _measure(engine, seqs)}
-        apply_version(engine, transport, 1)
-        out["v1"] = _measure(engine, seqs)
-        out["buffers_left"] = engine.num_routing_buffers()
-        out["digests_v1"] = engine.weight_digests()
-        if tp > 1:
-            real, silenced = engine._collective_rpc, []
-
-            async def one_worker_silent(method, args=()):  # once: the rollback that follows goes through
-                answers = await real(method, args)
-                if method == "moe_grpo_reload_bucket" and not silenced:
-                    silenced.append(method)
-                    return answers[:1]
-                return answers
-
-            engine._collective_rpc = one_worker_silent
-            try:
-                with pytest.raises(SyncError, match=r"expected the same count from each of 2"):
-                    apply_version(engine, transport, 2)
-            finally:
-                engine._collective_rpc = real
-            out["after_refused"] = {"version": engine.policy_version, "prompt_lps": engine.score(seqs),
-                                    "digests": engine.weight_digests()}
-        return out
+        return _exercise(engine, transport, seqs, base)
     finally:
         engine.shutdown()
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
 def served(request, tmp_path_factory):
-    from moe_grpo.models.hf_config import read_hf_config, spec_from_hf_config
+    """The TP=1 side is the session's one-worker engine on the family's checkpoint (family_engines.py, shared with
+    test_families.py: same checkpoint, same engine settings), handed over serving the checkpoint; the TP=2 engine
+    is this module's own. Versions are numbered on from the version the shared engine serves (`base`)."""
     from moe_grpo.sync.transport import SharedMemoryTransport
 
+    import family_engines
+
+    shared = family_engines.acquire(request.param, tmp_path_factory)
     root = tmp_path_factory.mktemp(f"tp_{request.param}")
-    hf = str(root / "hf")
-    write_checkpoint(request.param, hf)
-    spec = spec_from_hf_config(read_hf_config(hf), name=request.param)
+    hf, spec, base = shared.hf, shared.spec, shared.engine.policy_version
     transport = SharedMemoryTransport(str(root / "shm"))
     try:
-        publish_version(transport, 1, spec, tensors=_perturbed(hf, spec, 1))
-        publish_version(transport, 2, spec, tensors=_perturbed(hf, spec, 2))
+        publish_version(transport, base + 1, spec, tensors=_perturbed(hf, spec, 1))
+        publish_version(transport, base + 2, spec, tensors=_perturbed(hf, spec, 2))
         seqs = _eval_tokens()
-        yield {"name": request.param, "tp1": _serve(hf, spec, 1, transport, seqs),
-               "tp2": _serve(hf, spec, 2, transport, seqs)}
+        tp1 = _exercise(shared.engine, transport, seqs, base)
+        yield {"name": request.param, "base": base, "tp1": tp1, "tp2": _serve_tp2(hf, spec, transport, seqs, base)}
     finally:
-        transport.close()
+        try:
+            family_engines.release(request.param, request)  # before the transport its version came from goes
+        finally:
+            transport.close()
 
 
 def _gap(a, b) -> float:
@@ -141,7 +155,7 @@ def test_tp2_engine_matches_tp1_engine(served, version, record_property):
     assert prompt_gap <= LOGPROB_TOL and gen_gap <= LOGPROB_TOL, figures
     assert all((a == b).all() for a, b in zip(one["tokens"], two["tokens"])), "greedy tokens differ"
     assert prompt_rows[0] == prompt_rows[1] and gen_rows[0] == gen_rows[1], figures
-    expected = 0 if version == "v0" else 1
+    expected = 0 if version == "v0" else served["base"] + 1  # the TP=2 engine's own start, or the version published
     assert all((v == expected).all() for v in two["versions"]), f"tokens not stamped with version {expected}"
     if version == "v1":  # the published version changed what is served (else the load went nowhere)
         assert _gap(served["tp2"]["v0"]["prompt_lps"], two["prompt_lps"]) > 1e-3
@@ -151,9 +165,10 @@ def test_tp2_engine_serves_a_version_only_when_every_worker_loaded_it(served):
     """A reload that one of the two workers does not report done is not served: the engine rolls back to the
     version it had (what it serves is unchanged) instead of stamping tokens with a version half loaded."""
     two = served["tp2"]
-    assert two["after_refused"]["version"] == 1
+    assert two["after_refused"]["version"] == served["base"] + 1
     assert _gap(two["after_refused"]["prompt_lps"], two["v1"]["prompt_lps"]) == 0.0
-    # Both workers hold version 1 again, bit for bit, each its own slices (rank 1's experts differ from rank 0's).
+    # Both workers hold version base + 1 again, bit for bit, each its own slices (rank 1's experts differ from
+    # rank 0's).
     # On CPU vLLM packs dense linear weights (attention, router gate) into oneDNN / sgl handles and leaves the
     # parameters empty, so the digests cover embeddings, experts, norms and the LM head only.
     digests = two["after_refused"]["digests"]

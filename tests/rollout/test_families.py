@@ -4,7 +4,8 @@ Each family's checkpoint is written by transformers itself (random fp32 weights,
 the project's export, and served by `VllmEngine` as a user would serve it. The engine must match transformers'
 per-token log-probs within 1e-4 and its routing on every (token, MoE layer) decision; then a learner at EP=2,
 TP=2 and PP=2 (converted from the same checkpoint) takes a step and syncs it into the engine, and the engine
-must match the learner the same way. One engine per family (module-scoped), four short sequences.
+must match the learner the same way. One engine per family (module-scoped), four short sequences, and one pair of
+learner processes per family that takes the three layouts in turn (family_learner.py).
 
 DeepSeek-MoE (v1) has no transformers class: its checkpoint is written from a transformers Qwen2-MoE with the
 same maths (no qkv bias; the shared expert's sigmoid gate zeroed, i.e. 0.5, folded into its down projection),
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -27,7 +29,9 @@ from moe_grpo.learner.spawn import run_distributed
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
-FAMILIES = ["deepseek_moe", "deepseek_v2", "deepseek_v3", "deepseek_v3_yarn", "qwen3_moe"]
+FAMILIES = ["deepseek_v3", "qwen3_moe", "deepseek_moe", "deepseek_v2", "deepseek_v3_yarn"]
+"""The first two are test_engine_tensor_parallel.py's, which runs first in the suite: their shared engines
+(family_engines.py) are used up and shut down first."""
 LAYOUTS = {"EP=2": (1, 2, 1), "TP=2": (2, 1, 1), "PP=2": (1, 1, 2)}
 # fp32 on every side; what is left is summation order in different kernels (~1e-6 measured).
 LOGPROB_TOL = 1e-4
@@ -161,25 +165,27 @@ def max_gap(a, b) -> float:
 
 @pytest.fixture(scope="module", params=FAMILIES)
 def family(request, tmp_path_factory):
-    """One family: the transformers model, its checkpoint as HF and Megatron directories, and an engine on it."""
+    """One family: the transformers model, its checkpoint as HF and Megatron directories, and an engine on it (the
+    session's, family_engines.py: test_engine_tensor_parallel.py's TP=1 side serves from it too)."""
     from moe_grpo.checkpoint.convert import hf_to_megatron
     from moe_grpo.models.spec import read_spec
     from moe_grpo.models.hf_config import read_hf_config, spec_from_hf_config
-    from moe_grpo.rollout.vllm_engine import VllmEngine
 
-    root = tmp_path_factory.mktemp(request.param)
-    hf = str(root / "hf")
-    model = write_checkpoint(request.param, hf)
+    import family_engines
+
+    shared = family_engines.acquire(request.param, tmp_path_factory)
+    root = tmp_path_factory.mktemp(f"{request.param}_learner")
+    hf, engine = shared.hf, shared.engine
     seqs = _eval_tokens()
-    ref_lps, ref_routes = transformers_reference(model, seqs)
+    ref_lps, ref_routes = transformers_reference(shared.model, seqs)
     hf_to_megatron(hf, root / "mg", progress=False)
     spec = read_spec(root / "mg")  # the learner's description of the checkpoint, which the sync is checked against
     assert spec == spec_from_hf_config(read_hf_config(hf), name=spec.name)
-    engine = VllmEngine(hf, spec, max_model_len=256, max_num_seqs=8)
+    assert spec == engine.spec, "the engine serves the checkpoint the learner was converted from"
     fam = {"name": request.param, "spec": spec, "engine": engine, "seqs": seqs, "ref_lps": ref_lps,
            "ref_routes": ref_routes, "mg": str(root / "mg"), "root": root, "transports": []}
     yield fam
-    engine.shutdown()
+    family_engines.release(request.param, request)  # before the transports its versions came from go
     for transport in fam["transports"]:
         transport.close()
 
@@ -212,34 +218,91 @@ def test_rotary_patch_is_what_makes_mla_families_match(family):
     assert max_gap(engine.score(seqs), family["ref_lps"]) < LOGPROB_TOL
 
 
+def _layouts_to_run(request, name: str) -> list[str]:
+    """The layouts whose sync test of family `name` this session runs, in the order it runs them."""
+    out = []
+    for item in request.session.items:
+        params = getattr(item, "callspec", None) and item.callspec.params
+        if getattr(item, "module", None) is request.module and params and params.get("family") == name \
+                and "layout" in params:
+            out.append(params["layout"])
+    return out
+
+
+def _wait_for(ready, learner, what: str, timeout_s: float = 480.0) -> None:
+    """Until `ready()`; fails at once with the learner's error if its processes ended first."""
+    deadline = time.monotonic() + timeout_s
+    while not ready():
+        if learner.done():
+            learner.result()  # raises the learner's error
+            if ready():
+                return
+            raise AssertionError(f"the learner processes ended without {what}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no {what} within {timeout_s:.0f} s")
+        time.sleep(0.2)
+
+
+@pytest.fixture(scope="module")
+def learner(family, request):
+    """One pair of learner processes per family for every layout the session runs (family_learner.py): each layout's
+    learner steps from the family's checkpoint, publishes the next version into a transport of its own, and measures
+    itself against the engine's routing once the test has handed it over. Versions follow the order the tests run
+    in, as when each test started its own pair."""
+    from moe_grpo.sync.transport import SharedMemoryTransport
+    from family_learner import sync_then_route_each_layout
+
+    plan, args = {}, []
+    for i, layout in enumerate(_layouts_to_run(request, family["name"])):
+        tp, ep, pp = LAYOUTS[layout]
+        handoff = family["root"] / f"handoff_{layout}"
+        handoff.mkdir()
+        transport = SharedMemoryTransport(str(family["root"] / f"shm_{layout}"))
+        family["transports"].append(transport)
+        version = family["engine"].policy_version + 1 + i
+        plan[layout] = (version, transport, handoff)
+        args.append((tp, ep, pp, version, str(transport.root), str(handoff), 100 + tp + 2 * ep + 4 * pp))
+    pool = ThreadPoolExecutor(1)
+    future = pool.submit(run_distributed, sync_then_route_each_layout, 2, args, family["mg"], family["seqs"],
+                         timeout_s=480 * len(args))
+    yield {"plan": plan, "future": future}
+    left = [h for _, _, h in plan.values() if not (h / "traces.npz").exists()]
+    for handoff in left:  # a test that did not hand its routing over: let the learner fail fast, not time out
+        np.savez(handoff / "traces.npz")
+    try:
+        future.result()
+    except Exception:
+        if not left:  # every layout's test ran to its hand-over: the learner's failure is news
+            raise
+    finally:
+        pool.shutdown()
+
+
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_engine_matches_the_learner_after_a_sync(family, layout, record_property):
+def test_engine_matches_the_learner_after_a_sync(family, learner, layout, record_property):
+    """Every family at EP=2, TP=2 and PP=2 (world size 2 each): after one learner step is published and applied,
+    the engine's log-probs match the learner's and the learner's routers agree with the engine's routing."""
+    import pickle
+
     from moe_grpo.sync.deliver import apply_version
-    from moe_grpo.sync.transport import SharedMemoryTransport
 
     engine, seqs = family["engine"], family["seqs"]
-    tp, ep, pp = LAYOUTS[layout]
-    handoff = family["root"] / f"handoff_{layout}"
-    handoff.mkdir()
-    transport = SharedMemoryTransport(str(family["root"] / f"shm_{layout}"))
-    family["transports"].append(transport)
-    version = engine.policy_version + 1
+    version, transport, handoff = learner["plan"][layout]
     before = engine.score(seqs)
-    with ThreadPoolExecutor(1) as pool:
-        learner = pool.submit(run_distributed, S.train_sync_then_route, tp * ep * pp, tp, ep, pp, family["mg"],
-                              version, str(transport.root), str(handoff), 100 + tp + 2 * ep + 4 * pp, seqs,
-                              timeout_s=480)
-        try:
-            apply_version(engine, transport, version, timeout_s=300)
-            routes = engine_routing(engine, seqs)
-            tmp = handoff / "traces.tmp.npz"
-            np.savez(tmp, **{f"t{i}": r for i, r in enumerate(routes)})
-            os.replace(tmp, handoff / "traces.npz")
-        finally:
-            if not (handoff / "traces.npz").exists():  # let the learner fail fast instead of waiting out its timeout
-                np.savez(handoff / "traces.npz")
-        result = learner.result()[0]
+    _wait_for(lambda: (transport.latest_complete() or -1) >= version, learner["future"], f"version {version}")
+    try:
+        apply_version(engine, transport, version, timeout_s=300)
+        routes = engine_routing(engine, seqs)
+        tmp = handoff / "traces.tmp.npz"
+        np.savez(tmp, **{f"t{i}": r for i, r in enumerate(routes)})
+        os.replace(tmp, handoff / "traces.npz")
+    finally:
+        if not (handoff / "traces.npz").exists():  # let the learner fail fast instead of waiting out its timeout
+            np.savez(handoff / "traces.npz")
+    _wait_for((handoff / "learner.pkl").exists, learner["future"], f"{layout} learner's result")
+    with open(handoff / "learner.pkl", "rb") as f:
+        result = pickle.load(f)
     learner_lps = [result["logprobs"][i] for i in range(len(seqs))]
     moved = max_gap(before, learner_lps)
     gap = max_gap(engine.score(seqs), learner_lps)
