@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import json
 import math
-import warnings
 import zlib
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
@@ -60,7 +59,6 @@ ENCODINGS = ("index", "bitmap", "varint")
 
 _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 """Integer dtype of each element size: changed elements are found by comparing bits, not values."""
-_NP_INT = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}
 
 COMPARE_CHUNK = 1 << 22
 """Elements compared at a time in a diff (a 4 MB mask, reused)."""
@@ -291,15 +289,20 @@ def _varint(x: torch.Tensor, n: torch.Tensor | None = None) -> torch.Tensor:
 
 
 def _unvarint(buf: torch.Tensor, count: int) -> torch.Tensor:
-    """The `count` LEB128 varints that fill the uint8 tensor `buf`, as int64. The few longer than a byte are found
-    by their continuation bytes: every value's first byte at once, then those few finished."""
-    b = buf.numpy()
+    """The `count` LEB128 varints that fill the uint8 tensor `buf`, as int64."""
+    return torch.from_numpy(_unvarint_np(buf.numpy(), count).astype(np.int64, copy=False))
+
+
+def _unvarint_np(b: np.ndarray, count: int) -> np.ndarray:
+    """The `count` LEB128 varints that fill the uint8 array `b`: `b` itself when every value took one byte (no
+    copy), else int64. The few longer than a byte are found by their continuation bytes: every value's first
+    byte at once, then those few finished."""
     cont = np.flatnonzero(b >= 128)
     if b.size - cont.size != count or (count and int(b[-1]) >= 128):
         raise ValueError(f"a varint section of {b.size} bytes holds {b.size - cont.size} values"
                          f"{' and an unfinished one' if count and int(b[-1]) >= 128 else ''}, expected {count}")
     if not cont.size:
-        return torch.from_numpy(b.astype(np.int64))
+        return b
     out = np.delete(b, cont + 1).astype(np.int64)  # each value's first byte
     starts = np.ones(cont.size, dtype=bool)  # a run of continuation bytes starts a longer value
     starts[1:] = cont[1:] != cont[:-1] + 1
@@ -312,7 +315,11 @@ def _unvarint(buf: torch.Tensor, count: int) -> torch.Tensor:
         sel = np.flatnonzero(lens > k)
         acc[sel] |= (b[at[sel] + k] & 127).astype(np.int64) << (7 * k)
     out[value] = acc
-    return torch.from_numpy(out)
+    return out
+
+
+_UNZIGZAG_BYTE = (lambda u: (u >> 1) ^ -(u & 1))(np.arange(256, dtype=np.int32))
+"""A one-byte zigzag value's step (a lookup: one pass over a section of one-byte steps)."""
 
 
 def _zigzag(v: torch.Tensor) -> torch.Tensor:
@@ -330,11 +337,11 @@ def _unzigzag(u: torch.Tensor) -> torch.Tensor:
 def _gaps(local: torch.Tensor, numel: int) -> torch.Tensor:
     """Ascending indices inside a part of `numel` elements as their gaps (the first from -1), all >= 1; int32
     where the part allows (half the memory traffic of the varint passes)."""
-    x = local.cpu().numpy().astype(np.int32 if numel < 2**31 else np.int64)
-    out = np.empty_like(x)
+    x = local.cpu().numpy()
+    out = np.empty(x.shape, dtype=np.int32 if numel < 2**31 else np.int64)
     if x.size:
         out[0] = x[0] + 1
-        np.subtract(x[1:], x[:-1], out=out[1:])
+        np.subtract(x[1:], x[:-1], out=out[1:], casting="unsafe")  # gaps < numel: they fit
     return torch.from_numpy(out)
 
 
@@ -434,11 +441,14 @@ def decode(blob: bytes | memoryview, plan: BucketPlan, parts: dict[int, RankBuck
             if old_values is None:
                 raise ValueError(f"delta of version {out.version}: bucket {index} carries steps from version "
                                  f"{out.base}, and no values of that version were given")
-            local = torch.from_numpy(np.cumsum(_unvarint(_tensor(where), count).numpy()) - 1)
-            steps = _unvarint(_tensor(values), count)
-            if dtype.itemsize <= 2:  # a step of a 2-byte pattern fits int32: half the bytes of what follows
-                steps = torch.from_numpy(steps.numpy().astype(np.int32))
-            steps = _unzigzag(steps)
+            local_np = np.cumsum(_unvarint_np(where, count), dtype=np.int64)
+            local_np -= 1
+            local = torch.from_numpy(local_np)
+            zig = _unvarint_np(values, count)
+            if zig.dtype == np.uint8:  # every step in one byte
+                steps = torch.from_numpy(_UNZIGZAG_BYTE[zig])
+            else:  # a step of a 2-byte pattern fits int32: half the bytes of what follows
+                steps = _unzigzag(torch.from_numpy(zig.astype(np.int32) if dtype.itemsize <= 2 else zig))
         elif encoding == "index":
             local = torch.from_numpy(where.copy()).view(_position_dtype(numel)).long()  # a copy: aligned storage
         elif encoding == "bitmap":
@@ -459,13 +469,6 @@ def decode(blob: bytes | memoryview, plan: BucketPlan, parts: dict[int, RankBuck
                              f"for {count} changes")
         out.changes[int(index)] = change
     return out
-
-
-def _tensor(section: np.ndarray) -> torch.Tensor:
-    """A read-only uint8 section of a blob as a tensor, no copy (nothing writes into it)."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # torch warns on a non-writable buffer
-        return torch.from_numpy(section)
 
 
 def _stepped(old: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
