@@ -175,6 +175,8 @@ class Driver:
         (+30 s for the scoring): a round not done by then is left out and the summary says which version it has."""
         import ray
 
+        if not self.probe.enabled:
+            return
         deadline = time.monotonic() + self.run.rollout.request_timeout_s + 30.0
         while (self.probe.rounds or self.probe.scoring) and time.monotonic() < deadline:
             self.probe.submit(self.engines)
@@ -188,6 +190,9 @@ class Driver:
             log.warning("mismatch probe: rounds of versions %s not finished %.0f s after the last step; the summary "
                         "reports version %s", [r.version for r in self.probe.rounds + self.probe.scoring],
                         self.run.rollout.request_timeout_s + 30.0, self.probe.latest.get("version"))
+        p = self.probe.row(self.run.routing.replay)
+        log.info("mismatch probe, newest version probed (%s of %d): KL(engine || learner) %.3g on %s engine(s)",
+                 p["mismatch/probe_version"], self.state.step, p["mismatch/kl"], p["mismatch/probe_engines"])
 
     def _probe_sampling(self, seed: int) -> Any:
         return dataclasses.replace(sampling_settings(self.run, self.tokenizer, seed=seed), n=1)
@@ -595,11 +600,7 @@ def run_to_end(driver: Driver) -> str | None:
         return str(e)
     policy_dir = export_policy(driver)
     log.info("final policy (version %d) exported to %s", driver.state.step, policy_dir)
-    if driver.probe.enabled:
-        driver.finish_probes()
-        p = driver.probe.row(driver.run.routing.replay)
-        log.info("mismatch probe, newest version probed (%s of %d): KL(engine || learner) %.3g on %s engine(s)",
-                 p["mismatch/probe_version"], driver.state.step, p["mismatch/kl"], p["mismatch/probe_engines"])
+    driver.finish_probes()
     return None
 
 

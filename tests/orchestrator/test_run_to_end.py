@@ -50,6 +50,9 @@ class EndingDriver:
         self.calls.append(method)
         return ["policy"]
 
+    def finish_probes(self):  # the probe rounds in progress, once the policy is out
+        self.calls.append("finish_probes")
+
 
 def test_a_sigterm_after_the_last_step_stops_at_the_final_checkpoint():
     """The final checkpoint was written outside the `except Stopped` of `train`: a SIGTERM that landed after the last
@@ -64,17 +67,17 @@ def test_a_sigterm_after_the_last_step_stops_at_the_final_checkpoint():
 def test_a_run_that_finishes_writes_its_checkpoint_and_exports():
     driver = EndingDriver()
     assert run_to_end(driver) is None
-    assert driver.written == [(STEPS, "end")] and driver.calls == ["export_version"]
+    assert driver.written == [(STEPS, "end")] and driver.calls == ["export_version", "finish_probes"]
 
 
 def test_sigusr1_after_the_last_step_checkpoints_and_the_run_still_finishes():
     driver = EndingDriver(signal_after_last=signal.SIGUSR1)
     assert run_to_end(driver) is None
-    assert driver.written == [(STEPS, "end")] and driver.calls == ["export_version"] and driver.due is None
+    assert driver.written == [(STEPS, "end")] and driver.calls == ["export_version", "finish_probes"] and driver.due is None
 
 
 def test_a_sigterm_after_the_last_step_with_its_checkpoint_already_written_still_exports():
     """checkpoint.every divides steps: the last step's checkpoint exists, nothing is owed; the export goes on."""
     driver = EndingDriver(signal_after_last=signal.SIGTERM, every=STEPS)
     assert run_to_end(driver) is None
-    assert driver.written == [] and driver.calls == ["export_version"]
+    assert driver.written == [] and driver.calls == ["export_version", "finish_probes"]
