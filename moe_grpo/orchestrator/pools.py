@@ -303,6 +303,14 @@ def stop_pools(pools: Pools | None, engines: list[Any] | None = None, *, release
         ray.shutdown()
 
 
+def _actor_dead(actor: Any) -> bool:
+    """Whether Ray's control store (GCS) holds `actor` as DEAD (`ray._private.state.actors`, Ray 2.60: the public
+    `ray.util.state` needs the dashboard, which runs do not start)."""
+    from ray._private import state
+
+    return state.actors(actor._actor_id.hex()).get("State") == "DEAD"
+
+
 def release_actors(pools: Pools, engines: list[Any], timeout_s: float) -> None:
     """End the run's actors on a cluster that outlives the run: its placement group removed (Ray kills the actors
     in it), the relay agents (placed by node, outside it) killed; waits until each is dead and the group removed.
@@ -319,18 +327,13 @@ def release_actors(pools: Pools, engines: list[Any], timeout_s: float) -> None:
         except Exception:  # noqa: BLE001 - already dead
             pass
     deadline = time.monotonic() + timeout_s
-    pending = {id(a): a.__ray_ready__.remote() for a in actors}  # fails once the actor is dead
+    # Asked of Ray's control store, not of the actors: a call (`__ray_ready__`) that reached an actor as it was
+    # being killed made its worker abort on a failed Ray check ("Object at idx 0 was not stored"), printing a C++
+    # stack trace at the end of every run on a cluster it joined (seen on two Ray nodes, Ray 2.60).
+    pending = [a for a in actors if not _actor_dead(a)]
     while pending and time.monotonic() < deadline:
-        done, _ = ray.wait(list(pending.values()), num_returns=len(pending), timeout=max(0.0, deadline - time.monotonic()))
-        for key, ref in list(pending.items()):
-            if ref in done:
-                try:
-                    ray.get(ref)
-                    pending[key] = next(a for a in actors if id(a) == key).__ray_ready__.remote()  # not dead yet
-                except Exception:  # noqa: BLE001 - RayActorError: dead, as asked
-                    del pending[key]
-        if pending:
-            time.sleep(0.1)
+        time.sleep(0.1)
+        pending = [a for a in pending if not _actor_dead(a)]
     group = pools.placement_group
     while group is not None and placement_group_table(group).get("state") != "REMOVED" and time.monotonic() < deadline:
         time.sleep(0.1)

@@ -1,5 +1,6 @@
 """A run on a Ray cluster it did not start (the test session's, tests/ray_session.py) ends exactly what it created."""
 
+import glob
 import os
 import sys
 import time
@@ -46,6 +47,13 @@ def test_a_run_on_a_joined_cluster_releases_its_actors_and_leaves_the_callers_ra
         while (left := left_behind(record)) != {"processes": [], "shm": []} and time.monotonic() < deadline:
             time.sleep(1)
         assert left == {"processes": [], "shm": []}, left
+        # Ended quietly: no learner or engine worker aborted on a failed Ray check as it was killed (a call sent to
+        # an actor being killed did that, printing a C++ stack trace at the end of every run on a joined cluster).
+        logs = os.path.join(os.path.dirname(ray_session.current().log_path), "ray_logs")
+        pids = [*record["learners"], *record["engines"].values()]
+        crashed = [path for pid in pids for path in glob.glob(os.path.join(logs, f"*-{pid}.err"))
+                   if "Check failed" in open(path, errors="replace").read()]
+        assert not crashed, crashed
         # The cluster serves the caller still, and a job that joined it by address gets the cluster's private
         # directory for vLLM's sockets (not the shared temp dir): what the run's engines got.
         rpc = ray.get(ray.remote(lambda: os.environ.get("VLLM_RPC_BASE_PATH")).remote(), timeout=60)
