@@ -201,7 +201,11 @@ class Driver:
         """Move the mismatch probe on: failed requests, scoring by the learner ranks, their answer."""
         for request, engine in self.engines.take_failed_probes():
             self.probe.on_failure(request, engine)
-        self.probe.score(self.learners, self.engines, learners_busy=self.training is not None)
+        # The ranks' idle time: no step training, no batch waiting for one that will train (probe.py: scoring
+        # queued on the ranks ahead of a step holds back the weights the engines wait for).
+        busy = self.training is not None or (self.state.step < self.run.steps
+                                             and len(self.buffer) >= self.run.algo.prompts_per_step)
+        self.probe.score(self.learners, self.engines, learners_busy=busy)
         self.probe.collect()
 
     def _sampling(self, request: Request) -> Any:

@@ -8,8 +8,8 @@ copy of v's weights, rounded to the dtype v travels in (`rollout.dtype`) as the
 engines hold it, so a bf16 engine is compared on the weights it serves (scored
 with the fp32 weights instead, 512 probe samples of the default model at step
 20 of two bf16 runs gave a KL 10-38% higher and 14-21% more router
-disagreement: the weights' rounding on top of the bf16 arithmetic); each
-engine, once it serves v, samples a few fixed prompts (fixed seeds, one sample
+disagreement: the weights' rounding on top of the bf16 arithmetic); the
+engines whose turn it is (below), once they serve v, sample a few fixed prompts (fixed seeds, one sample
 each); the learner scores those completions with v's weights, routing replayed
 (R3) and free. Each sync is also checked end to end (a wrong shard shows up
 as a large KL).
@@ -20,14 +20,21 @@ by `routing.probe_engines` engines (default 1), taken round robin
 number of engines and each of N engines is still checked every N probed
 versions; 0 probes every engine (each sync into every engine checked at once,
 at N times the engine time). The learner ranks: their scoring of a round is
-handed to them only while no training step is in flight (`score(...,
-learners_busy=...)`; the driver hands it over at the latest right after each
-step's publish). A learner rank runs its calls in turn, so scoring queued
-behind a training step ran between that step and its publish, which the driver
-waits on: every probed version delayed the next weights by the probe's two
-forwards. `tools/bench_async.py` (one engine, 2 cores, 2026-11-26) measured
-async steps 12% longer with the probe on than off before this (1.224 s against
-1.090 s; async_vs_ideal_ratio 0.82-0.88 in earlier runs against 0.89 off).
+handed to them only in their idle time, while no training step is in flight
+and no batch waits for one (`score(..., learners_busy=...)`), unless the next
+publish would drop the round (`due`: then at once). A learner rank runs its
+calls in turn, so scoring queued behind a training step ran between that step
+and its publish, which the driver waits on, and scoring handed over between
+steps ran ahead of the next one: either way every probed version delayed the
+next weights by the probe's two forwards. `tools/bench_async.py` (one engine, 2 cores, 2026-11-26, one run
+each) measured async steps 12% longer with the probe on than off before this
+(1.224 s against 1.090 s; async_vs_ideal_ratio 0.82-0.88 in earlier runs against
+0.89 off) and as long after it (1.269 s both; ratio 0.995 on, 0.996 off), with
+22 of 28 versions reported instead of 15. What waiting costs: a round ready
+while the ranks train waits for that step, and the learner ranks then run it
+before the next one, which starts that much later if its batch is already
+there (a training-bound run pays the probe's forwards either way; a
+generation-bound one, as above, hides them in the learner's idle time).
 
 The probe never blocks the schedule: requests and learner calls are collected
 as they finish, and a row carries the newest finished probe. A round still
@@ -192,12 +199,13 @@ class MismatchProbe:
             del r.outstanding[engine]
 
     def score(self, learners: LearnerGroup, pool: EnginePool, *, learners_busy: bool = False) -> None:
-        """Hand each round's completions to the learner ranks once every engine has answered or dropped out;
-        `learners_busy` (a training step in flight): not yet. A rank runs its calls in turn: scoring queued behind
-        the step would run before the step's publish and hold it back (module docstring)."""
-        if learners_busy:
-            return
+        """Hand each round's completions to the learner ranks once every engine has answered or dropped out.
+        `learners_busy` (a training step in flight, or a batch waiting for one): only a round the next publish
+        would drop (`due`); the others wait for the ranks' idle time. A rank runs its calls in turn: scoring queued
+        behind a step, or ahead of the next, holds back the weights the engines wait for (module docstring)."""
         for r in [r for r in self.rounds if not r.outstanding and not r.waiting]:
+            if learners_busy and not self.due(r):
+                continue
             self.rounds.remove(r)
             if not r.completions:
                 self.dropped += 1
@@ -206,6 +214,11 @@ class MismatchProbe:
             seqs = [completion_sequence(c, 0.0) for c in r.completions]  # the probe trains on nothing
             r.learner_call = learners.submit("probe", seqs, r.version, what=f"the probe of version {r.version}")
             self.scoring.append(r)
+
+    def due(self, r: ProbeRound) -> bool:
+        """Whether the next publish would drop round `r` (the learner ranks then no longer hold its weights): it is
+        the oldest of `MAX_ROUNDS` rounds kept."""
+        return len(self.rounds) >= MAX_ROUNDS and self.rounds[0] is r
 
     def refs(self) -> list[Any]:
         return [ref for r in self.scoring for ref in r.learner_call.refs]

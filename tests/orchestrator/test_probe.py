@@ -214,3 +214,17 @@ def test_a_finished_round_waits_for_the_learner_ranks_to_finish_their_training_s
     assert learner.calls == [] and [r.version for r in probe.rounds] == [3], "kept until the step is done"
     probe.score(group(learner), pool, learners_busy=False)
     assert learner.calls == [(1, 3)] and probe.rounds == [] and probe.dropped == 0
+
+
+def test_a_round_the_next_publish_would_drop_goes_to_the_busy_learner_ranks():
+    """A training-bound run's ranks are never idle between steps: waiting for idle time would drop every round at
+    the next publish and the run would report no probe. Would have caught: `mismatch/*` NaN for a whole run."""
+    probe = MismatchProbe(["p0"], sampling=lambda seed: {}, engines_per_round=1)
+    pool = Pool({"engine0": Slot("engine0", served=3)})
+    probe.start(3, ["engine0"])
+    probe.submit(pool)
+    probe.on_completion(pool.sent[0][1], "engine0", completion(3))
+    probe.start(4, ["engine0"])  # version 5's publish would drop version 3's round
+    learner = Learner()
+    probe.score(group(learner), pool, learners_busy=True)
+    assert learner.calls == [(1, 3)] and [r.version for r in probe.rounds] == [4] and probe.dropped == 0
