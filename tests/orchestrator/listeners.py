@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ipaddress
 import threading
+from typing import Iterable
 
 import psutil
 
@@ -16,6 +17,9 @@ class Listeners:
     def __init__(self, every_s: float = 0.5) -> None:
         self.every_s = every_s
         self.ports: dict[tuple[str, str], set[int]] = {}
+        self.by_pid: dict[int, set[tuple[str, int]]] = {}
+        """pid -> (address, port) of each listening socket it had at a sample."""
+        self._lock = threading.Lock()  # samples come from the thread and from `sample` called elsewhere
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True, name="listeners")
 
@@ -31,20 +35,29 @@ class Listeners:
         while not self._stop.wait(self.every_s):
             self.sample()
 
-    def sample(self) -> None:
+    def sample(self, pids: Iterable[int] = ()) -> None:
+        """This process tree's listening sockets now, and those of `pids` (processes of a run known otherwise, e.g.
+        from its process record, below this process or not)."""
         me = psutil.Process()
         try:
             procs = [me, *me.children(recursive=True)]
         except psutil.Error:
             procs = [me]
-        for proc in procs:
+        for pid in set(pids) - {p.pid for p in procs}:
             try:
-                name = proc.name()
-                for conn in proc.net_connections(kind="tcp"):
-                    if conn.status == psutil.CONN_LISTEN:
-                        self.ports.setdefault((conn.laddr.ip, name), set()).add(conn.laddr.port)
-            except psutil.Error:  # gone meanwhile
+                procs.append(psutil.Process(pid))
+            except psutil.Error:
                 pass
+        with self._lock:
+            for proc in procs:
+                try:
+                    name = proc.name()
+                    for conn in proc.net_connections(kind="tcp"):
+                        if conn.status == psutil.CONN_LISTEN:
+                            self.ports.setdefault((conn.laddr.ip, name), set()).add(conn.laddr.port)
+                            self.by_pid.setdefault(proc.pid, set()).add((conn.laddr.ip, conn.laddr.port))
+                except psutil.Error:  # gone meanwhile
+                    pass
 
     def reachable_from_outside(self) -> list[str]:
         """'address:ports (process)' for each listener not on a loopback address."""

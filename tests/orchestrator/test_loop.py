@@ -59,18 +59,45 @@ def check_clean_sync_rows(rows):
 SYNC = dict(mode="sync", steps=5, eval_every=2, **{"checkpoint.every": 2, "checkpoint.keep": 3})
 
 
+def _alive_as_recorded(pids: dict[int, float]) -> list[int]:
+    """The pids of a process record (pid -> start time) whose process is alive and is the one recorded (not a reuse)."""
+    import psutil
+
+    alive = []
+    for pid, started in pids.items():
+        try:
+            if abs(psutil.Process(pid).create_time() - started) <= 1.0:  # psutil's epoch times move with the clock
+                alive.append(pid)
+        except psutil.Error:
+            pass
+    return alive
+
+
 @pytest.fixture(scope="module")
 def sync_run(tmp_path_factory):
     """An uninterrupted sync run (the resume tests below continue it from its step-2 checkpoint), with every port its
-    processes listened on (`summary["listening"]`)."""
+    processes listened on (`summary["listening"]`) and the pids of its engines' vLLM processes (`engine_pids`, from
+    its process record). The ports are sampled every 0.5 s, and at each state where the run's processes are known to
+    be up: each time the driver has brought its process record up to date (after every step, engines serving), by
+    the driver itself, of this process's tree and of every process the record names."""
     from listeners import Listeners
 
+    from moe_grpo.orchestrator import process_record
     from moe_grpo.orchestrator.driver import train
 
     run_dir = tmp_path_factory.mktemp("sync")
-    with Listeners() as listening:
+    engines: set[int] = set()
+    update = process_record.ProcessRecord.update
+
+    def update_then_sample(record, *, full: bool = False) -> None:
+        update(record, full=full)
+        engines.update(pid for pid in record.engines.values() if pid)
+        listening.sample(pids=_alive_as_recorded(record.pids))
+
+    with Listeners() as listening, pytest.MonkeyPatch.context() as patch:
+        patch.setattr(process_record.ProcessRecord, "update", update_then_sample)
         summary = train(small_run(**SYNC), run_dir)
-    return run_dir, {**summary, "listening": listening}
+    return run_dir, {**summary, "listening": listening, "engine_pids": sorted(engines)}
 
 
 def test_sync_mode_trains_on_policy_and_records_what_it_did(sync_run):
@@ -94,9 +121,12 @@ def test_a_one_host_run_opens_no_port_another_host_can_reach(sync_run):
     """Would have caught: in a run on one host, Ray's GCS, raylet and workers' gRPC ports listened on all interfaces,
     its runtime-env agent on the host's address and its autoscaler's metrics (plain HTTP, no token) on
     0.0.0.0:44217 (README, "Ports and files a run opens")."""
-    listening = sync_run[1]["listening"]
+    listening, engines = sync_run[1]["listening"], sync_run[1]["engine_pids"]
     names = {name for _, name in listening.ports}
-    assert "gcs_server" in names and "raylet" in names and any("VLLM" in n for n in names), names
+    assert "gcs_server" in names and "raylet" in names, names
+    # The engine's vLLM worker (the process the run's record names) was sampled with its listening sockets (gloo's,
+    # on loopback), so the check below covers vLLM's ports too.
+    assert engines and all(listening.by_pid.get(pid) for pid in engines), (engines, listening.by_pid)
     assert listening.reachable_from_outside() == []
 
 
