@@ -27,14 +27,14 @@ calls in turn, so scoring queued behind a training step ran between that step
 and its publish, which the driver waits on, and scoring handed over between
 steps ran ahead of the next one: either way every probed version delayed the
 next weights by the probe's two forwards. `tools/bench_async.py` (one engine, 2 cores, 2026-11-26, one run
-each) measured async steps 12% longer with the probe on than off before this
-(1.224 s against 1.090 s; async_vs_ideal_ratio 0.82-0.88 in earlier runs against
-0.89 off) and as long after it (1.269 s both; ratio 0.995 on, 0.996 off), with
-22 of 28 versions reported instead of 15. What waiting costs: a round ready
-while the ranks train waits for that step, and the learner ranks then run it
-before the next one, which starts that much later if its batch is already
-there (a training-bound run pays the probe's forwards either way; a
-generation-bound one, as above, hides them in the learner's idle time).
+each, async steps probe on over off): 1.123 before (async_vs_ideal_ratio 1.005
+on, 1.128 off; 0.82-0.88 on against 0.89 off in earlier runs); 1.000 and 1.277
+in two runs when scoring only waited for the step in flight; 1.039 with the
+idle-time rule (ratio 0.957 on, 0.995 off; 22 of 28 versions reported against
+15 before). On that shared machine a run's ratio moves by ~0.1. What waiting
+costs: a training-bound run's ranks are never idle, so its rounds are scored
+when `due`, ahead of a step (it pays the probe's forwards either way); a round
+waiting for idle time is reported later.
 
 The probe never blocks the schedule: requests and learner calls are collected
 as they finish, and a row carries the newest finished probe. A round still
