@@ -223,6 +223,11 @@ class Plan:
                 f"{DTYPE_BYTES[self.sync_dtype]} bytes, {self.sync_dtype})")
         learner_hosts = set(self.training_nodes)
         hosts = self.engine_hosts
+        if not self.pinned and self.facts.source.startswith("cluster.ray_address"):
+            # The joined cluster's nodes are not known here: a two-host run printed "shared memory on the learner's
+            # host" and then relayed every version (tools/two_node_run.py)
+            return (f"{what} through shared memory where an engine shares a host with the learner ranks, relayed to "
+                    "the others (Ray places the pools: the 'weight relay' line once they are up names the hosts)")
         if not self.pinned:
             return f"{what} through shared memory on the learner's host"
         remote = [h for h in hosts if h not in learner_hosts]

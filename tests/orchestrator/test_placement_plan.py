@@ -274,6 +274,13 @@ def test_a_local_run_asking_for_more_cpus_than_the_host_has_is_refused_and_one_t
     assert build_plan(run_config(crowded + ["cluster.ray_address=127.0.0.1:6379"]), {}, seq_len=32).ok
 
 
+def test_a_run_joining_a_cluster_does_not_promise_shared_memory():
+    """The plan cannot see a joined cluster's nodes: it printed 'through shared memory on the learner's host' for a
+    run whose second learner rank Ray placed on another node, which then relayed every version."""
+    text = build_plan(run_config(["cluster.ray_address=127.0.0.1:6379"]), {}, seq_len=32).render()
+    assert "on the learner's host" not in text and "relayed to the others" in text, text
+
+
 @pytest.mark.parametrize("tp, pp, dp, ep", [(2, 2, 4, 2), (1, 2, 4, 4), (4, 1, 2, 2), (2, 3, 2, 1), (1, 1, 8, 8)])
 def test_coordinates_are_megatrons(tp, pp, dp, ep):
     """Each rank's (tp, pp, dp, ep, expert dp) as megatron-core 0.16.1's RankGenerator groups them with its default
