@@ -1,7 +1,7 @@
 """Entry point: `python -m moe_grpo.train model=deepseek_moe [overrides...]`.
 
 Composes the Hydra config, converts it once into `RunConfig`, and hands it to
-the driver (`orchestrator/driver.py`). Heavy libraries (torch, Ray, vLLM,
+the run (`orchestrator/training_run.py`). Heavy libraries (torch, Ray, vLLM,
 megatron-core) are imported only after the config is composed, so `--help`
 and config errors answer at once.
 """
@@ -20,7 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from moe_grpo.command_line import dry_run_dir, refuse_taken_run_dir
 from moe_grpo.config import defaults_tree, from_hydra
-from moe_grpo.orchestrator.driver import train
+from moe_grpo.orchestrator.training_run import train
 from moe_grpo.orchestrator.logs import quiet_libraries
 from moe_grpo.orchestrator.placement_plan import PlanRefused, dry_run
 from moe_grpo.orchestrator.run_checkpoint import ResumeRefused

@@ -46,7 +46,7 @@ import tempfile
 def run_mode(mode: str, args: argparse.Namespace, probe: bool = True) -> list[dict]:
     """The run's rows; `probe=False`: with routing.probe_every=0."""
     from moe_grpo.config import from_hydra, load_model_spec
-    from moe_grpo.orchestrator.driver import train
+    from moe_grpo.orchestrator.training_run import train
     from moe_grpo.orchestrator.run_record import read_rows
 
     tree = {"model": dataclasses.asdict(load_model_spec("deepseek_moe")), "mode": mode, "steps": args.steps,

@@ -1,6 +1,6 @@
 """Routing modes (r3 / r2 / off) or losses side by side on the built-in task, a bf16 engine and an fp32 learner.
 
-Each arm is one full training run through the driver (`orchestrator.driver.train`,
+Each arm is one full training run through the driver (`orchestrator.training_run.train`,
 `mode=sync`, so the only train-inference gap is the engine's: bf16 weights and
 CPU kernels against the fp32 Megatron learner, not staleness), with the same
 budget: warm start, RL steps, batch, evaluation schedule. Per run it keeps the

@@ -25,7 +25,6 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import logging
-import os
 import random
 import signal
 import time
@@ -34,25 +33,18 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from moe_grpo.checkpoint import hf_init
-from moe_grpo.data.tokenizer import load_tokenizer
 from moe_grpo.orchestrator import run_checkpoint
 from moe_grpo.orchestrator.buffer import RolloutBuffer
-from moe_grpo.orchestrator.engine_pool import EngineFailedError, EnginePool, EngineSlot, Request
+from moe_grpo.orchestrator.collapse_guard import rollback_due
+from moe_grpo.orchestrator.engine_pool import EnginePool, EngineSlot, Request
 from moe_grpo.orchestrator.groups import (Scoring, drop_failed, learner_sequences, prompt_seed, sampling_settings,
                                           score_group, shape_group)
-from moe_grpo.orchestrator.initial_weights import InitialWeights
 from moe_grpo.orchestrator.learner_group import LearnerCall, LearnerGroup
 from moe_grpo.orchestrator.pools import Pools
 from moe_grpo.orchestrator.probe import MismatchProbe, probe_due
 from moe_grpo.orchestrator.process_record import ProcessRecord
-from moe_grpo.orchestrator.resume import resume_point
-from moe_grpo.orchestrator.run_prompts import engine_context, prompt_source
 from moe_grpo.orchestrator.run_record import RunRecord, step_row
-from moe_grpo.orchestrator.run_summary import RunSummary
-from moe_grpo.orchestrator.session import RunSession, checked_plan, run_rewards
 from moe_grpo.orchestrator.state import RunState
-from moe_grpo.orchestrator.trackers import check_installed
 from moe_grpo.orchestrator.watch import JumpWatch
 from moe_grpo.reward.functions import Rewards
 from moe_grpo.reward.scoring import score_held_out, submit_group
@@ -168,31 +160,33 @@ class Driver:
             self.engines.send(request, self._sampling(request))
 
     def finish_probes(self) -> None:
-        """After the last step: wait for the probe rounds still sampling or being scored, so the run's summary reports
-        the engine-vs-learner gap on its final weights. Step rows carry only the probes finished before they were
-        logged: in a short async run (or with `rollout.on_update=abort`, which cuts a round's requests at each
-        publish) that was none of the trained versions in one of CI's runs. Bounded by `rollout.request_timeout_s`
-        (+30 s for the scoring): a round not done by then is left out and the summary says which version it has."""
-        import ray
-
+        """After the last step: wait for the probe rounds in progress, so the summary reports the gap on the final
+        weights (in a short async run, or with `rollout.on_update=abort`, no step row may carry a trained version's
+        probe). Bounded by `rollout.request_timeout_s` + 30 s (the scoring); a round not done by then is left out."""
         if not self.probe.enabled:
             return
-        deadline = time.monotonic() + self.run.rollout.request_timeout_s + 30.0
+        limit = self.run.rollout.request_timeout_s + 30.0
+        deadline = time.monotonic() + limit
         while (self.probe.rounds or self.probe.scoring) and time.monotonic() < deadline:
             self.probe.submit(self.engines)
-            refs = self.engines.request_refs("probe") + self.engines.refs_of_loads() + self.probe.refs()
-            ready, _ = ray.wait(refs, num_returns=1, timeout=1.0) if refs else ([], [])
-            self.collect(ready)
-            self.engines.check_hung()
-            self.engines.settle(block=False)
+            self.wait_on(self.engines.request_refs("probe") + self.engines.refs_of_loads() + self.probe.refs())
             self.advance_probe()
         if self.probe.rounds or self.probe.scoring:
             log.warning("mismatch probe: rounds of versions %s not finished %.0f s after the last step; the summary "
-                        "reports version %s", [r.version for r in self.probe.rounds + self.probe.scoring],
-                        self.run.rollout.request_timeout_s + 30.0, self.probe.latest.get("version"))
+                        "reports version %s", [r.version for r in self.probe.rounds + self.probe.scoring], limit,
+                        self.probe.latest.get("version"))
         p = self.probe.row(self.run.routing.replay)
         log.info("mismatch probe, newest version probed (%s of %d): KL(engine || learner) %.3g on %s engine(s)",
                  p["mismatch/probe_version"], self.state.step, p["mismatch/kl"], p["mismatch/probe_engines"])
+
+    def wait_on(self, refs: list[Any], timeout_s: float = 1.0) -> None:
+        """Outside the schedule's pass (an evaluation, the final probe): wait up to `timeout_s` for one of `refs`,
+        collect what came back, and let the pool repair hung engines and advance loads and restarts."""
+        import ray
+
+        self.collect(ray.wait(refs, num_returns=1, timeout=timeout_s)[0] if refs else [])
+        self.engines.check_hung()
+        self.engines.settle(block=False)
 
     def _probe_sampling(self, seed: int) -> Any:
         return dataclasses.replace(sampling_settings(self.run, self.tokenizer, seed=seed), n=1)
@@ -358,8 +352,6 @@ class Driver:
         newest published weights: it first waits until every engine serves them (in async mode a publish is only
         offered, and an engine still loading would score the version before; `python -m moe_grpo.evaluate` on
         the exported policy reproduces the final score only if the run's evaluation is of that version)."""
-        import ray
-
         self.engines.settle(block=True)
         examples = self.source.held_out
         self.eval_results = {}
@@ -368,12 +360,8 @@ class Driver:
             self.engines.send(request, self.greedy)
         while len(self.eval_results) < len(examples):
             self.admit_retries()
-            refs = self.engines.refs()
-            ready = ray.wait(refs, num_returns=1, timeout=1.0)[0] if refs else []
-            self.collect(ready)
+            self.wait_on(self.engines.refs())
             self.take_scored()
-            self.engines.check_hung()
-            self.engines.settle(block=False)
         outs = [self.eval_results[i] for i in range(len(examples))]
         self.state.last_eval = score_held_out(self.rewards, self.tokenizer, examples, [o.token_ids for o in outs])
         self.state.last_eval_version = int(min(int(o.versions.min()) if len(o.versions) else 0 for o in outs))
@@ -422,31 +410,15 @@ class Driver:
 
     # ------------------------------------------------------------------ the collapse guard
     def guard(self, metrics: dict[str, float]) -> bool:
-        """The jump watch on the step just trained, before its weights are published. With
-        `routing.on_jump=rollback`, a jump sustained for `jump_sustain` steps restores the newest checkpoint written
-        before the jump began (`run_checkpoint.rollback_target`: not one of the jump's own steps) and writes a
-        checkpoint of the restored state at this step's end; the jumped weights are never published. Returns
-        whether it rolled back."""
+        """The jump watch on the step just trained, before its weights are published; a rollback `rollback_due`
+        decides on restores that checkpoint (the jumped weights are never published) and writes one of the restored
+        state at this step's end. Returns whether it rolled back."""
         for message in self.watch.update({**metrics, "step": self.state.step}):
             log.warning(message)
-        cfg = self.run.routing
-        if cfg.on_jump != "rollback" or self.watch.in_a_row < cfg.jump_sustain:
+        rollback = rollback_due(self.run, self.watch, self.state, metrics, self.run_dir, self._checkpoint_hint)
+        if rollback is None:
             return False
-        seen = (f"train/rollout_kl {metrics.get('train/rollout_kl', float('nan')):.3g}, train/router_disagreement "
-                f"{metrics.get('train/router_disagreement', float('nan')):.3g} jumped for {self.watch.in_a_row} "
-                f"steps in a row through step {self.state.step}")
-        if self.state.rollbacks >= cfg.max_rollbacks:
-            raise RuntimeError(f"collapse guard: {seen}, after {self.state.rollbacks} rollback(s) "
-                               f"(routing.max_rollbacks={cfg.max_rollbacks}); stopping. {self._checkpoint_hint()}")
-
-        jump_began = self.state.step - self.watch.in_a_row + 1
-        target = run_checkpoint.rollback_target(self.run_dir, jump_began)
-        if target is None:
-            ck = self.run.checkpoint
-            raise RuntimeError(f"collapse guard: {seen}, and no checkpoint written before the jump began (step "
-                               f"{jump_began}) is there to roll back to (checkpoint.every={ck.every}; "
-                               f"checkpoint.keep={ck.keep} may keep only checkpoints of the jump's steps); stopping. "
-                               f"{self._checkpoint_hint()}")
+        cfg, target = self.run.routing, rollback.target
         t0 = time.perf_counter()
         self.state.rollbacks += 1
         self.state.lr_scale *= cfg.rollback_lr_factor
@@ -464,7 +436,7 @@ class Driver:
         # `latest` names a checkpoint of the jump's steps: a resume from it would continue on the jumped weights.
         self.due = self.due or "rollback"
         log.warning("collapse guard: %s; restored %s, learning rate now %.3g (x%g), continuing with fresh prompts "
-                    "(rollback %d of at most %d, %.1f s)", seen, target.name, lr,
+                    "(rollback %d of at most %d, %.1f s)", rollback.seen, target.name, lr,
                     cfg.rollback_lr_factor, self.state.rollbacks, cfg.max_rollbacks, time.perf_counter() - t0)
         return True
 
@@ -525,93 +497,3 @@ class Driver:
         self.due = signal.Signals(signum).name
         if signum == signal.SIGTERM:
             self.stop_after_checkpoint = self.due
-
-
-def train(run: RunConfig, run_dir: str | Path, *, learner_cls: type | None = None) -> dict[str, Any]:
-    """Run `run.steps` optimizer steps (from the newest checkpoint with `run.resume`); returns the run's summary
-    (`RunSummary.as_dict()`). What the run creates around the schedule is released however it ends (`RunSession`).
-
-    `learner_cls`: a `LearnerWorker` subclass to run instead (tests inject slow or failing learners)."""
-    check_installed(run.logger)  # a missing tracker package fails now, not after the pools took minutes to start
-    t_start, started_at = time.perf_counter(), time.time()  # started_at: the run's processes are those started after
-    run_dir = str(Path(run_dir).resolve())
-    tokenizer = load_tokenizer(run.model, run.init.hf)
-    source = prompt_source(run, tokenizer, np.random.default_rng(run.seed), run_dir)  # bad rows reported here
-    # The engines' context, decided once from the prompts (a run that cannot fit them stops here, not mid-run).
-    run = dataclasses.replace(run, rollout=dataclasses.replace(run.rollout, max_model_len=engine_context(run, source)))
-    run, plan = checked_plan(run)  # which node runs what, checked and printed before anything starts
-    state = RunState(bad_rows=source.bad_rows)
-    resume_from, saved = resume_point(run, run_dir, state)
-    rewards = run_rewards(run)
-    run = hf_init.prepare(run, run_dir)  # init.hf: the learner's converted checkpoint (cached next to the run)
-    session = RunSession(run, run_dir, rewards, since=started_at)
-    stopped = None
-    try:
-        session.open_trackers(state)
-        session.start_ray()
-        pools = session.start_pools(InitialWeights(run, run_dir, tokenizer, source, state, resume_from), learner_cls,
-                                    plan)
-        driver = Driver(run, run_dir, pools, tokenizer, source, rewards, state)
-        session.attach(driver)
-        start_schedule(driver, saved, resume_from, session.processes)
-        driver.record = session.record = RunRecord(run_dir, run.steps,
-                                                   resume_step=state.step if resume_from is not None else None,
-                                                   trackers=session.trackers)
-        stopped = run_to_end(driver)
-        session.outcome = "KILLED" if stopped else "FINISHED"
-    except KeyboardInterrupt:  # SIGTERM during start-up, Ctrl-C
-        session.outcome = "KILLED"
-        raise
-    except EngineFailedError as e:
-        hint = session.driver._checkpoint_hint() if session.driver else "no run checkpoint was written"
-        raise EngineFailedError(f"{e}; {hint}") from e
-    finally:
-        session.close()
-    return RunSummary.of(state, driver.engines, driver.last_checkpoint, run_dir=run_dir,
-                         seconds=time.perf_counter() - t_start, stopped=stopped, sync=session.sync_report,
-                         mismatch=driver.probe.row(run.routing.replay)).as_dict()
-
-
-def start_schedule(driver: Driver, saved: dict[str, Any] | None, resume_from: Path | None,
-                   processes: ProcessRecord) -> None:
-    """Before the first pass: the resumed state loaded (`saved`), the engines offered the start-up's version (the
-    learner ranks wrote it in `InitialWeights`), and a fresh run's held-out reward at step 0."""
-    run, state = driver.run, driver.state
-    driver.last_checkpoint = resume_from
-    driver.process_record = processes
-    driver.write_processes()
-    if saved is not None:
-        driver.load_state_dict(saved)
-        log.info("resume: %d buffered group(s) restored, %d prompt(s) that were in flight sent again",
-                 state.resume_buffered_groups, state.resume_resubmitted)
-    driver.offer_version(state.published, background=False, probe=probe_due(run, state.published))
-    if run.eval_every and not driver.source.held_out:
-        log.info("no held-out set (data.eval_path is not set): no evaluation")
-    if run.eval_every and driver.source.held_out and resume_from is None:
-        driver.evaluate()
-
-
-def run_to_end(driver: Driver) -> str | None:
-    """The schedule, the final checkpoint and the policy's export. Returns the signal that stopped the run once its
-    checkpoint was written (a SIGTERM that lands after the last step stops it at the final checkpoint, the export
-    left to the resumed run), or None when the run finished."""
-    try:
-        driver.run_schedule()
-        last, step = driver.last_checkpoint, driver.state.step
-        if driver.run.checkpoint.at_end and (last is None or last.name != run_checkpoint.step_name(step)):
-            driver.checkpoint("end")
-    except Stopped as e:
-        return str(e)
-    policy_dir = export_policy(driver)
-    log.info("final policy (version %d) exported to %s", driver.state.step, policy_dir)
-    driver.finish_probes()
-    return None
-
-
-def export_policy(driver: Driver) -> str:
-    """The final weights as an HF directory vLLM serves (`run_dir/policy`, with the checkpoint's tokenizer)."""
-    step = driver.state.step
-    if driver.state.published != step:  # the last steps were not published (sync_every, or a skipped step)
-        driver.push_version(step, background=False, probe=False)
-    return driver.learners.call("export_version", step, os.path.join(driver.run_dir, "policy"),
-                                what="exporting the policy", ranks=1)[0]

@@ -29,7 +29,7 @@ def test_nan_gradients_are_skipped_a_sustained_jump_rolls_back_and_nan_in_a_row_
     checkpoint is written on the jump's first step: before 2026-11-26 the guard restored it (the newest), weights
     trained on the jumped batch."""
     from faulty_learner import FaultyLearner
-    from moe_grpo.orchestrator.driver import train
+    from moe_grpo.orchestrator.training_run import train
 
     run = small_run(steps=16, **{"learner.lr_decay": "constant",  # the rollback's halving reads off learner/lr
                                  "checkpoint.every": 3, "routing.on_jump": "rollback", "routing.jump_sustain": 2,

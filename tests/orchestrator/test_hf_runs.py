@@ -67,7 +67,7 @@ def hf_run(hf, cache, layout, **extra):
 def test_run_from_a_transformers_checkpoint_trains_exports_and_vllm_serves_the_export(
         checkpoints, kind, layout, tmp_path, caplog, monkeypatch, on_session_ray):
     from export_check import served_vs_learner
-    from moe_grpo.orchestrator.driver import train
+    from moe_grpo.orchestrator.training_run import train
 
     paths, root = checkpoints
     gsm8k = kind == "qwen3_moe" and layout == "EP=2"

@@ -23,7 +23,7 @@ def test_a_run_on_a_joined_cluster_releases_its_actors_and_leaves_the_callers_ra
 
     from test_loop import small_run
 
-    from moe_grpo.orchestrator.driver import train
+    from moe_grpo.orchestrator.training_run import train
     from moe_grpo.orchestrator.pools import join_ray
     from moe_grpo.orchestrator.process_record import left_behind
 

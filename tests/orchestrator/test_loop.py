@@ -83,7 +83,7 @@ def sync_run(tmp_path_factory):
     from listeners import Listeners
 
     from moe_grpo.orchestrator import process_record
-    from moe_grpo.orchestrator.driver import train
+    from moe_grpo.orchestrator.training_run import train
 
     run_dir = tmp_path_factory.mktemp("sync")
     engines: set[int] = set()
@@ -175,7 +175,7 @@ def test_a_killed_run_resumes_at_another_layout_repeats_the_uninterrupted_one_an
     (stretching the schedule over the new steps, from a state whose learning rate reached 0) is checked on the
     learner in tests/learner/test_run_state.py and the refusal's warning in tests/orchestrator/test_run_checkpoint.py.
     (Until issue 30 this extension was a run of its own, from the finished run's step-5 checkpoint, stretched.)"""
-    from moe_grpo.orchestrator.driver import train
+    from moe_grpo.orchestrator.training_run import train
 
     resume_from_step_2(sync_run, tmp_path)
     cut = (tmp_path / "metrics.jsonl").read_text()
@@ -201,7 +201,7 @@ def test_a_killed_run_resumes_at_another_layout_repeats_the_uninterrupted_one_an
 def test_resume_never_records_a_step_twice(sync_run, tmp_path):
     """Would have caught: `resume=true` where the run left its record but no checkpoint started from step 0 again
     and appended steps 1.. to the record (exit 0). Refused before anything starts."""
-    from moe_grpo.orchestrator.driver import train
+    from moe_grpo.orchestrator.training_run import train
     from moe_grpo.orchestrator.run_checkpoint import CheckpointError
 
     run_dir, _ = sync_run

@@ -62,7 +62,7 @@ def test_an_async_lora_run_sends_the_base_once_and_engines_match_the_learner(che
                                                                             lora_apply, tmp_path, on_session_ray):
     import lora_scenarios as L
     from moe_grpo.checkpoint.peft import write_peft_adapter
-    from moe_grpo.orchestrator.driver import train
+    from moe_grpo.orchestrator.training_run import train
     from moe_grpo.sync.plan import plan_buckets
 
     paths, root = checkpoints

@@ -7,7 +7,8 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from moe_grpo.orchestrator import run_checkpoint
-from moe_grpo.orchestrator.driver import Driver, Stopped, run_to_end
+from moe_grpo.orchestrator.driver import Driver, Stopped
+from moe_grpo.orchestrator.training_run import run_to_end
 from moe_grpo.orchestrator.state import RunState
 
 STEPS = 3

@@ -274,7 +274,7 @@ def test_trackers_start_before_the_pools_and_end_as_the_run_ended(tmp_path, monk
     from mlflow.tracking import MlflowClient
 
     from moe_grpo.orchestrator import pools
-    from moe_grpo.orchestrator.driver import train
+    from moe_grpo.orchestrator.training_run import train
 
     started = []
 
@@ -311,7 +311,7 @@ def test_train_resumed_from_a_checkpoint_goes_on_in_its_tracker_run(tmp_path, mo
     from mlflow.tracking import MlflowClient
 
     from moe_grpo.orchestrator import pools, run_checkpoint
-    from moe_grpo.orchestrator.driver import train
+    from moe_grpo.orchestrator.training_run import train
     from moe_grpo.orchestrator.state import RunState
 
     def start_ray(cluster, run_dir):

@@ -33,7 +33,7 @@ def test_a_learner_split_across_two_nodes_trains_and_every_host_gets_each_versio
                                                                                      monkeypatch):
     from test_loop import rows_of, small_run
 
-    from moe_grpo.orchestrator.driver import train
+    from moe_grpo.orchestrator.training_run import train
     from moe_grpo.orchestrator.learner_actor import LearnerWorker
 
     from ray_nodes import slurm_env

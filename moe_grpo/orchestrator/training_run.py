@@ -1,0 +1,125 @@
+"""A whole run: what starts before the schedule and in which order, the schedule (`Driver`), its end (the final
+checkpoint, the policy's export, the final probe) and the summary. `train` is what `python -m moe_grpo.train` and
+the whole-run tests call; what the run creates around the schedule is released however it ends (`RunSession`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from moe_grpo.checkpoint import hf_init
+from moe_grpo.data.tokenizer import load_tokenizer
+from moe_grpo.orchestrator import run_checkpoint
+from moe_grpo.orchestrator.driver import Driver, Stopped
+from moe_grpo.orchestrator.engine_pool import EngineFailedError
+from moe_grpo.orchestrator.initial_weights import InitialWeights
+from moe_grpo.orchestrator.probe import probe_due
+from moe_grpo.orchestrator.process_record import ProcessRecord
+from moe_grpo.orchestrator.resume import resume_point
+from moe_grpo.orchestrator.run_prompts import engine_context, prompt_source
+from moe_grpo.orchestrator.run_record import RunRecord
+from moe_grpo.orchestrator.run_summary import RunSummary
+from moe_grpo.orchestrator.session import RunSession, checked_plan, run_rewards
+from moe_grpo.orchestrator.state import RunState
+from moe_grpo.orchestrator.trackers import check_installed
+
+if TYPE_CHECKING:  # the run's config composes the orchestrator's: it is a layer above (pyproject.toml)
+    from moe_grpo.config import RunConfig
+
+log = logging.getLogger("moe_grpo")
+
+
+def train(run: RunConfig, run_dir: str | Path, *, learner_cls: type | None = None) -> dict[str, Any]:
+    """Run `run.steps` optimizer steps (from the newest checkpoint with `run.resume`); returns the run's summary
+    (`RunSummary.as_dict()`). What the run creates around the schedule is released however it ends (`RunSession`).
+
+    `learner_cls`: a `LearnerWorker` subclass to run instead (tests inject slow or failing learners)."""
+    check_installed(run.logger)  # a missing tracker package fails now, not after the pools took minutes to start
+    t_start, started_at = time.perf_counter(), time.time()  # started_at: the run's processes are those started after
+    run_dir = str(Path(run_dir).resolve())
+    tokenizer = load_tokenizer(run.model, run.init.hf)
+    source = prompt_source(run, tokenizer, np.random.default_rng(run.seed), run_dir)  # bad rows reported here
+    # The engines' context, decided once from the prompts (a run that cannot fit them stops here, not mid-run).
+    run = dataclasses.replace(run, rollout=dataclasses.replace(run.rollout, max_model_len=engine_context(run, source)))
+    run, plan = checked_plan(run)  # which node runs what, checked and printed before anything starts
+    state = RunState(bad_rows=source.bad_rows)
+    resume_from, saved = resume_point(run, run_dir, state)
+    rewards = run_rewards(run)
+    run = hf_init.prepare(run, run_dir)  # init.hf: the learner's converted checkpoint (cached next to the run)
+    session = RunSession(run, run_dir, rewards, since=started_at)
+    stopped = None
+    try:
+        session.open_trackers(state)
+        session.start_ray()
+        pools = session.start_pools(InitialWeights(run, run_dir, tokenizer, source, state, resume_from), learner_cls,
+                                    plan)
+        driver = Driver(run, run_dir, pools, tokenizer, source, rewards, state)
+        session.attach(driver)
+        start_schedule(driver, saved, resume_from, session.processes)
+        driver.record = session.record = RunRecord(run_dir, run.steps,
+                                                   resume_step=state.step if resume_from is not None else None,
+                                                   trackers=session.trackers)
+        stopped = run_to_end(driver)
+        session.outcome = "KILLED" if stopped else "FINISHED"
+    except KeyboardInterrupt:  # SIGTERM during start-up, Ctrl-C
+        session.outcome = "KILLED"
+        raise
+    except EngineFailedError as e:
+        hint = session.driver._checkpoint_hint() if session.driver else "no run checkpoint was written"
+        raise EngineFailedError(f"{e}; {hint}") from e
+    finally:
+        session.close()
+    return RunSummary.of(state, driver.engines, driver.last_checkpoint, run_dir=run_dir,
+                         seconds=time.perf_counter() - t_start, stopped=stopped, sync=session.sync_report,
+                         mismatch=driver.probe.row(run.routing.replay)).as_dict()
+
+
+def start_schedule(driver: Driver, saved: dict[str, Any] | None, resume_from: Path | None,
+                   processes: ProcessRecord) -> None:
+    """Before the first pass: the resumed state loaded (`saved`), the engines offered the start-up's version (the
+    learner ranks wrote it in `InitialWeights`), and a fresh run's held-out reward at step 0."""
+    run, state = driver.run, driver.state
+    driver.last_checkpoint = resume_from
+    driver.process_record = processes
+    driver.write_processes()
+    if saved is not None:
+        driver.load_state_dict(saved)
+        log.info("resume: %d buffered group(s) restored, %d prompt(s) that were in flight sent again",
+                 state.resume_buffered_groups, state.resume_resubmitted)
+    driver.offer_version(state.published, background=False, probe=probe_due(run, state.published))
+    if run.eval_every and not driver.source.held_out:
+        log.info("no held-out set (data.eval_path is not set): no evaluation")
+    if run.eval_every and driver.source.held_out and resume_from is None:
+        driver.evaluate()
+
+
+def run_to_end(driver: Driver) -> str | None:
+    """The schedule, the final checkpoint and the policy's export. Returns the signal that stopped the run once its
+    checkpoint was written (a SIGTERM that lands after the last step stops it at the final checkpoint, the export
+    left to the resumed run), or None when the run finished."""
+    try:
+        driver.run_schedule()
+        last, step = driver.last_checkpoint, driver.state.step
+        if driver.run.checkpoint.at_end and (last is None or last.name != run_checkpoint.step_name(step)):
+            driver.checkpoint("end")
+    except Stopped as e:
+        return str(e)
+    policy_dir = export_policy(driver)
+    log.info("final policy (version %d) exported to %s", driver.state.step, policy_dir)
+    driver.finish_probes()
+    return None
+
+
+def export_policy(driver: Driver) -> str:
+    """The final weights as an HF directory vLLM serves (`run_dir/policy`, with the checkpoint's tokenizer)."""
+    step = driver.state.step
+    if driver.state.published != step:  # the last steps were not published (sync_every, or a skipped step)
+        driver.push_version(step, background=False, probe=False)
+    return driver.learners.call("export_version", step, os.path.join(driver.run_dir, "policy"),
+                                what="exporting the policy", ranks=1)[0]
