@@ -6,6 +6,8 @@ from __future__ import annotations
 import os
 from typing import Iterable
 
+import psutil
+
 
 SHM_DIR = "/dev/shm"
 
@@ -51,6 +53,18 @@ def process_state(pid: int, started: int | None = None) -> str | None:
         except PermissionError:  # another user's process: it exists
             pass
         return "?"
+
+
+def process_tree(roots: Iterable[int]) -> list[psutil.Process]:
+    """Each of `roots` still there and every process below it now (a root already gone contributes nothing)."""
+    out: list[psutil.Process] = []
+    for pid in roots:
+        try:
+            top = psutil.Process(pid)
+            out += [top] + top.children(recursive=True)
+        except psutil.Error:
+            continue
+    return out
 
 
 def process_alive(pid: int, started: int | None = None) -> bool:

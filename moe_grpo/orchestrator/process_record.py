@@ -18,7 +18,7 @@ from typing import Any, Iterable
 
 import psutil
 
-from moe_grpo.processes import SHM_DIR, shm_entries_held
+from moe_grpo.processes import SHM_DIR, process_tree, shm_entries_held
 
 FULL_SCAN_S = 30.0
 """How often every process's /dev/shm entries are looked at again (new processes' are at once)."""
@@ -57,19 +57,13 @@ class ProcessRecord:
         /dev/shm entries they map or hold open."""
         roots = [self.driver] + [p for p in self.learners if isinstance(p, int)] + [p for p in self.engines.values() if p]
         found: dict[int, float] = {}
-        for root in roots:
+        for p in process_tree(roots):
             try:
-                top = psutil.Process(root)
-                procs = [top] + top.children(recursive=True)
+                started = p.create_time()
             except psutil.Error:
                 continue
-            for p in procs:
-                try:
-                    started = p.create_time()
-                except psutil.Error:
-                    continue
-                if p.pid == self.driver or p.pid in roots or started >= self.since - CLOCK_SLACK_S:
-                    found[p.pid] = started
+            if p.pid == self.driver or p.pid in roots or started >= self.since - CLOCK_SLACK_S:
+                found[p.pid] = started
         # Reading every process's memory map takes ~1 ms per thousand lines (a vLLM process has thousands): the
         # processes new since the last look each time, all of them every `FULL_SCAN_S` and whenever asked to.
         now = time.monotonic()

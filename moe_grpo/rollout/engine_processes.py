@@ -21,7 +21,8 @@ from typing import Any, Callable, Sequence
 
 import psutil
 
-from moe_grpo.processes import SHM_DIR, STOPPED_STATES, process_alive, process_state, shm_entries_held, start_ticks
+from moe_grpo.processes import (SHM_DIR, STOPPED_STATES, process_alive, process_state, process_tree, shm_entries_held,
+                                start_ticks)
 
 SHM_KINDS = ("psm_", "sem.mp-")
 """What a vLLM 0.32 engine leaves in /dev/shm when its processes are killed: the ring buffers of the message
@@ -33,16 +34,10 @@ names are random, so an engine's own are found by what its processes map (`mappe
 def descendants(roots: Sequence[int]) -> dict[int, int]:
     """pid -> start time (`processes.start_ticks`), for `roots` and every process below them that exists now."""
     out: dict[int, int] = {}
-    for pid in roots:
-        try:
-            root = psutil.Process(pid)
-            procs = [root] + root.children(recursive=True)
-        except psutil.Error:
-            continue
-        for p in procs:
-            ticks = start_ticks(p.pid)
-            if ticks is not None:
-                out[p.pid] = ticks
+    for p in process_tree(roots):
+        ticks = start_ticks(p.pid)
+        if ticks is not None:
+            out[p.pid] = ticks
     return out
 
 
