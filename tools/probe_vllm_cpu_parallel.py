@@ -6,7 +6,11 @@ layout with vLLM's offline `LLM` and the multiprocessing executor: TP=1, TP=2, a
 Each run scores the same sequences (prompt log-probs); the
 TP=2 runs are compared with TP=1. A layout vLLM refuses is reported with its error, quoted.
 
-    .venv/bin/python tools/probe_vllm_cpu_parallel.py [--out DIR]
+    .venv/bin/python tools/probe_vllm_cpu_parallel.py [--out DIR] [--layouts tp1,pp2] [--unpatched]
+
+Engines start with the project's worker extension (moe_grpo/rollout/worker_extension.py), so each worker runs with
+the CPU patches of moe_grpo/rollout/vllm_patches.py as our engines do; `--unpatched` starts plain vLLM workers
+(PP=2 then dies at its second stage's first forward: vllm_patches `cpu_pipeline_intermediate_tensors`).
 
 Prints one JSON object as its last line: per layout "ok" with the max |log-prob gap| to TP=1, or the error.
 """
@@ -38,7 +42,11 @@ def write_qwen3_moe(path: str) -> None:
     tf.Qwen3MoeForCausalLM(cfg).eval().save_pretrained(path)
 
 
-def serve(path: str, layout: str, seqs: list[list[int]], queue: mp.Queue) -> None:
+WORKER_EXTENSION = "moe_grpo.rollout.worker_extension.RoutingCaptureExtension"
+"""Importing it in each worker installs the CPU patches (vllm_patches.apply_cpu_patches_before_build)."""
+
+
+def serve(path: str, layout: str, seqs: list[list[int]], queue: mp.Queue, patched: bool = True) -> None:
     t0 = time.perf_counter()
     try:
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = "1"
@@ -53,7 +61,7 @@ def serve(path: str, layout: str, seqs: list[list[int]], queue: mp.Queue) -> Non
         with started_processes_die_with_this_thread():
             llm = LLM(model=path, skip_tokenizer_init=True, dtype="float32", enforce_eager=True, max_model_len=256,
                       max_num_seqs=8, enable_prefix_caching=False, distributed_executor_backend="mp", seed=0,
-                      **LAYOUTS[layout])
+                      **({"worker_extension_cls": WORKER_EXTENSION} if patched else {}), **LAYOUTS[layout])
         started = time.perf_counter() - t0
         outs = llm.generate([{"prompt_token_ids": s} for s in seqs],
                             SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0))
@@ -68,6 +76,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None, help="where the checkpoint goes (default: a temporary directory)")
     ap.add_argument("--layouts", default=",".join(LAYOUTS))
+    ap.add_argument("--unpatched", action="store_true", help="plain vLLM workers, without the project's patches")
     args = ap.parse_args()
     import numpy as np
 
@@ -80,7 +89,7 @@ def main() -> None:
     results = {}
     for layout in args.layouts.split(","):
         queue = ctx.Queue()
-        p = ctx.Process(target=serve, args=(path, layout, seqs, queue))
+        p = ctx.Process(target=serve, args=(path, layout, seqs, queue, not args.unpatched))
         p.start()
         try:
             results[layout] = queue.get(timeout=600)

@@ -53,6 +53,18 @@ Other CPU-generator paths a seeded request could reach in 0.32 (read 2026-11-26)
 sampler's `uniform_(generator=gen)` (speculative decoding only, which runs never start). None calls `set_offset`.
 Test: tests/rollout/test_vllm_engine.py `test_seeded_requests_whose_prefill_is_split_sample_as_when_served_alone`
 (the engine core dies without the patch).
+
+cpu_pipeline_intermediate_tensors: with pipeline parallelism (`pipeline_parallel_size > 1`), every stage after the
+first copies the hidden states it receives into a persistent buffer, `GPUModelRunner.intermediate_tensors`
+(v1/worker/gpu_model_runner.py `sync_and_gather_intermediate_tensors`, which asserts the buffer exists). vLLM
+allocates that buffer only in `_dummy_run`, which a GPU worker reaches through its profiling and warm-up runs; the
+CPU runner reaches `_dummy_run` only from `CPUModelRunner.warming_up_model` (v1/worker/cpu_model_runner.py), which
+returns at once when the compilation mode is NONE (`enforce_eager=True`, what our engines use) and is skipped
+altogether with `VLLM_CPU_CI_ENV`. So on CPU a PP=2 engine dies at the second stage's first forward with
+`assert self.intermediate_tensors is not None`. The patch allocates the buffer on first use, exactly as
+`_dummy_run` does (`model.make_empty_intermediate_tensors(batch_size=max_num_tokens, dtype=model dtype,
+device=runner device)`), on `CPUModelRunner` only.
+Test: tests/rollout/test_engine_pipeline_parallel.py (the engine dies without the patch).
 """
 
 from __future__ import annotations
@@ -93,9 +105,10 @@ def apply_cpu_patches_before_build() -> list[str]:
     now. Off CPU: nothing (and no version check)."""
     if not on_cpu():
         return []
-    installed = [apply_cpu_moe_without_expert_lora(), apply_cpu_seeded_partial_prefill()]
-    return [name for name, new in zip(("cpu_moe_without_expert_lora", "cpu_seeded_partial_prefill"), installed)
-            if new]
+    names = ("cpu_moe_without_expert_lora", "cpu_seeded_partial_prefill", "cpu_pipeline_intermediate_tensors")
+    installed = [apply_cpu_moe_without_expert_lora(), apply_cpu_seeded_partial_prefill(),
+                 apply_cpu_pipeline_intermediate_tensors()]
+    return [name for name, new in zip(names, installed) if new]
 
 
 def apply_cpu_patches_after_build(model: Any) -> list[str]:
@@ -252,6 +265,28 @@ def _discarded_cpu_generators(runner: Any) -> dict[int, Any]:
         if gen is not None and gen.device.type == "cpu":
             out[int(i)] = gen
     return out
+
+
+def apply_cpu_pipeline_intermediate_tensors() -> bool:
+    """Install the pipeline-stage buffer patch in this process (before the first forward). Returns False if
+    installed."""
+    if "cpu_pipeline_intermediate_tensors" in _applied:
+        return False
+    _check_version("cpu_pipeline_intermediate_tensors")
+    from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+
+    original = CPUModelRunner.sync_and_gather_intermediate_tensors
+
+    def sync_and_gather_intermediate_tensors(self, num_tokens, intermediate_tensors, sync_self):  # type: ignore[no-untyped-def]
+        if self.intermediate_tensors is None:  # what _dummy_run allocates, and the CPU runner never runs in eager mode
+            self.intermediate_tensors = self.model.make_empty_intermediate_tensors(
+                batch_size=self.max_num_tokens, dtype=self.model_config.dtype, device=self.device)
+        return original(self, num_tokens, intermediate_tensors, sync_self)
+
+    CPUModelRunner.sync_and_gather_intermediate_tensors = sync_and_gather_intermediate_tensors
+    _applied["cpu_pipeline_intermediate_tensors"] = [
+        (CPUModelRunner, "sync_and_gather_intermediate_tensors", original)]
+    return True
 
 
 def revert(name: str) -> bool:
