@@ -379,11 +379,19 @@ def main() -> None:
     ap.add_argument("--delta-steps", type=int, default=5, help="--delta: optimizer steps per model and rate")
     ap.add_argument("--delta-skip-large", action="store_true",
                     help="--delta: leave out the 315 MB 'large' config (large_* keys)")
+    ap.add_argument("--delta-models", default="tiny,128e,large",
+                    help="--delta: comma-separated configs to run (tiny, 128e, large; a quicker subset)")
     ap.add_argument("--delta-profile", default=None, metavar="DIR",
                     help="--delta: cProfile each publish, relay receiver and engine-side load into DIR/*.prof")
+    ap.add_argument("--delta-stages", action="store_true",
+                    help="--delta: wall-clock seconds of each stage of a publish and a relay receiver, per version")
     args = ap.parse_args()
     if args.delta:
         import bench_sync_delta  # tools/ is sys.path[0] when this file runs as a script
+
+        if args.delta_stages:  # the learner ranks read it too
+            os.environ[bench_sync_delta.STAGES_ENV] = "1"
+            bench_sync_delta.install_stage_timers()
 
         if args.delta_profile:  # read by the learner ranks too (spawned processes inherit the environment)
             os.makedirs(args.delta_profile, exist_ok=True)

@@ -104,6 +104,80 @@ def profiled(what: str):
         stats.dump_stats(path)
 
 
+STAGES_ENV = "BENCH_SYNC_DELTA_STAGES"
+"""Set (`--delta-stages`): time each stage of a publish and of a relay receiver, wall clock, per version (the
+functions below wrapped in place; no profiler, so the figures are the unprofiled ones)."""
+
+STAGES = (("moe_grpo.sync.weight_sync", "WeightSync", "_run", "learner: whole publish"),
+          ("moe_grpo.sync.delta", "DeltaTracker", "_cast", "learner: cast to bf16"),
+          ("moe_grpo.sync.delta", "DeltaTracker", "_changed", "learner: compare + extract indices"),
+          ("moe_grpo.sync.delta", None, "_changes", "learner: new values + steps"),
+          ("moe_grpo.sync.weight_sync", None, "encoded_bytes", "learner: sizes of the encodings"),
+          ("moe_grpo.sync.weight_sync", None, "encode", "learner: encode"),
+          ("moe_grpo.sync.shard_relay", "ShardSender", "begin", "learner: send header (+ changes)"),
+          ("moe_grpo.sync.shard_relay", "ShardSender", "send_bucket", "learner: pack + send a bucket"),
+          ("moe_grpo.sync.weight_sync", "WeightSync", "_write", "learner: write own slot (+ send buckets)"),
+          ("moe_grpo.sync.delta", "DeltaTracker", "commit", "learner: commit"),
+          ("moe_grpo.sync.shard_relay", "ShardReceiver", "receive", "receiver: whole receive (with the wait)"),
+          ("moe_grpo.sync.shard_relay", "ShardReceiver", "_receive_changes", "receiver: receive + decode changes"),
+          ("moe_grpo.sync.shard_relay", None, "decode", "receiver: decode"),
+          ("moe_grpo.sync.shard_relay", "ShardReceiver", "_apply_changes", "receiver: apply changes to slot"),
+          ("moe_grpo.sync.shard_relay", "ShardReceiver", "_copy_own", "receiver: copy own shards (no chain)"),
+          ("moe_grpo.sync.shard_relay", "ShardReceiver", "_receive_whole", "receiver: receive + write whole"))
+
+_stage_at = threading.local()
+"""This thread's (tag, version index) that stage times go to."""
+STAGE_TIMES: dict[tuple[str, int, str], float] = {}
+"""(tag, version index, stage) -> seconds (summed over calls)."""
+
+
+def stage_tag(tag: str, version: int) -> None:
+    _stage_at.key = (tag, version)
+
+
+def install_stage_timers() -> None:
+    """Wrap `STAGES`' functions so each call's wall-clock seconds add to this thread's (tag, version)."""
+    import functools
+    import importlib
+
+    for module, cls, attr, label in STAGES:
+        owner = getattr(importlib.import_module(module), cls) if cls else importlib.import_module(module)
+        fn = getattr(owner, attr)
+        if getattr(fn, "_stage_timed", False):
+            continue
+
+        def timed(*a: Any, _fn: Any = fn, _label: str = label, **kw: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return _fn(*a, **kw)
+            finally:
+                key = getattr(_stage_at, "key", None)
+                if key is not None:
+                    k = (key[0], key[1], _label)
+                    STAGE_TIMES[k] = STAGE_TIMES.get(k, 0.0) + time.perf_counter() - t0
+
+        functools.update_wrapper(timed, fn)
+        timed._stage_timed = True  # type: ignore[attr-defined]
+        setattr(owner, attr, timed)
+
+
+def stage_medians(times: dict[tuple[str, int, str], float]) -> dict[str, dict[str, float]]:
+    """Per tag and stage: the median over versions after the first (index >= 2) of the per-version seconds, in ms
+    (a version where a stage did not run counts as 0)."""
+    by: dict[str, dict[int, dict[str, float]]] = {}
+    for (tag, version, stage), s in times.items():
+        by.setdefault(tag, {}).setdefault(version, {})[stage] = s
+    out = {}
+    for tag, versions in sorted(by.items()):
+        later = [v for k, v in versions.items() if k >= 2]
+        if not tag or not later:
+            continue
+        stages = {st for v in later for st in v}
+        out[tag] = {st: round(statistics.median(v.get(st, 0.0) for v in later) * 1e3, 2)
+                    for st in sorted(stages, key=lambda x: [s[3] for s in STAGES].index(x))}
+    return out
+
+
 def log(msg: str) -> None:
     print(f"[bench_sync --delta {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
@@ -196,6 +270,8 @@ def rank_work(configs: list[dict], shm_root: str, host_roots: list[str], steps: 
 
     rank = int(os.environ["RANK"])
     os.environ[ROOT_ENV] = host_roots[rank]  # this rank's "host"
+    if os.environ.get(STAGES_ENV):
+        install_stage_timers()
     out = []
     for c in configs:
         spec = load_model_spec(c["model"])
@@ -222,6 +298,7 @@ def rank_work(configs: list[dict], shm_root: str, host_roots: list[str], steps: 
             row: dict[str, Any] = {"version": version}
             for name, sync in syncs.items():
                 torch.distributed.barrier()
+                stage_tag(f"{tag}_{name}_r{rank}", version)
                 t0 = time.perf_counter()
                 with profiled(f"{tag}_{name}_r{rank}") if version > 1 else contextlib.nullcontext():
                     report = sync.sync(version).wait()
@@ -260,7 +337,9 @@ def rank_work(configs: list[dict], shm_root: str, host_roots: list[str], steps: 
         if rank == 0:  # this config's shared-memory versions (the large one's take GBs); the relay's stay
             shutil.rmtree(f"{shm_root}/{tag}", ignore_errors=True)
         gc.collect()
-        out.append({"key": c["key"], "lr": c["lr"], "versions": per_version})
+        stage_tag("", -1)
+        out.append({"key": c["key"], "lr": c["lr"], "versions": per_version,
+                    "stages": {"|".join(map(str, k)): v for k, v in STAGE_TIMES.items() if k[0].startswith(tag + "_")}})
         log(f"rank {rank}: {tag} done")
     return out
 
@@ -272,8 +351,12 @@ def _receive(transport: Any, layout: Any, rank: int, host: str, stop: threading.
                              claims=layout.claimer(host) == rank)
     if receiver.connect(stop):
         with profiled(f"receiver_{layout.run_name}_r{rank}_{host}"):
-            while receiver.receive() is not None:
-                pass
+            version = 1
+            while True:
+                stage_tag(f"receiver_{layout.run_name}_r{rank}_{host}", version)
+                if receiver.receive() is None:
+                    break
+                version += 1
 
 
 def summarize(results: list[list[dict]]) -> dict[str, Any]:
@@ -321,7 +404,10 @@ def run(args: Any) -> dict[str, Any]:
         roots = {"B": f"{tmp}/hostB", "A": f"{tmp}/hostA"}
         configs, servers, threads = [], [], []
         stop = threading.Event()
-        models = [m for m in MODELS if m[0] != "large" or not getattr(args, "delta_skip_large", False)]
+        wanted = set(getattr(args, "delta_models", "tiny,128e,large").split(","))
+        if getattr(args, "delta_skip_large", False):
+            wanted.discard("large")
+        models = [m for m in MODELS if m[0] in wanted]
         for key, model, overrides, rates in models:
             for lr in rates:
                 config = {"key": key, "model": model, "overrides": overrides, "lr": lr}
@@ -351,6 +437,16 @@ def run(args: Any) -> dict[str, Any]:
             for s in servers:
                 s.close()
     summary = summarize(results)
+    if getattr(args, "delta_stages", False):
+        times = dict(STAGE_TIMES)
+        for r in results:
+            for c in r:
+                for k, v in c.get("stages", {}).items():
+                    tag, version, stage = k.split("|")
+                    times[(tag, int(version), stage)] = v
+        summary["stages"] = stage_medians(times)
+        for tag, stages in summary["stages"].items():
+            log(f"stages {tag}: " + ", ".join(f"{k} {v}" for k, v in stages.items()))
     for name, row in summary["rows"].items():
         log(f"{name}: changed {row['changed_fraction']:.3e}, bytes ratio {row['delta_bytes_ratio']:.4f} "
             f"(relay {row['relay_bytes_ratio']:.4f}), seconds ratio shm {row['delta_seconds_ratio_shm']:.3f} "
@@ -393,5 +489,7 @@ def run(args: Any) -> dict[str, Any]:
     out["models"] = {"tiny": "conf/model/deepseek_moe.yaml", "128e": "conf/model/deepseek_moe_128e.yaml (4 layers)",
                      "large": f"conf/model/deepseek_moe_128e.yaml with {LARGE}"}
     out["relay"] = "simulated two hosts (two shm roots, ShardReceiver threads, loopback TCP)"
+    if "stages" in summary:
+        out["stages_ms"] = summary["stages"]
     out["seconds"] = round(time.perf_counter() - started, 1)
     return out
