@@ -241,6 +241,15 @@ def _position_dtype(numel: int) -> torch.dtype:
     return torch.int32 if numel < 2**31 else torch.int64
 
 
+def _not_equal(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
+    """`out` = a != b elementwise for integer views (bits, `bits`): numpy's on CPU, where torch's `ne` on int16
+    took 6-10x numpy's time (one thread, 37M elements: 89-250 ms vs 13-24 ms on the 2-core test machine)."""
+    if a.device.type == "cpu":
+        np.not_equal(a.numpy(), b.numpy(), out=out.numpy())
+    else:
+        torch.ne(a, b, out=out)
+
+
 def _flatnonzero(mask: torch.Tensor) -> torch.Tensor:
     """int64 indices of a flat bool tensor's True elements (numpy's on CPU: half of torch's `nonzero` time on
     a 75M-element mask; no copy either way)."""
@@ -484,7 +493,9 @@ def apply_bucket(flat: torch.Tensor, change: BucketChange | None) -> int:
     write. Returns the elements written."""
     if change is None or change.count == 0:
         return 0
-    flat[change.positions().to(flat.device)] = change.values.to(flat.device)
+    # index_copy_, not `flat[positions] = values` (index_put_): a tenth of its time on CPU for millions of
+    # positions (37M-element bucket, 1.1M changes: 8 vs 84 ms); positions are unique, so the two agree.
+    flat.index_copy_(0, change.positions().to(flat.device), change.values.to(flat.device))
     return change.count
 
 
@@ -547,7 +558,7 @@ class DeltaTracker:
         for start in range(0, new.numel(), COMPARE_CHUNK):
             end = min(new.numel(), start + COMPARE_CHUNK)
             mask = self._mask[: end - start]
-            torch.ne(new[start:end], old[start:end], out=mask)
+            _not_equal(new[start:end], old[start:end], mask)
             found = _flatnonzero(mask)
             out.append(found + start if start else found)
         return torch.cat(out) if len(out) > 1 else (out[0] if out else torch.zeros(0, dtype=torch.int64))
@@ -578,7 +589,7 @@ class DeltaTracker:
         else:
             for i, c in delta.changes.items():
                 last = self.last[i]
-                last[c.local.to(last.device)] = c.values.to(last.device)
+                last.index_copy_(0, c.local.to(last.device), c.values.to(last.device))  # see apply_bucket
         self.last_version, self._diffed = delta.version, None
 
     def forget(self) -> None:

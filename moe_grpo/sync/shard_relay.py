@@ -211,7 +211,7 @@ class ShardReceiver:
             if self.last_slot is None:
                 raise SyncError(f"relay of learner rank {self.rank}: changes arrived before any whole version")
             with self.transport.raw_bucket(self.last_slot, plan.buckets[index], writable=False) as raw:
-                return flat_bucket(raw, plan.torch_dtype)[positions]  # indexing copies
+                return flat_bucket(raw, plan.torch_dtype).index_select(0, positions)  # a copy
 
         delta = decode(memoryview(blob.numpy()), self.plan, self.parts, old_values)
         if delta.base is None or self.received[-1:] != [delta.base]:
