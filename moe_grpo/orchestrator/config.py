@@ -114,6 +114,12 @@ class ClusterConfig:
     on CPU one core set each (`VLLM_CPU_OMP_THREADS_BIND`). The plan places and sizes engines by it (weights / TP
     per engine GPU); routing is captured once per request (TP rank 0) and a version is served only when every worker
     loaded it."""
+    engine_pipeline_parallel: int = 1
+    """vLLM pipeline stages per engine (vLLM `pipeline_parallel_size`), each of `engine_tensor_parallel` workers, all
+    on one node through vLLM's multiprocessing executor (stages on other nodes, vLLM's Ray executor, are not built):
+    an engine holds TP x PP GPUs (or core sets on CPU), weights / (TP x PP) per engine GPU. Each stage captures the
+    routing of its own layers, joined in layer order; a version is served only when every stage loaded it. At most
+    one stage per decoder layer; not with LoRA."""
     dry_run: bool = False
     """Print the placement plan and exit (0 when it fits, 2 with the reasons when it is refused) before Ray starts."""
 
@@ -136,6 +142,7 @@ class ClusterConfig:
         optional_at_least("cluster.cpus_per_node", self.cpus_per_node, 1)
         positive("cluster.gpu_memory_gib", self.gpu_memory_gib)
         at_least("cluster.engine_tensor_parallel", self.engine_tensor_parallel, 1)
+        at_least("cluster.engine_pipeline_parallel", self.engine_pipeline_parallel, 1)
         if not isinstance(self.dry_run, bool):
             raise ValueError(f"cluster.dry_run={self.dry_run!r}: expected true or false")
         if self.ray_address == "auto":

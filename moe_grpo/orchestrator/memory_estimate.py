@@ -28,7 +28,7 @@ Learner rank (the pipeline stage that needs most):
   gradient on the last stage (8·s·b·vocab/TP bytes).
 - `RESERVED_GIB` per GPU for the CUDA context, NCCL's buffers and the allocator's fragmentation.
 
-Engine GPU: the model's weights in `rollout.dtype` divided by the engine's tensor parallelism, against vLLM's
+Engine GPU: the model's weights in `rollout.dtype` divided by the engine's tensor x pipeline parallelism, against vLLM's
 default `gpu_memory_utilization` (0.9) of the GPU less `RESERVED_GIB`; what is left is the KV cache.
 
 Estimates, not measurements: they catch plans that cannot fit (DeepSeek-V3 with Adam on 32 80-GiB GPUs needs
@@ -211,7 +211,10 @@ def rank_memory(spec: MoEModelSpec, counts: ParamCounts, tp: int, pp: int, ep: i
     return best
 
 
-def engine_memory(total_params: int, dtype: str, tensor_parallel: int, gpu_memory_bytes: float) -> EngineMemory:
-    """Each engine GPU's share of the weights vs what vLLM may use of it (module docstring)."""
-    return EngineMemory(int(total_params * DTYPE_BYTES[dtype] / tensor_parallel),
+def engine_memory(total_params: int, dtype: str, tensor_parallel: int, gpu_memory_bytes: float,
+                  pipeline_parallel: int = 1) -> EngineMemory:
+    """Each engine GPU's share of the weights vs what vLLM may use of it (module docstring): the weights over the
+    engine's tensor_parallel x pipeline_parallel GPUs (each stage holds its run of layers, each TP rank its
+    slices)."""
+    return EngineMemory(int(total_params * DTYPE_BYTES[dtype] / (tensor_parallel * pipeline_parallel)),
                         int(gpu_memory_bytes * VLLM_GPU_MEMORY_UTILIZATION - RESERVED_GIB * GIB))

@@ -59,6 +59,8 @@ class EnginePlacement:
     tensor_parallel: int
     gpus: float
     cpus: float
+    pipeline_parallel: int = 1
+    """vLLM pipeline stages (cluster.engine_pipeline_parallel), all on `node`."""
 
 
 @dataclass(frozen=True)
@@ -191,8 +193,9 @@ class Plan:
             lines.append(f"  memory per rank: {self.rank_memory.line()}")
             lines.append(f"    ({self.rank_memory.details})")
         tps = sorted({e.tensor_parallel for e in self.engines})
+        pps = sorted({e.pipeline_parallel for e in self.engines})
         lines.append(f"inference pool: {_nodes(self.inference_nodes)}: {_n(len(self.engines), 'engine')} x TP="
-                     f"{','.join(map(str, tps))}" + (f", {_n(self.engines[0].gpus, 'GPU')} each" if self.engines
+                     f"{','.join(map(str, tps))}" + (f" PP={','.join(map(str, pps))}" if pps != [1] else "") + (f", {_n(self.engines[0].gpus, 'GPU')} each" if self.engines
                                                      and self.engines[0].gpus else ""))
         for node in self.inference_nodes:
             names = [e.name for e in self.engines if e.node == node]
@@ -278,7 +281,7 @@ def build_plan(run: RunConfig, environ: Mapping[str, str] | None = None, *, seq_
     facts = _facts(c, environ, run_command, problems)
     gpus = c.gpus_per_node if c.gpus_per_node is not None else facts.gpus_per_node
     cpus = c.cpus_per_node if c.cpus_per_node is not None else facts.cpus_per_node
-    engine_tp = c.engine_tensor_parallel
+    engine_tp, engine_pp = c.engine_tensor_parallel, c.engine_pipeline_parallel
     pools = (_slurm_pools if c.launcher == "slurm" else _local_pools)(run, facts.nodes, gpus, cpus, problems, notes)
     world, engine_gpus, rank_gpus = pools.world, pools.engine_gpus, pools.rank_gpus
     layout = _layout(run, world, problems) if world else None  # no training pool: a problem says so already
@@ -286,6 +289,12 @@ def build_plan(run: RunConfig, environ: Mapping[str, str] | None = None, *, seq_
     if spec.num_attention_heads % engine_tp:
         problems.append(f"cluster.engine_tensor_parallel={engine_tp} does not divide the model's "
                         f"{spec.num_attention_heads} attention heads (vLLM splits heads over its TP ranks)")
+    if engine_pp > spec.num_layers:
+        problems.append(f"cluster.engine_pipeline_parallel={engine_pp} stages for the model's {spec.num_layers} "
+                        "decoder layers (vLLM gives each stage at least one layer)")
+    if engine_pp > 1 and run.lora.enabled:
+        problems.append(f"cluster.engine_pipeline_parallel={engine_pp} with lora.rank={run.lora.rank}: LoRA versions "
+                        "are built for engines of one pipeline stage (cluster.engine_pipeline_parallel=1)")
     counts = param_counts(spec)
     gpu_bytes = c.gpu_memory_gib * GIB
     rank_mem = None
@@ -298,25 +307,25 @@ def build_plan(run: RunConfig, environ: Mapping[str, str] | None = None, *, seq_
         notes.append(f"learner ranks share GPUs (cluster.learner_gpus={rank_gpus:g}): memory not checked")
     eng_mem = None
     if engine_gpus >= 1:
-        eng_mem = engine_memory(counts.total, run.rollout.dtype, engine_tp, gpu_bytes)
+        eng_mem = engine_memory(counts.total, run.rollout.dtype, engine_tp, gpu_bytes, engine_pp)
         if not eng_mem.fits:
-            whole_node = bool(gpus) and engine_tp >= gpus
+            whole_node = bool(gpus) and engine_tp * engine_pp >= gpus
             helps = ("larger GPUs (cluster.gpu_memory_gib): an engine already spans a whole node "
                      f"(cluster.engine_tensor_parallel={engine_tp}) and engines across nodes (vLLM pipeline parallelism) "
                      "are not built" if whole_node else
-                     "more GPUs per engine (cluster.engine_tensor_parallel, at most a node's) or larger GPUs "
-                     "(cluster.gpu_memory_gib)")
+                     "more GPUs per engine (cluster.engine_tensor_parallel x cluster.engine_pipeline_parallel, at "
+                     "most a node's) or larger GPUs (cluster.gpu_memory_gib)")
             problems.append(
                 f"an engine GPU needs {eng_mem.weights / GIB:.1f} GiB for its share of the weights "
                 f"({counts.total / 1e9:.2f}B parameters x {DTYPE_BYTES[run.rollout.dtype]} bytes {run.rollout.dtype} / "
-                f"TP {engine_tp}) but vLLM may use {eng_mem.capacity / GIB:.1f} GiB of a "
-                f"{c.gpu_memory_gib:g}-GiB GPU (0.9 of it less {RESERVED_GIB:g} GiB); {helps}")
+                f"TP {engine_tp}{f' x PP {engine_pp}' if engine_pp > 1 else ''}) but vLLM may use "
+                f"{eng_mem.capacity / GIB:.1f} GiB of a {c.gpu_memory_gib:g}-GiB GPU (0.9 of it less {RESERVED_GIB:g} GiB); {helps}")
     ranks = []
     for r in range(world):
         tp, pp, dp, ep, edp = coordinates(r, layout) if layout else (0, 0, 0, 0, 0)
         ranks.append(RankPlacement(r, pools.rank_nodes[r], tp, pp, dp, ep, edp))
-    engines = tuple(EnginePlacement(f"engine{i}", pools.engine_nodes[i], engine_tp, engine_gpus, c.engine_cpus)
-                    for i in range(c.num_engines))
+    engines = tuple(EnginePlacement(f"engine{i}", pools.engine_nodes[i], engine_tp, engine_gpus, c.engine_cpus,
+                                    engine_pp) for i in range(c.num_engines))
     sync_dtype = version_dtype(run.rollout.dtype, run.lora)
     checkpoint = None
     if c.launcher == "slurm":
@@ -382,13 +391,15 @@ def _slurm_pools(run: RunConfig, nodes: tuple[str, ...], gpus: int | None, cpus:
                  notes: list[str]) -> _Pools:
     """The job's nodes split between the pools (training first), each actor on a node with room for it."""
     c = run.cluster
-    engine_tp = c.engine_tensor_parallel
+    engine_tp, engine_pp = c.engine_tensor_parallel, c.engine_pipeline_parallel
+    engine_workers = engine_tp * engine_pp  # one GPU per vLLM worker, every stage on the engine's node
     use_gpus = bool(gpus)
-    engine_gpus = float(engine_tp) if use_gpus else 0.0
+    engine_gpus = float(engine_workers) if use_gpus else 0.0
     rank_gpus = 1.0 if use_gpus else 0.0
     if use_gpus and c.engine_gpus not in (0, engine_gpus):
         problems.append(f"cluster.engine_gpus={c.engine_gpus:g} but an engine of cluster.engine_tensor_parallel="
-                        f"{engine_tp} holds {engine_tp} GPU(s) (leave engine_gpus at 0 under cluster=slurm)")
+                        f"{engine_tp}" + (f" x cluster.engine_pipeline_parallel={engine_pp}" if engine_pp > 1 else "")
+                        + f" holds {engine_workers} GPU(s) (leave engine_gpus at 0 under cluster=slurm)")
     if use_gpus and c.learner_gpus not in (0, 1):
         problems.append(f"cluster.learner_gpus={c.learner_gpus:g} but under cluster=slurm each learner rank "
                         "holds one GPU (leave learner_gpus at 0)")
@@ -400,6 +411,10 @@ def _slurm_pools(run: RunConfig, nodes: tuple[str, ...], gpus: int | None, cpus:
     if use_gpus and engine_tp > gpus:
         problems.append(f"an engine's tensor parallelism (cluster.engine_tensor_parallel={engine_tp}) does not "
                         f"fit a node of {gpus} GPUs; an engine runs within one node")
+    elif use_gpus and engine_workers > gpus:
+        problems.append(f"an engine of cluster.engine_tensor_parallel={engine_tp} x cluster.engine_pipeline_parallel="
+                        f"{engine_pp} = {engine_workers} GPUs does not fit a node of {gpus} GPUs; an engine's "
+                        "pipeline stages run within one node (stages across nodes, vLLM's Ray executor, are not built)")
     unit = "GPUs" if use_gpus else "CPUs"
     per_node = gpus if use_gpus else cpus
     need_engine = engine_gpus if use_gpus else c.engine_cpus
@@ -606,7 +621,7 @@ def not_runnable_yet(plan: Plan) -> list[str]:
     notes them)."""
     out: list[str] = []
     # Engines with tensor parallelism run (VllmEngine(tensor_parallel=N), one vLLM worker per GPU, or per core set
-    # on CPU). Engines on hosts without a learner rank get each version through `sync.transport` (relay under `auto`;
+    # on CPU), and with pipeline stages on the engine's node (VllmEngine(pipeline_parallel=N)). Engines on hosts without a learner rank get each version through `sync.transport` (relay under `auto`;
     # sync_hosts.plan_sync refuses shm / cuda_ipc across hosts once Ray placed the bundles).
     return out
 

@@ -79,6 +79,25 @@ def unpack_routing(packed: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def join_stage_routing(stages: list[dict[str, Any]]) -> dict[str, Any]:
+    """The `unpack_routing` forms of one request from each pipeline stage's capturing worker, in stage order -> one
+    (`unpack_routing`'s form): rows [positions, MoE layers of every stage in layer order, top-k]. A stage's error
+    is the request's; rows from only some stages are an error (a trace missing layers is never handed on). The
+    stages' buffers grow alike but are cut to the rows all of them hold."""
+    if len(stages) == 1:
+        return stages[0]
+    errors = [s["error"] for s in stages if "error" in s]
+    if errors:
+        return {"error": errors[0]}
+    rows = [s["rows"] for s in stages if "rows" in s]
+    if not rows:
+        return {}
+    if len(rows) != len(stages):
+        return {"error": f"routing captured by {len(rows)} of {len(stages)} pipeline stages"}
+    n = min(r.shape[0] for r in rows)
+    return {"rows": np.concatenate([r[:n] for r in rows], axis=1)}
+
+
 def versions_from_spans(spans: Any, num_tokens: int, fallback: int) -> np.ndarray:
     """vLLM's per-completion `weight_versions` spans -> one policy version per generated token."""
     out = np.full(num_tokens, fallback, np.int64)

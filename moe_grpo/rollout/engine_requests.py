@@ -11,7 +11,8 @@ import numpy as np
 
 from moe_grpo.rollout import engine_adapters
 from moe_grpo.rollout.engine_error import EngineError
-from moe_grpo.rollout.engine_outputs import completion_of, join_segments, sampling_params, unpack_routing
+from moe_grpo.rollout.engine_outputs import (completion_of, join_segments, join_stage_routing, sampling_params,
+                                            unpack_routing)
 from moe_grpo.rollout.types import Completion, SamplingSettings
 
 if TYPE_CHECKING:  # the engine these coroutines run on imports this module
@@ -97,11 +98,12 @@ async def pop_routing(engine: VllmEngine, prefixes: list[str]) -> dict[str, Any]
     if engine._closing or engine.llm is None or engine._dead_pid() is not None:
         return {"error": f"engine {engine.engine_id} is not serving; routing not fetched"}  # its buffers went with it
     try:
-        packed = (await asyncio.wait_for(engine._collective_rpc("moe_grpo_pop_routing", (prefixes,)),
-                                         engine.request_timeout_s))[engine._capture_index]
+        answers = await asyncio.wait_for(engine._collective_rpc("moe_grpo_pop_routing", (prefixes,)),
+                                         engine.request_timeout_s)
+        stages = [answers[i] for i in engine._capture_indices]  # one capturing worker per pipeline stage
     except Exception as e:  # noqa: BLE001 - a dead engine is reported by the caller's watchdog
         return {"error": f"could not fetch routing: {e}"}
-    return unpack_routing(packed)
+    return join_stage_routing([unpack_routing(packed) for packed in stages])
 
 
 async def score_one(engine: VllmEngine, seq: Sequence[int], params: Any) -> np.ndarray:

@@ -16,10 +16,19 @@ EXTENSION = "moe_grpo.rollout.worker_extension.RoutingCaptureExtension"
 
 
 def check_options(*, tensor_parallel: Any, routing_source: str, on_update: str, capture: bool, extension: bool,
-                  lora: Any, lora_apply: str) -> None:
-    """Refuse a combination of `VllmEngine` options that cannot run, naming the bad value (ValueError)."""
+                  lora: Any, lora_apply: str, pipeline_parallel: Any = 1, num_layers: int | None = None) -> None:
+    """Refuse a combination of `VllmEngine` options that cannot run, naming the bad value (ValueError).
+    `num_layers`: the model's decoder layers (each pipeline stage needs at least one)."""
     if not isinstance(tensor_parallel, int) or tensor_parallel < 1:
         raise ValueError(f"tensor_parallel={tensor_parallel!r}, expected an integer >= 1")
+    if not isinstance(pipeline_parallel, int) or pipeline_parallel < 1:
+        raise ValueError(f"pipeline_parallel={pipeline_parallel!r}, expected an integer >= 1")
+    if num_layers is not None and pipeline_parallel > num_layers:
+        raise ValueError(f"pipeline_parallel={pipeline_parallel} stages for a model of {num_layers} decoder layers, "
+                         "expected at most one stage per layer")
+    if pipeline_parallel > 1 and lora is not None and lora.enabled:
+        raise ValueError(f"lora with pipeline_parallel={pipeline_parallel}: LoRA versions are built for engines of "
+                         "one pipeline stage (pipeline_parallel=1)")
     if routing_source not in ("auto", "extension", "native"):
         raise ValueError(f"routing_source={routing_source!r}, expected 'auto', 'extension' or 'native'")
     if on_update not in ("keep", "abort"):
@@ -92,22 +101,24 @@ def hf_overrides(model_dir: str) -> dict[str, Any]:
 
 def engine_args(model_dir: str, spec: MoEModelSpec, *, dtype: str, max_model_len: int, max_num_seqs: int, seed: int,
                 tensor_parallel: int, extension: bool, max_num_batched_tokens: int | None, native: bool,
-                served_lora: Any, on_gpu: bool) -> dict[str, Any]:
+                served_lora: Any, on_gpu: bool, pipeline_parallel: int = 1) -> dict[str, Any]:
     """vLLM's `AsyncEngineArgs` for an engine (see `VllmEngine`). `served_lora`: the LoraConfig whose adapters vLLM
     serves (`lora_apply='serve'`), else None. `native` (vLLM's own routing capture) also sets the environment
     variable that selects Model Runner V2."""
     args: dict[str, Any] = dict(
         model=model_dir, skip_tokenizer_init=True, trust_remote_code=True, dtype=dtype, enforce_eager=True,
         max_model_len=max_model_len, max_num_seqs=max_num_seqs, enable_prefix_caching=False, seed=seed,
-        disable_log_stats=True, tensor_parallel_size=tensor_parallel,
+        disable_log_stats=True, tensor_parallel_size=tensor_parallel, pipeline_parallel_size=pipeline_parallel,
         # The log-probs of the distribution sampled from (after temperature), which the learner computes with
         # its logits divided by the same temperature; at temperature 1 (and top_p 1) they equal the raw ones.
         logprobs_mode="processed_logprobs")
     overrides = hf_overrides(model_dir)
     if overrides:
         args["hf_overrides"] = overrides
-    if tensor_parallel > 1:
-        args["distributed_executor_backend"] = "mp"  # one process per worker, on CPU and GPU alike
+    if tensor_parallel * pipeline_parallel > 1:
+        # One process per worker, on CPU and GPU alike, all on this host (stages on other nodes would need vLLM's
+        # Ray executor, not built).
+        args["distributed_executor_backend"] = "mp"
     if extension:
         args["worker_extension_cls"] = EXTENSION
     if max_num_batched_tokens is not None:
@@ -125,19 +136,31 @@ def engine_args(model_dir: str, spec: MoEModelSpec, *, dtype: str, max_model_len
 
 
 def check_workers(infos: list[dict[str, Any]], tensor_parallel: int, capture_routing: bool,
-                  engine_id: str) -> list[int]:
-    """From every worker's `moe_grpo_install` answer, check that `tensor_parallel` workers answered, with ranks
-    0..tensor_parallel-1 once each, and (`capture_routing`: the worker extension captures routing) that exactly one
-    worker, tensor-parallel rank 0, captures it. Returns each worker's rank, in the order they answered."""
-    if len(infos) != tensor_parallel:
+                  engine_id: str, pipeline_parallel: int = 1) -> list[int]:
+    """From every worker's `moe_grpo_install` answer, check that tensor_parallel x pipeline_parallel workers
+    answered, each (pipeline stage, tensor-parallel rank) once, and (`capture_routing`: the worker extension
+    captures routing) that in each stage exactly one worker, tensor-parallel rank 0, captures it. Returns each
+    worker's tensor-parallel rank, in the order they answered."""
+    expected = tensor_parallel * pipeline_parallel
+    if len(infos) != expected:
         raise EngineError(f"engine {engine_id}: {len(infos)} vLLM workers answered, expected "
-                          f"tensor_parallel={tensor_parallel}")
+                          f"tensor_parallel={tensor_parallel} x pipeline_parallel={pipeline_parallel} = {expected}")
     ranks = [int(i["tp_rank"]) for i in infos]
-    if sorted(ranks) != list(range(tensor_parallel)):
-        raise EngineError(f"engine {engine_id}: workers report tensor-parallel ranks {ranks}, expected "
-                          f"0..{tensor_parallel - 1} once each")
-    capturing = [r for r, i in zip(ranks, infos) if i["capturing"]]
-    if capture_routing and capturing != [0]:
-        raise EngineError(f"engine {engine_id}: routing captured by tensor-parallel ranks {capturing}, "
-                          "expected rank 0 alone")
+    coords = sorted((int(i.get("pp_rank", 0)), r) for r, i in zip(ranks, infos))
+    want = [(pp, tp) for pp in range(pipeline_parallel) for tp in range(tensor_parallel)]
+    if coords != want:
+        raise EngineError(f"engine {engine_id}: workers report (pipeline stage, tensor-parallel rank) {coords}, "
+                          f"expected {want} once each")
+    capturing = sorted((int(i.get("pp_rank", 0)), r) for r, i in zip(ranks, infos) if i["capturing"])
+    if capture_routing and capturing != [(pp, 0) for pp in range(pipeline_parallel)]:
+        raise EngineError(f"engine {engine_id}: routing captured by (pipeline stage, tensor-parallel rank) "
+                          f"{capturing}, expected tensor-parallel rank 0 of each stage alone")
     return ranks
+
+
+def capture_order(infos: list[dict[str, Any]]) -> list[int]:
+    """Positions, in collective_rpc's answers, of the workers that capture routing, in pipeline-stage order: their
+    traces, put side by side in this order, cover the MoE layers in layer order (each stage holds a contiguous run
+    of layers)."""
+    capturing = [(int(i.get("pp_rank", 0)), n) for n, i in enumerate(infos) if i["capturing"]]
+    return [n for _, n in sorted(capturing)]

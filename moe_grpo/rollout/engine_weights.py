@@ -60,9 +60,10 @@ def every_worker_loaded(engine: VllmEngine, method: str, answers: Any, version: 
     loads the whole bucket through vLLM's weight loaders, which keep its own slices); otherwise the version is
     not served and `load_published` rolls every worker back."""
     answers = list(answers or [])
-    if len(answers) != engine.tensor_parallel or len({repr(a) for a in answers}) != 1:
+    workers = getattr(engine, "num_workers", engine.tensor_parallel)  # every stage's workers are handed every bucket
+    if len(answers) != workers or len({repr(a) for a in answers}) != 1:
         raise EngineError(f"engine {engine.engine_id}: {method} of version {version} answered {answers} from "
-                          f"{len(answers)} worker(s), expected the same count from each of {engine.tensor_parallel}")
+                          f"{len(answers)} worker(s), expected the same count from each of {workers}")
 
 
 def bucket_rpcs(engine: VllmEngine, plan: Any, sources: list[dict]) -> list[tuple[str, tuple]]:

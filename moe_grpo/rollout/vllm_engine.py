@@ -22,6 +22,10 @@ routing, so tensor-parallel rank 0 alone captures it (one trace per request); ev
 bucket of a version, and a version is served only when each worker answered each reload. Any dead worker
 (or the engine core between them) is a dead engine.
 
+Pipeline parallelism (`pipeline_parallel` > 1, the same executor, every stage on this host): each stage's
+tensor-parallel rank 0 captures the routing of the stage's layers and the engine joins them in layer order;
+every worker is handed every bucket and keeps what its stage holds.
+
 Bad requests (empty prompt, ids outside the vocabulary, longer than the
 context) are refused one by one, with the reason on their completions; the
 rest is served. A request the worker could not capture routing for fails
@@ -55,8 +59,8 @@ from moe_grpo.rollout import engine_requests, engine_weights, lora_serving
 from moe_grpo.rollout.engine_error import EngineError
 from moe_grpo.rollout.engine_outputs import check_prompt, join_segments, native_routing_to_trace, versions_from_spans
 from moe_grpo.rollout.engine_processes import EngineProcesses, engine_core_processes
-from moe_grpo.rollout.engine_setup import (EXTENSION, check_cpu_head_size, check_options, check_workers, cpu_omp_bind,
-                                           engine_args, prepare_cpu)
+from moe_grpo.rollout.engine_setup import (EXTENSION, capture_order, check_cpu_head_size, check_options, check_workers,
+                                           cpu_omp_bind, engine_args, prepare_cpu)
 from moe_grpo.rollout.types import Completion, SamplingSettings
 
 __all__ = ["EXTENSION", "EngineError", "VllmEngine", "check_cpu_head_size", "cpu_omp_bind", "join_segments",
@@ -101,6 +105,9 @@ class VllmEngine:
     """Every process holding part of the model: the workers, and with several the engine core between them."""
     _capture_index: int
     """Position of tensor-parallel rank 0 (the worker that captures routing) in collective_rpc's answers."""
+    _capture_indices: list[int]
+    """Positions in collective_rpc's answers of the workers that capture routing, one per pipeline stage, in stage
+    order (`engine_setup.capture_order`)."""
     _tp_ranks: list[int]
     """Each worker's tensor-parallel rank, in the order collective_rpc answers (`check_workers`)."""
 
@@ -108,7 +115,8 @@ class VllmEngine:
                  kv_cache_gib: int = 1, capture: bool = True, extension: bool = True, seed: int = 0,
                  max_num_batched_tokens: int | None = None, dtype: str = "float32", routing_source: str = "auto",
                  on_update: str = "keep", request_timeout_s: float = 600.0, name: str | None = None,
-                 lora: Any = None, lora_apply: str = "merge", tensor_parallel: int = 1) -> None:
+                 lora: Any = None, lora_apply: str = "merge", tensor_parallel: int = 1,
+                 pipeline_parallel: int = 1) -> None:
         """`routing_source`: 'extension' (router hooks, any platform), 'native' (vLLM's
         enable_return_routed_experts: Model Runner V2, GPU only) or 'auto' (native on GPU).
         `extension=False` starts vLLM without the worker extension at all (no capture, no weight
@@ -119,15 +127,18 @@ class VllmEngine:
         format), the adapters of the version it starts on. `tensor_parallel`: vLLM workers of the engine
         (`tensor_parallel_size`; > 1 runs vLLM's multiprocessing executor, on CPU one OpenMP core set per worker,
         `cpu_omp_bind`); routing is captured once, by tensor-parallel rank 0, and a version is served only when every
-        worker has loaded it."""
+        worker has loaded it. `pipeline_parallel`: pipeline stages (`pipeline_parallel_size`, same executor, this
+        host), each of `tensor_parallel` workers."""
         check_options(tensor_parallel=tensor_parallel, routing_source=routing_source, on_update=on_update,
-                      capture=capture, extension=extension, lora=lora, lora_apply=lora_apply)
+                      capture=capture, extension=extension, lora=lora, lora_apply=lora_apply,
+                      pipeline_parallel=pipeline_parallel, num_layers=spec.num_layers)
         on_gpu = torch.cuda.is_available()
         self.lora = lora if lora is not None and lora.enabled else None
         self.lora_apply = lora_apply if self.lora is not None else None
         self._served, self.lora_base_bytes = None, 0
         self.spec, self.model_dir, self.max_model_len = spec, str(model_dir), max_model_len
-        self.tensor_parallel, self.dtype = tensor_parallel, dtype
+        self.tensor_parallel, self.pipeline_parallel, self.dtype = tensor_parallel, pipeline_parallel, dtype
+        self.num_workers = tensor_parallel * pipeline_parallel
         self.native = capture and (routing_source == "native" or (routing_source == "auto" and on_gpu))
         self.capture, self.extension, self.on_update = capture, extension, on_update
         self.request_timeout_s = request_timeout_s
@@ -135,11 +146,12 @@ class VllmEngine:
         self.engine_id = name or f"vllm-{os.getpid()}-{next(_ENGINE_IDS)}"
         self.broken, self.weight_source = None, "model_dir"
         self.stats = {"requests": 0, "resubmitted": 0, "capture_errors": 0, "restarts": 0}
-        self._omp_bind = None if on_gpu else prepare_cpu(spec, kv_cache_gib, tensor_parallel)
+        self._omp_bind = None if on_gpu else prepare_cpu(spec, kv_cache_gib, self.num_workers)
         self._engine_args = engine_args(
             self.model_dir, spec, dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs, seed=seed,
             tensor_parallel=tensor_parallel, extension=extension, max_num_batched_tokens=max_num_batched_tokens,
-            native=self.native, served_lora=self.lora if self.lora_apply == "serve" else None, on_gpu=on_gpu)
+            native=self.native, served_lora=self.lora if self.lora_apply == "serve" else None, on_gpu=on_gpu,
+            pipeline_parallel=pipeline_parallel)
         if self.lora_apply == "serve":
             self._served = lora_serving.ServedAdapters.under("/dev/shm" if os.path.isdir("/dev/shm") else None,
                                                              self.engine_id)
@@ -195,7 +207,8 @@ class VllmEngine:
     def _start(self, timeout_s: float | None = None) -> None:
         t0 = time.perf_counter()
         self.worker_pid: int | None = None
-        self._model_pids, self._capture_index, self._tp_ranks = [], 0, [0]
+        self._model_pids, self._capture_index, self._tp_ranks, self._pp_ranks = [], 0, [0], [0]
+        self._capture_indices = [0]
         self._closing = None
         try:
             info = self._call(self._astart(), "start", timeout_s=timeout_s or max(self.request_timeout_s, 300.0))
@@ -235,12 +248,17 @@ class VllmEngine:
         infos = await self._collective_rpc("moe_grpo_install", (self.capture and not self.native,))
         # Every worker's process (and the engine core's, a process of its own when there are several workers);
         # tensor-parallel rank 0's answer tells what the capture covers (its MoE layers).
-        self._tp_ranks = check_workers(infos, self.tensor_parallel, self.capture and not self.native, self.engine_id)
+        self._tp_ranks = check_workers(infos, self.tensor_parallel, self.capture and not self.native, self.engine_id,
+                                       self.pipeline_parallel)
+        self._pp_ranks = [int(i.get("pp_rank", 0)) for i in infos]
         self._capture_index = self._tp_ranks.index(0)
+        self._capture_indices = capture_order(infos) or [self._capture_index]
         self._model_pids = [int(i["pid"]) for i in infos]
-        if self.tensor_parallel > 1:
+        if self.num_workers > 1:
             self._model_pids.append(self._engine_core_pid())
-        return infos[self._capture_index]
+        first = dict(infos[self._capture_index])
+        first["moe_layers"] = sorted(layer for i in self._capture_indices for layer in infos[i]["moe_layers"])
+        return first
 
     def _dead_pid(self) -> int | None:
         """A process of the engine (a worker, or the engine core holding them) that is dead, or None."""
@@ -391,9 +409,13 @@ class VllmEngine:
         """sha256 of each tensor the workers serve from, by vLLM's parameter name (with several workers
         'tp<rank>/<name>': each holds its own slices): equal digests, equal bits."""
         answers = self._rpc("moe_grpo_weight_digests")
-        if self.tensor_parallel == 1:
+        if self.num_workers == 1:
             return dict(answers[0])
-        return {f"tp{rank}/{name}": digest for rank, answer in zip(self._tp_ranks, answers)
+        if self.pipeline_parallel == 1:
+            return {f"tp{rank}/{name}": digest for rank, answer in zip(self._tp_ranks, answers)
+                    for name, digest in answer.items()}
+        return {f"pp{stage}tp{rank}/{name}": digest for stage, rank, answer in zip(self._pp_ranks, self._tp_ranks,
+                                                                                     answers)
                 for name, digest in answer.items()}
 
     # ------------------------------------------------------------------ weights (engine_weights.py)

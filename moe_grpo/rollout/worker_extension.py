@@ -18,6 +18,11 @@ Tensor parallelism: every worker runs every router on the full hidden states (th
 after attention's all-reduce; vLLM 0.32 splits tokens across ranks only for sequence-parallel MoE, i.e. expert
 parallelism with data parallelism), so every rank computes the same complete top-k. Only tensor-parallel rank 0
 captures: one trace per request, never one per worker.
+
+Pipeline parallelism: each stage's workers hold only its run of layers (vLLM puts a `PPMissingLayer`, without a
+router, in place of the others), so tensor-parallel rank 0 of every stage captures the MoE layers of that stage
+and the engine puts the stages' traces side by side in stage order (`engine_outputs.join_stage_routing`): one
+trace per request, in layer order. Every stage runs the same scheduler output each step, so the rows line up.
 """
 
 from __future__ import annotations
@@ -44,13 +49,13 @@ class RoutingCaptureExtension:
 
     # ---------------------------------------------------------------- setup
     def moe_grpo_install(self, capture: bool = True) -> dict[str, Any]:
-        from vllm.distributed import get_tensor_model_parallel_rank
+        from vllm.distributed import get_pp_group, get_tensor_model_parallel_rank
         from vllm.model_executor.layers.fused_moe.router.base_router import BaseRouter
 
         runner = self.model_runner  # type: ignore[attr-defined]
         model = runner.get_model()
         vllm_patches.apply_cpu_patches_after_build(model)
-        tp_rank = int(get_tensor_model_parallel_rank())
+        tp_rank, pp_rank = int(get_tensor_model_parallel_rank()), int(get_pp_group().rank_in_group)
         capture = bool(capture) and tp_rank == 0  # the other ranks compute the same routing (module docstring)
         layers = []
         for module in model.modules():
@@ -91,7 +96,8 @@ class RoutingCaptureExtension:
 
             runner._prepare_inputs, runner.execute_model = _prepare_inputs, execute_model
             runner._mg_wrapped = True
-        return {"moe_layers": self._mg_layers, "pid": os.getpid(), "tp_rank": tp_rank, "capturing": capture}
+        return {"moe_layers": self._mg_layers, "pid": os.getpid(), "tp_rank": tp_rank, "pp_rank": pp_rank,
+                "capturing": capture}
 
     def moe_grpo_set_capture(self, on: bool) -> bool:
         from vllm.distributed import get_tensor_model_parallel_rank

@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-USERS = {"test_families.py": "family", "test_engine_tensor_parallel.py": "served"}
+USERS = {"test_families.py": "family", "test_engine_tensor_parallel.py": "served",
+         "test_engine_pipeline_parallel.py": "served"}
 """Test module -> the module-scoped fixture (parametrized by family name) through which its tests use the engine."""
 
 
