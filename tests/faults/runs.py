@@ -30,9 +30,11 @@ class Run:
     `cluster.ray_address` does: for a test of that start, of its stop, or of the run's own Ray processes, listeners
     or private directory (with MOE_GRPO_TEST_SESSION_RAY=0 every Run does). `kill()` ends the driver's process
     group: on the session cluster the run's actors are not in it, and Ray ends them once it sees their driver gone
-    (`leftovers` sees them until then)."""
+    (`leftovers` sees them until then). `extra_env`: variables added to the run's environment (its reward workers
+    inherit them)."""
 
-    def __init__(self, run_dir: Path, *overrides: str, own_ray: bool | None = None) -> None:
+    def __init__(self, run_dir: Path, *overrides: str, own_ray: bool | None = None,
+                 extra_env: dict[str, str] | None = None) -> None:
         self.run_dir = Path(run_dir)
         self.log_path = self.run_dir.parent / f"{self.run_dir.name}.{int(time.time() * 1000)}.log"
         self._log = open(self.log_path, "w")
@@ -41,7 +43,7 @@ class Run:
         self.session = None if own_ray else ray_session.address()
         joined = [] if own_ray else [f"cluster.ray_address={self.session}"]
         cmd = [sys.executable, "-m", "moe_grpo.train", *SMALL, *joined, *overrides, f"hydra.run.dir={self.run_dir}"]
-        env = {**os.environ, **({} if own_ray else ray_session.join_env()),
+        env = {**os.environ, **({} if own_ray else ray_session.join_env()), **(extra_env or {}),
                "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests" / "faults"), os.environ.get("PYTHONPATH", "")])}
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT, env=env,
                                      start_new_session=True)

@@ -1,9 +1,10 @@
 """A hanging reward, then an engine's Ray actor killed, its vLLM process killed, and its vLLM process hung: one run of
 `python -m moe_grpo.train` (async, one engine, 8 prompts a step, generation the slower phase so the engine always has
-requests in flight, and a reward function that hangs on every third call throughout), each fault in its own phase
-and each phase's effect read from what the run logged and wrote up to the next fault:
+requests in flight, and a reward function that hangs on every third call in phase 1 and on one call at each engine
+fault after it), each fault in its own phase and each phase's effect read from what the run logged and wrote up to
+the next fault:
 
-1. steps 1-6, the hanging reward alone (`reward.timeout_s=3`, `reward.workers=4`): no engine restarted or named hung
+1. steps 1-4, the hanging reward alone (`reward.timeout_s=2`, `reward.workers=4`): no engine restarted or named hung
    (the engine was never late: the driver only collected late when it scored on its own loop), the hung calls'
    samples counted as failed, and each step bounded by about one reward timeout, not by a timeout per hung call.
    Would have caught scoring one call at a time on the driver's loop: tried with the default run and
@@ -16,9 +17,9 @@ and each phase's effect read from what the run logged and wrote up to the next f
    of the old actor is left on the host. Would have caught: vLLM's processes outliving their actor (they relied on
    vLLM's watch, which a stopped or wedged process never runs), and a replacement started in the same bundle while
    the old processes (their GPU memory, their /dev/shm ring buffers) were still there.
-3. two steps after the replacement serves, its vLLM process is SIGKILLed: named dead, restarted, its prompts sent
+3. a step after the replacement serves, its vLLM process is SIGKILLed: named dead, restarted, its prompts sent
    again;
-4. two steps after that, the restarted vLLM process is SIGSTOPped: named hung within `rollout.request_timeout_s`,
+4. a step after that, the restarted vLLM process is SIGSTOPped: named hung within `rollout.request_timeout_s`,
    restarted.
 Expected at the end: exit 0, every step logged once, three restarts, the resubmitted prompts bounded by what the
 engine can have in flight (the buffer's capacity) per fault, no completion lost, and nothing of the run left in
@@ -26,7 +27,9 @@ engine can have in flight (the buffer's capacity) per fault, no completion lost,
 
 (Until 2026-11-26 these were three runs: tests/faults/test_engine_faults.py (phases 3-4, a 1 s reward timeout),
 test_engine_actor_faults.py (phase 2) and test_reward_faults.py (phase 1); each start and end of a run costs about a
-minute on the suite's 2-core machine.)
+minute on the suite's 2-core machine.) Until 2026-11-27 the reward hung on every third call throughout (so every
+step waited about one reward timeout, ~3.8 s a step), phase 1 ran 6 steps with `reward.timeout_s=3`, each fault
+came two steps after the previous restart and the run had 18 steps: 199 s in CI (issue 30).
 """
 
 from __future__ import annotations
@@ -41,16 +44,17 @@ import time
 import psutil
 import pytest
 
+from faulty_rewards import CUES_ENV
 from old_processes import environ_of, gone, shm_mapped, shm_there
 from runs import Run, shm_entries, shm_left_behind
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.multiprocess]
 
-STEPS = 18  # a restart lets at most ~2 steps go on from the buffer: each fault lands 3+ steps before the end
-REWARD_ONLY_STEPS = 6  # phase 1: the hanging reward alone
+STEPS = 13  # a restart lets at most ~2 steps go on from the buffer: each fault lands 3+ steps before the end
+REWARD_ONLY_STEPS = 4  # phase 1: the hanging reward alone
 PROMPTS_PER_STEP = 8
 MAX_STALENESS = 1  # the default
-REWARD_TIMEOUT_S = 3
+REWARD_TIMEOUT_S = 2
 REQUEST_TIMEOUT_S = 20  # rollout.request_timeout_s: a SIGSTOPped engine is named hung within this
 TAG_ENV = "MOE_GRPO_OWNER"  # moe_grpo.process_ties.TAG_ENV: read from the engine core's environment, as a user would
 
@@ -78,7 +82,9 @@ class FaultedRun:
     code: int
     shm_before: set[str]
     reward_rows: list[dict]
-    """The rows of phase 1 (steps 1-6: the hanging reward alone, before any engine fault)."""
+    """The rows of phase 1 (steps 1-4: the hanging reward alone, before any engine fault)."""
+    cues_left: list[str]
+    """The reward's cues to hang (one placed at each engine fault) that no call took by the end of the run."""
     reward_output: str
     """The run's log up to the first engine fault."""
     actor: ActorKill
@@ -144,34 +150,44 @@ def _last_step(run: Run) -> int:
 @pytest.fixture(scope="module")
 def faulted_run(tmp_path_factory) -> FaultedRun:
     shm_before = shm_entries()
-    run = Run(tmp_path_factory.mktemp("engine_faults") / "run", f"steps={STEPS}", "mode=async",
+    tmp = tmp_path_factory.mktemp("engine_faults")
+    cues = tmp / "reward_cues"  # faulty_rewards.hang_on_cue: every third call hangs while `every_third` is there
+    cues.mkdir()
+    (cues / "every_third").touch()
+    run = Run(tmp / "run", f"steps={STEPS}", "mode=async",
               f"algo.prompts_per_step={PROMPTS_PER_STEP}", f"algo.max_staleness={MAX_STALENESS}",
               f"rollout.request_timeout_s={REQUEST_TIMEOUT_S}", "checkpoint.every=0",
               "rollout.max_tokens=24",  # longer completions: generation is the slower phase, the engine always busy
-              "reward.fn=[faulty_rewards:hang_every_third]", f"reward.timeout_s={REWARD_TIMEOUT_S}",
-              "reward.workers=4")
+              "reward.fn=[faulty_rewards:hang_on_cue]", f"reward.timeout_s={REWARD_TIMEOUT_S}",
+              "reward.workers=4", extra_env={CUES_ENV: str(cues)})
     try:
         run.wait_step(REWARD_ONLY_STEPS)
         reward_output = run.output
         reward_rows = [r for r in run.rows() if r["step"] <= REWARD_ONLY_STEPS]
+        # From here a reward call hangs only on a cue, one placed at each engine fault: a hang still lands in each
+        # phase, and the steps between faults cost no reward timeout.
+        (cues / "every_third").unlink()
+        (cues / "hang-1-actor").touch()
         actor = _kill_the_actor(run)
-        run.wait_step(_last_step(run) + 2)
+        run.wait_step(_last_step(run) + 1)  # a step logged after the replacement came back: it counts the restart
         restarts_before_kill = run.rows()[-1]["faults/engine_restarts"]
         killed = run.processes()["engines"]["engine0"]
         killed_output_at = len(run.output)
         os.kill(killed, signal.SIGKILL)
+        (cues / "hang-2-killed").touch()
         run.wait_for("a restarted engine0", lambda: run.processes()["engines"]["engine0"] not in (killed, 0), 400)
         stopped = run.processes()["engines"]["engine0"]
-        run.wait_step(_last_step(run) + 2)
+        run.wait_step(_last_step(run) + 1)
         assert _last_step(run) <= STEPS - 3, f"the hang would land too late to be seen (step {_last_step(run)})"
         stopped_output_at = len(run.output)
         os.kill(stopped, signal.SIGSTOP)
+        (cues / "hang-3-stopped").touch()
         code = run.finish(900)
     except BaseException:
         run.kill()
         raise
-    return FaultedRun(run, code, shm_before, reward_rows, reward_output, actor, restarts_before_kill, killed,
-                      killed_output_at, stopped, stopped_output_at)
+    return FaultedRun(run, code, shm_before, reward_rows, sorted(os.listdir(cues)), reward_output, actor,
+                      restarts_before_kill, killed, killed_output_at, stopped, stopped_output_at)
 
 
 # Phase 1: the hanging reward alone.
@@ -184,22 +200,24 @@ def test_a_hanging_reward_restarts_no_engine_and_costs_only_its_samples(faulted_
     assert "hung" not in out and "restarting it" not in out, out[-4000:]
     assert rows[-1]["reward/failed"] >= 4, "calls hung and their samples were counted as failed"
     assert f"did not return within reward.timeout_s={REWARD_TIMEOUT_S}" in out
-    assert "faulty_rewards:hang_every_third" in out
+    assert "faulty_rewards:hang_on_cue" in out
 
 
 def test_a_step_waits_on_a_hanging_reward_for_about_one_timeout(faulted_run, record_property):
-    """Steps 2-6 (step 1 includes start-up): the median is under 2.5 timeouts (3.7 s measured with 8-token
-    completions; 0.45 s with a reward that never hangs). Scored one call at a time, each step waited ~3 hung calls
-    x 3 s (13.2 s)."""
+    """Steps 2-4 (step 1 includes start-up): the median is under 2.5 timeouts (2.96 s measured with a 2 s timeout,
+    3.7 s with a 3 s one; 0.45 s with a reward that never hangs). Scored one call at a time, a step waits a timeout
+    per hung call, and ~4 of a step's 8 calls hang here (13.2 s measured with a 3 s timeout)."""
     step_s = [r["time/step_seconds"] for r in faulted_run.reward_rows[1:]]
     record_property("step_seconds", step_s)
     assert statistics.median(step_s) < 2.5 * REWARD_TIMEOUT_S, step_s
 
 
 def test_a_hanging_reward_never_costs_the_run(faulted_run):
-    """Through all three engine faults the reward kept hanging: the run still ends well, the failures counted."""
+    """Through all three engine faults the reward kept hanging (a call hung at each: each cue was taken): the run
+    still ends well, the failures counted."""
     run = faulted_run.run
     assert faulted_run.code == 0, run.output[-4000:]
+    assert faulted_run.cues_left == [], "a cue no reward call took: no call hung at that engine fault"
     assert run.rows()[-1]["reward/failed"] > faulted_run.reward_rows[-1]["reward/failed"]
 
 
