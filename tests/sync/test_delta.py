@@ -288,7 +288,7 @@ def test_a_bucket_is_diffed_encoded_and_applied_at_once_not_tensor_by_tensor(mon
     """A bucket of a 128-expert model holds hundreds of small tensors: a comparison, a `nonzero` and an indexed
     write per tensor cost 4-16x a full version's copy in seconds (tools/bench_sync.py --delta at aa5e849). The
     diff must compare the bucket once (numpy's comparison on CPU: `_not_equal`), and the apply write it once
-    (one `index_copy_`, a tenth of `index_put_`'s time), whatever the tensors' count."""
+    (one `index_copy_`), whatever the tensors' count."""
     import moe_grpo.sync.delta as delta_module
 
     compared = []
