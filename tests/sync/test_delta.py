@@ -293,7 +293,8 @@ def test_a_bucket_is_diffed_encoded_and_applied_at_once_not_tensor_by_tensor(mon
 
     compared = []
     not_equal = delta_module._not_equal
-    monkeypatch.setattr(delta_module, "_not_equal", lambda a, b, out: (compared.append(a.numel()), not_equal(a, b, out)))
+    monkeypatch.setattr(delta_module, "_not_equal",
+                        lambda a, b, out: (compared.append(a.numel()), not_equal(a, b, out)))
     names = [f"model.layers.1.mlp.experts.{e}.up_proj.weight" for e in range(200)]
     plan = BucketPlan("toy", "bfloat16", (Bucket(0, tuple(BucketEntry(n, (16, 32), 1024 * i) for i, n in enumerate(names)),
                                                  1024 * len(names)),))
