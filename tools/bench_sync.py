@@ -54,7 +54,7 @@ Qwen3-30B-A3B and DeepSeek-V3 in bf16.
 With `--delta`, delta versions against full versions from real optimizer steps at three learning rates, over
 shared memory and the relay, with the projection to Qwen3-30B-A3B and DeepSeek-V3 (tools/bench_sync_delta.py).
 
-    .venv/bin/python tools/bench_sync.py --delta [--delta-steps 5]
+    .venv/bin/python tools/bench_sync.py --delta [--delta-steps 5] [--delta-models 128e,large] [--delta-stages]
 
 Last line: one JSON object with `sync_vs_memcpy_ratio` and `projected_deepseek_v3_seconds`
 (DeepSeek-V3's bf16 bytes at the measured sync rate on this machine); with `--lora`,

@@ -33,6 +33,9 @@ beside a full version's; verl's published figures go beside them.
 
 `--delta-profile DIR` also writes a cProfile of every publish after the first (per model, rate, way and rank),
 of every relay receiver and of the engine-side loads into DIR/*.prof (the breakdown in docs/results.md).
+`--delta-stages` instead times each stage of a publish and of a relay receiver by the wall clock, per version, with
+no profiler (`STAGES`; medians on stderr and under `stages_ms` on the last line). `--delta-models` runs a subset
+(tiny, 128e, large).
 
 Progress goes to stderr; the last stdout line is one JSON object.
 """
