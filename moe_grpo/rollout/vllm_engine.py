@@ -251,8 +251,8 @@ class VllmEngine:
         self._tp_ranks = check_workers(infos, self.tensor_parallel, self.capture and not self.native, self.engine_id,
                                        self.pipeline_parallel)
         self._pp_ranks = [int(i.get("pp_rank", 0)) for i in infos]
-        self._capture_index = self._tp_ranks.index(0)
-        self._capture_indices = capture_order(infos) or [self._capture_index]
+        self._capture_indices = capture_order(infos) or [self._tp_ranks.index(0)]
+        self._capture_index = self._capture_indices[0]  # the first stage's tensor-parallel rank 0
         self._model_pids = [int(i["pid"]) for i in infos]
         if self.num_workers > 1:
             self._model_pids.append(self._engine_core_pid())
