@@ -81,8 +81,8 @@ class Driver:
                                    for i, ((name, handle), pid) in enumerate(zip(pools.engines, pools.engine_pids))],
                                   run.rollout, pools.make_engine, run.cluster.start_timeout_s)
         self.greedy = sampling_settings(run, tokenizer, greedy=True)
-        self.probe = MismatchProbe(source.probe_set(run.routing.probe_prompts), self._probe_sampling,
-                                   run.routing.probe_engines)
+        self.probe = MismatchProbe(source.probe_set(run.routing.probe_prompts), engines_per_round=run.routing.probe_engines,
+                                   sampling=lambda seed: dataclasses.replace(sampling_settings(run, tokenizer, seed=seed), n=1))
         self.record: RunRecord | None = None
         self.epoch = 0
         """Bumped by a rollback: requests sent before it are thrown away when they return."""
@@ -160,24 +160,26 @@ class Driver:
             self.engines.send(request, self._sampling(request))
 
     def finish_probes(self) -> None:
-        """After the last step: wait for the probe rounds in progress, so the summary reports the gap on the final
-        weights (in a short async run, or with `rollout.on_update=abort`, no step row may carry a trained version's
-        probe). Bounded by `rollout.request_timeout_s` + 30 s (the scoring); a round not done by then is left out."""
-        if not self.probe.enabled:
-            return
+        """After the last step: wait for the probe rounds in progress: the summary reports the final weights' gap."""
+        if self.probe.enabled:
+            self.wait_for_probes(float("inf"), scored=True, why="after the last step")
+            p = self.probe.row(self.run.routing.replay)
+            log.info("mismatch probe, newest version probed (%s of %d): KL(engine || learner) %.3g on %s engine(s)",
+                     p["mismatch/probe_version"], self.state.step, p["mismatch/kl"], p["mismatch/probe_engines"])
+
+    def wait_for_probes(self, through: float, *, scored: bool, why: str) -> None:
+        """Wait until no probe round of a version <= `through` is sampling (`scored`: nor being scored), handing
+        finished rounds to the ranks at once; bounded by `rollout.request_timeout_s` + 30 s (then left out)."""
+        def pending() -> list[int]:
+            return [r.version for r in self.probe.rounds + self.probe.scoring * scored if r.version <= through]
         limit = self.run.rollout.request_timeout_s + 30.0
         deadline = time.monotonic() + limit
-        while (self.probe.rounds or self.probe.scoring) and time.monotonic() < deadline:
+        while pending() and time.monotonic() < deadline:
             self.probe.submit(self.engines)
             self.wait_on(self.engines.request_refs("probe") + self.engines.refs_of_loads() + self.probe.refs())
-            self.advance_probe()
-        if self.probe.rounds or self.probe.scoring:
-            log.warning("mismatch probe: rounds of versions %s not finished %.0f s after the last step; the summary "
-                        "reports version %s", [r.version for r in self.probe.rounds + self.probe.scoring], limit,
-                        self.probe.latest.get("version"))
-        p = self.probe.row(self.run.routing.replay)
-        log.info("mismatch probe, newest version probed (%s of %d): KL(engine || learner) %.3g on %s engine(s)",
-                 p["mismatch/probe_version"], self.state.step, p["mismatch/kl"], p["mismatch/probe_engines"])
+            self.advance_probe(learners_busy=False)
+        if pending():
+            log.warning("mismatch probe: versions %s not finished %.0f s %s", pending(), limit, why)
 
     def wait_on(self, refs: list[Any], timeout_s: float = 1.0) -> None:
         """Outside the schedule's pass (an evaluation, the final probe): wait up to `timeout_s` for one of `refs`,
@@ -188,17 +190,13 @@ class Driver:
         self.engines.check_hung()
         self.engines.settle(block=False)
 
-    def _probe_sampling(self, seed: int) -> Any:
-        return dataclasses.replace(sampling_settings(self.run, self.tokenizer, seed=seed), n=1)
-
-    def advance_probe(self) -> None:
+    def advance_probe(self, learners_busy: bool | None = None) -> None:
         """Move the mismatch probe on: failed requests, scoring by the learner ranks, their answer."""
         for request, engine in self.engines.take_failed_probes():
             self.probe.on_failure(request, engine)
-        # The ranks' idle time: no step training, no batch waiting for one that will train (probe.py: scoring
-        # queued on the ranks ahead of a step holds back the weights the engines wait for).
-        busy = self.training is not None or (self.state.step < self.run.steps
-                                             and len(self.buffer) >= self.run.algo.prompts_per_step)
+        # Unless told: busy while a step trains or a batch waits for one (probe.py: scoring queued ahead of a step).
+        busy = learners_busy if learners_busy is not None else self.training is not None or (
+            self.state.step < self.run.steps and len(self.buffer) >= self.run.algo.prompts_per_step)
         self.probe.score(self.learners, self.engines, learners_busy=busy)
         self.probe.collect()
 
@@ -276,6 +274,10 @@ class Driver:
         """Hand the learner ranks the next batch, if none is training and the buffer holds one."""
         if self.training:
             return
+        if not self.is_async and len(self.buffer) >= self.run.algo.prompts_per_step and self.probe.enabled:
+            # Sync: the probe of the batch's version is scored ahead of the step (the ranks idle until then), so the
+            # step's row carries the probe of the weights it trained from (left to idle time: after the row).
+            self.wait_for_probes(self.state.published, scored=False, why=f"before step {self.state.step + 1}")
         groups = self.buffer.take(self.run.algo.prompts_per_step, self.state.step)
         if groups is None:
             return
@@ -480,15 +482,13 @@ class Driver:
                  time.perf_counter() - t0, "" if reason == "every" else f", on {reason}")
         self.due = None
         if self.stop_after_checkpoint:
-            # The signal's name, not `reason`: a SIGTERM landing while a periodic checkpoint is being written
-            # stops the run after that one ("stopped by SIGTERM", not "stopped by every").
+            # The signal's name, not `reason`: a SIGTERM during a periodic checkpoint is "stopped by SIGTERM".
             raise Stopped(self.stop_after_checkpoint)
         return self.last_checkpoint
 
     def _checkpoint_hint(self) -> str:
-        if self.last_checkpoint is None:
-            return "no run checkpoint was written yet"
-        return f"last checkpoint: {self.last_checkpoint} (resume=true continues from it)"
+        last = self.last_checkpoint
+        return f"last checkpoint: {last} (resume=true continues from it)" if last else "no run checkpoint was written yet"
 
     # ------------------------------------------------------------------ signals
     def on_signal(self, signum: int) -> None:
