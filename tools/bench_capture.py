@@ -13,22 +13,15 @@ Last line: one JSON object; `capture_throughput_ratio` is the headline (goal >= 
 
 from __future__ import annotations
 
-import argparse
 import json
 import tempfile
 import time
 
-from interleave import interleaved_medians  # tools/ is sys.path[0] when a bench runs
+from interleave import engine_bench_parser, interleaved_medians  # tools/ is sys.path[0] when a bench runs
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="deepseek_moe")
-    ap.add_argument("--prompts", type=int, default=16)
-    ap.add_argument("--prompt-len", type=int, default=64)
-    ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--rounds", type=int, default=4)
-    args = ap.parse_args()
+    args = engine_bench_parser(__doc__).parse_args()
     import warnings
 
     warnings.filterwarnings("ignore")

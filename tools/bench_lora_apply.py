@@ -14,24 +14,18 @@ is slower) is the headline; the field reports 1.33-1.39 for vLLM's LoRA serving 
 
 from __future__ import annotations
 
-import argparse
 import json
 import tempfile
 import time
 
-from interleave import interleaved_medians  # tools/ is sys.path[0] when a bench runs
+from interleave import engine_bench_parser, interleaved_medians  # tools/ is sys.path[0] when a bench runs
 
 TARGETS = ("attention", "dense_mlp", "shared_experts")
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="deepseek_moe")
+    ap = engine_bench_parser(__doc__)
     ap.add_argument("--rank", type=int, default=16)
-    ap.add_argument("--prompts", type=int, default=16)
-    ap.add_argument("--prompt-len", type=int, default=64)
-    ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--rounds", type=int, default=4)
     args = ap.parse_args()
     import warnings
 

@@ -2,8 +2,20 @@
 
 from __future__ import annotations
 
+import argparse
 import statistics
 from typing import Callable
+
+
+def engine_bench_parser(doc: str | None) -> argparse.ArgumentParser:
+    """The options every engine bench takes (a bench adds its own): the model, what is sampled, the rounds."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="deepseek_moe")
+    ap.add_argument("--prompts", type=int, default=16)
+    ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=4)
+    return ap
 
 
 def interleaved_medians(first: Callable[[], float], second: Callable[[], float], rounds: int,
