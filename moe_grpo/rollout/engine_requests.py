@@ -83,6 +83,10 @@ async def request(engine: VllmEngine, prompt: list[int], sampling: SamplingSetti
         if engine._served is not None:
             await engine_adapters.retire(engine, engine._served.release(adapter))
         routing = await pop_routing(engine, [f"{request_id}-"])  # freed however the request ended
+    if "error" in routing and (engine._closing or engine._dead_pid() is not None):
+        # The engine died (or is shutting down) while the routing was fetched: an engine failure, whose requests are
+        # sent again, not a bad sample dropped with its group (a killed worker fails the fetch, not the generation).
+        raise failure(engine, RuntimeError(routing["error"]), f"the routing fetch of request {request_id}")
     done = completion_of(final, prompt, routing, request_id=request_id, spec=engine.spec, capture=engine.capture,
                          native=engine.native, version=engine.policy_version,
                          adapter_version=version if engine._served is not None else None)
