@@ -58,7 +58,8 @@ def _measure(engine, seqs: list[list[int]]) -> dict:
 
 def _exercise(engine, transport, seqs, base: int) -> dict:
     """Measure `engine` on what it serves (the start directory's weights) and on version base + 1 (published); for
-    TP > 1 also hand it version base + 2 with one worker's answer missing."""
+    an engine of several workers (TP or PP > 1) also hand it version base + 2 with one worker's answer missing.
+    Shared with test_engine_pipeline_parallel.py."""
     from moe_grpo.sync.deliver import apply_version
     from moe_grpo.sync.transport import SyncError
 
@@ -67,7 +68,7 @@ def _exercise(engine, transport, seqs, base: int) -> dict:
     out["v1"] = _measure(engine, seqs)
     out["buffers_left"] = engine.num_routing_buffers()
     out["digests_v1"] = engine.weight_digests()
-    if engine.tensor_parallel > 1:
+    if engine.num_workers > 1:
         real, silenced = engine._collective_rpc, []
 
         async def one_worker_silent(method, args=()):  # once: the rollback that follows goes through
@@ -88,28 +89,31 @@ def _exercise(engine, transport, seqs, base: int) -> dict:
     return out
 
 
-def _serve_tp2(hf: str, spec, transport, seqs, base: int) -> dict:
-    """Start an engine of 2 workers on `hf`, `_exercise` it, shut it down."""
+def _serve_layout(hf: str, spec, transport, seqs, base: int, **layout: int) -> dict:
+    """Start an engine of several workers on `hf` (`layout`: tensor_parallel=2 or pipeline_parallel=2),
+    `_exercise` it, shut it down."""
     from moe_grpo.rollout.vllm_engine import VllmEngine
 
-    engine = VllmEngine(hf, spec, max_model_len=256, max_num_seqs=8, tensor_parallel=2, name="tp2")
+    name = "".join(f"{'tp' if k == 'tensor_parallel' else 'pp'}{v}" for k, v in layout.items())
+    engine = VllmEngine(hf, spec, max_model_len=256, max_num_seqs=8, name=name, **layout)
     try:
         return _exercise(engine, transport, seqs, base)
     finally:
         engine.shutdown()
 
 
-@pytest.fixture(scope="module", params=FAMILIES)
-def served(request, tmp_path_factory):
-    """The TP=1 side is the session's one-worker engine on the family's checkpoint (family_engines.py, shared with
-    test_families.py: same checkpoint, same engine settings), handed over serving the checkpoint; the TP=2 engine
-    is this module's own. Versions are numbered on from the version the shared engine serves (`base`)."""
+def serve_beside_tp1(request, tmp_path_factory, key: str, **layout: int):
+    """The module fixture of this file and test_engine_pipeline_parallel.py: the TP=1 side is the session's
+    one-worker engine on the family's checkpoint (family_engines.py, shared with test_families.py: same checkpoint,
+    same engine settings), handed over serving the checkpoint and measured first; the engine of `layout` is the
+    module's own, started after it (2 cores: one engine at a time), its measures under `key`. Versions are numbered
+    on from the version the shared engine serves (`base`)."""
     from moe_grpo.sync.transport import SharedMemoryTransport
 
     import family_engines
 
     shared = family_engines.acquire(request.param, tmp_path_factory)
-    root = tmp_path_factory.mktemp(f"tp_{request.param}")
+    root = tmp_path_factory.mktemp(f"{key}_{request.param}")
     hf, spec, base = shared.hf, shared.spec, shared.engine.policy_version
     transport = SharedMemoryTransport(str(root / "shm"))
     try:
@@ -117,12 +121,18 @@ def served(request, tmp_path_factory):
         publish_version(transport, base + 2, spec, tensors=_perturbed(hf, spec, 2))
         seqs = _eval_tokens()
         tp1 = _exercise(shared.engine, transport, seqs, base)
-        yield {"name": request.param, "base": base, "tp1": tp1, "tp2": _serve_tp2(hf, spec, transport, seqs, base)}
+        yield {"name": request.param, "base": base, "tp1": tp1, "num_layers": spec.num_layers,
+               key: _serve_layout(hf, spec, transport, seqs, base, **layout)}
     finally:
         try:
             family_engines.release(request.param, request)  # before the transport its version came from goes
         finally:
             transport.close()
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def served(request, tmp_path_factory):
+    yield from serve_beside_tp1(request, tmp_path_factory, "tp2", tensor_parallel=2)
 
 
 def _gap(a, b) -> float:
@@ -139,26 +149,33 @@ def _rows_equal(a, b) -> tuple[int, int]:
     return same, total
 
 
-@pytest.mark.parametrize("version", ["v0", "v1"])
-def test_tp2_engine_matches_tp1_engine(served, version, record_property):
-    """Log-probs within 1e-5, the same greedy tokens, and routing traces equal row for row (captured once, by
-    TP rank 0) on the start weights and on a version loaded into every worker through shared memory."""
-    one, two = served["tp1"][version], served["tp2"][version]
-    assert served["tp2"]["workers"] == 3, "expected 2 workers and the engine core holding them"
+def check_matches_tp1(served: dict, key: str, version: str, record_property) -> None:
+    """The engine of several workers (`served[key]`, 2 workers) against the TP=1 engine at `version` ('v0' its
+    start, 'v1' the version published): log-probs within LOGPROB_TOL, the same greedy tokens, routing traces equal
+    row for row, every token stamped with the version served. Shared with test_engine_pipeline_parallel.py."""
+    one, two = served["tp1"][version], served[key][version]
+    assert served[key]["workers"] == 3, "expected 2 workers and the engine core holding them"
     prompt_gap, gen_gap = _gap(one["prompt_lps"], two["prompt_lps"]), _gap(one["lps"], two["lps"])
     prompt_rows, gen_rows = _rows_equal(one["prompt_routes"], two["prompt_routes"]), _rows_equal(one["routes"],
                                                                                                  two["routes"])
     figures = {"family": served["name"], "version": version, "prompt_logprob_max_gap": prompt_gap,
                "greedy_logprob_max_gap": gen_gap, "prompt_rows_equal": prompt_rows, "greedy_rows_equal": gen_rows}
-    record_property("tp2_vs_tp1", figures)
-    print(f"TP=2 vs TP=1: {figures}")
+    record_property(f"{key}_vs_tp1", figures)
+    print(f"{key} vs tp1: {figures}")
     assert prompt_gap <= LOGPROB_TOL and gen_gap <= LOGPROB_TOL, figures
     assert all((a == b).all() for a, b in zip(one["tokens"], two["tokens"])), "greedy tokens differ"
     assert prompt_rows[0] == prompt_rows[1] and gen_rows[0] == gen_rows[1], figures
-    expected = 0 if version == "v0" else served["base"] + 1  # the TP=2 engine's own start, or the version published
+    expected = 0 if version == "v0" else served["base"] + 1
     assert all((v == expected).all() for v in two["versions"]), f"tokens not stamped with version {expected}"
     if version == "v1":  # the published version changed what is served (else the load went nowhere)
-        assert _gap(served["tp2"]["v0"]["prompt_lps"], two["prompt_lps"]) > 1e-3
+        assert _gap(served[key]["v0"]["prompt_lps"], two["prompt_lps"]) > 1e-3
+
+
+@pytest.mark.parametrize("version", ["v0", "v1"])
+def test_tp2_engine_matches_tp1_engine(served, version, record_property):
+    """Log-probs within 1e-5, the same greedy tokens, and routing traces equal row for row (captured once, by
+    TP rank 0) on the start weights and on a version loaded into every worker through shared memory."""
+    check_matches_tp1(served, "tp2", version, record_property)
 
 
 def test_tp2_engine_serves_a_version_only_when_every_worker_loaded_it(served):
