@@ -36,6 +36,7 @@ import os
 import shutil
 import stat
 import tempfile
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -540,8 +541,15 @@ class _MapCache:
 
     def __init__(self) -> None:
         self._maps: dict[tuple[str, bool], tuple[int, int, mmap.mmap]] = {}
+        self._lock = threading.Lock()
+        """The relay's receiver threads map buckets at once: without it two of them unmapped the same gone file
+        and the second died on a KeyError (tests/sync/test_map_cache.py)."""
 
     def get(self, path: str, writable: bool) -> mmap.mmap:
+        with self._lock:
+            return self._get(path, writable)
+
+    def _get(self, path: str, writable: bool) -> mmap.mmap:
         st = os.stat(path)
         key = (path, writable)
         hit = self._maps.get(key)
