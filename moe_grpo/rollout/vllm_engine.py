@@ -103,8 +103,6 @@ class VllmEngine:
     """vLLM's processes of this engine and what they map in /dev/shm (what `shutdown` ends and removes)."""
     _model_pids: list[int]
     """Every process holding part of the model: the workers, and with several the engine core between them."""
-    _capture_index: int
-    """Position of tensor-parallel rank 0 (the worker that captures routing) in collective_rpc's answers."""
     _capture_indices: list[int]
     """Positions in collective_rpc's answers of the workers that capture routing, one per pipeline stage, in stage
     order (`engine_setup.capture_order`)."""
@@ -207,8 +205,7 @@ class VllmEngine:
     def _start(self, timeout_s: float | None = None) -> None:
         t0 = time.perf_counter()
         self.worker_pid: int | None = None
-        self._model_pids, self._capture_index, self._tp_ranks, self._pp_ranks = [], 0, [0], [0]
-        self._capture_indices = [0]
+        self._model_pids, self._capture_indices, self._tp_ranks, self._pp_ranks = [], [0], [0], [0]
         self._closing = None
         try:
             info = self._call(self._astart(), "start", timeout_s=timeout_s or max(self.request_timeout_s, 300.0))
@@ -252,11 +249,10 @@ class VllmEngine:
                                        self.pipeline_parallel)
         self._pp_ranks = [int(i.get("pp_rank", 0)) for i in infos]
         self._capture_indices = capture_order(infos) or [self._tp_ranks.index(0)]
-        self._capture_index = self._capture_indices[0]  # the first stage's tensor-parallel rank 0
         self._model_pids = [int(i["pid"]) for i in infos]
         if self.num_workers > 1:
             self._model_pids.append(self._engine_core_pid())
-        first = dict(infos[self._capture_index])
+        first = dict(infos[self._capture_indices[0]])  # the first stage's tensor-parallel rank 0
         first["moe_layers"] = sorted(layer for i in self._capture_indices for layer in infos[i]["moe_layers"])
         return first
 
