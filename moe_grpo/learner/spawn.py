@@ -1,9 +1,15 @@
 """Run one function in N local processes that form a torch.distributed group.
 
-Used by the multi-process tests and benchmarks on a single CPU host (on a
-cluster, torchrun or Ray sets the same environment variables). Results come
-back per rank; a failure in any rank raises here with that rank's traceback,
-and a hung group is killed after `timeout_s`.
+Used by the multi-process tests and benchmarks on a single CPU host and by the
+checkpoint tools' verification (on a cluster, torchrun or Ray sets the same
+environment variables). Results come back per rank; a failure in any rank raises
+here with that rank's traceback, and a hung group is killed after `timeout_s`.
+
+Ranks are forked from multiprocessing's process server (`forkserver`), which
+imports torch and megatron-core once per calling process (`PRELOADED_MODULES`)
+and has run nothing else: no threads, no CUDA, no patch applied, so each rank
+starts as clean as a spawned interpreter without paying ~6 s of imports per
+group (2 cores; tools/bench_spawn.py measures both side by side).
 """
 
 from __future__ import annotations
@@ -20,6 +26,34 @@ from typing import Any, Callable
 
 from moe_grpo.learner.parallel import SECRET_ENV
 
+PRELOADED_MODULES: tuple[str, ...] = (
+    "torch", "torch.distributed", "megatron.core.models.gpt", "megatron.core.optimizer",
+    "megatron.core.distributed", "megatron.core.pipeline_parallel", "megatron.core.dist_checkpointing")
+"""What the process server imports before forking ranks: third-party modules only (moe_grpo's patches of
+megatron-core must start unapplied in every rank, and do: importing applies none). On a host with CUDA only torch
+is preloaded (`preloaded_here`): torch's import leaves CUDA uninitialised, which forking needs; megatron-core's
+import is not checked for that here (no GPU on the machines this was measured on), so it stays in the ranks."""
+
+
+def cuda_host() -> bool:
+    """Whether torch sees a CUDA device (asked without initialising CUDA in this process)."""
+    import torch
+
+    return bool(torch.cuda.is_available())
+
+
+def preloaded_here() -> tuple[str, ...]:
+    """`PRELOADED_MODULES` as this host uses it: all of them, or only torch on a CUDA host."""
+    return PRELOADED_MODULES[:1] if cuda_host() else PRELOADED_MODULES
+
+
+def _context() -> Any:
+    """The forkserver context, its server told what to preload (only read when the server starts: the first
+    `run_distributed` of a process; later calls reuse it)."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(list(preloaded_here()))
+    return ctx
+
 
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -28,7 +62,10 @@ def free_port() -> int:
 
 
 def _entry(fn: Callable[..., Any], rank: int, world: int, port: int, out_dir: str, args: tuple, env: dict,
-           secret: str) -> None:
+           secret: str, caller_env: dict[str, str]) -> None:
+    # The server's environment is the caller's at the server's start; a rank gets the caller's as it is now.
+    os.environ.clear()
+    os.environ.update(caller_env)
     os.environ.update(env)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **{SECRET_ENV: secret})
@@ -59,12 +96,13 @@ class DistributedRunError(RuntimeError):
 def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 600.0,
                     env: dict[str, str] | None = None) -> list[Any]:
     """`fn(*args)` on ranks 0..world_size-1; returns their results in rank order."""
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     port = free_port()
     secret = secrets.token_hex(32)  # this group's rendezvous secret (parallel.init_distributed)
     with tempfile.TemporaryDirectory(prefix="moe_grpo_spawn_") as out_dir:
-        procs = [ctx.Process(target=_entry, args=(fn, r, world_size, port, out_dir, args, env or {}, secret), daemon=False)
-                 for r in range(world_size)]
+        caller_env = dict(os.environ)
+        procs = [ctx.Process(target=_entry, args=(fn, r, world_size, port, out_dir, args, env or {}, secret, caller_env),
+                             daemon=False) for r in range(world_size)]
         for p in procs:
             p.start()
 
