@@ -1,7 +1,7 @@
 """Processes that end with the process that started them, and the leftovers of an owner that died anyway.
 
-An engine actor owns vLLM's engine core and its workers (vLLM starts them with multiprocessing: `spawn` inside a
-Ray actor, `fork` elsewhere). When the actor is SIGKILLed nothing of it runs to end them, and a replacement that
+An engine actor owns vLLM's engine core and its workers (vLLM spawns the engine core; the engine core forks its
+workers, rollout/worker_start.py, or spawns them where vLLM must). When the actor is SIGKILLed nothing of it runs to end them, and a replacement that
 started beside them would find their memory (GPU memory, `/dev/shm` ring buffers) still taken. Two parts:
 
 - `started_processes_die_with_this_thread()`: every process this thread starts inside the block, forked or spawned,

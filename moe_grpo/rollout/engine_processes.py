@@ -27,7 +27,8 @@ from moe_grpo.processes import (SHM_DIR, STOPPED_STATES, process_alive, process_
 SHM_KINDS = ("psm_", "sem.mp-")
 """What a vLLM 0.32 engine leaves in /dev/shm when its processes are killed: the ring buffers of the message
 queues between engine core and workers (multiprocessing SharedMemory, `psm_<8 hex>`: about 240 and 160 MiB on
-CPU) and the lock the executor shares with its workers (a multiprocessing semaphore, `sem.mp-<8 chars>`). Their
+CPU) and, where vLLM spawns its workers, the lock the executor shares with them (a multiprocessing semaphore,
+`sem.mp-<8 chars>`; forked workers, rollout/worker_start.py, share one unlinked as it is made). Their
 names are random, so an engine's own are found by what its processes map (`mapped_shm`)."""
 
 

@@ -115,10 +115,12 @@ def engine_args(model_dir: str, spec: MoEModelSpec, *, dtype: str, max_model_len
     overrides = hf_overrides(model_dir)
     if overrides:
         args["hf_overrides"] = overrides
-    if tensor_parallel * pipeline_parallel > 1:
-        # One process per worker, on CPU and GPU alike, all on this host (stages on other nodes would need vLLM's
-        # Ray executor, not built).
-        args["distributed_executor_backend"] = "mp"
+    if tensor_parallel * pipeline_parallel > 1 or not on_gpu:
+        # One process per worker (vLLM's CPU platform always runs its workers so), all on this host (stages on
+        # other nodes would need vLLM's Ray executor, not built), forked from the engine core (worker_start.py).
+        from moe_grpo.rollout.worker_start import ForkedWorkersExecutor
+
+        args["distributed_executor_backend"] = ForkedWorkersExecutor
     if extension:
         args["worker_extension_cls"] = EXTENSION
     if max_num_batched_tokens is not None:

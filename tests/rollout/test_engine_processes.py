@@ -73,3 +73,40 @@ def test_end_kills_a_stopped_engine_core_and_the_processes_below_it_and_removes_
         segment.close()
         if os.path.exists(os.path.join(SHM_DIR, name)):
             segment.unlink()
+
+
+def test_end_kills_a_stopped_worker_orphaned_by_its_dead_engine_core():
+    """The engine core SIGKILLed, its worker SIGSTOPped and so orphaned (no longer below the engine core, deaf to
+    SIGTERM and to its parent's death): `end` still finds it among the processes recorded at start and kills it.
+    (A real vLLM worker no longer outlives its engine core: it is forked with PR_SET_PDEATHSIG, see
+    tests/rollout/test_engine_restart.py; a worker started another way, or a future vLLM, could.) Would catch a
+    reaper that only looks below the live engine core."""
+    parent, child = multiprocessing.Pipe()
+    core = multiprocessing.get_context("fork").Process(target=_hold_no_shm, args=(child,), daemon=True)
+    core.start()
+    worker = None
+    try:
+        assert parent.poll(30), "the stand-in engine core started its worker"
+        worker = parent.recv()
+        recorded = EngineProcesses(descendants([core.pid]), [core], {})
+        assert set(recorded.procs) >= {core.pid, worker}, recorded
+        os.kill(worker, signal.SIGSTOP)
+        os.kill(core.pid, signal.SIGKILL)
+        core.join(10)
+        _wait_for(lambda: process_state(worker) in ("T", "t") and worker not in descendants([core.pid]),
+                  "the stopped worker orphaned")
+        out = recorded.end(None, kill=None, timeout_s=1.0, name="test", quiesce=lambda: None)
+        assert worker in out["killed"] and out["processes_left"] == [], out
+        _wait_for(lambda: not process_alive(worker), "the orphaned worker gone")
+    finally:
+        for pid in [core.pid, worker]:
+            if pid and process_alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        core.join(10)
+
+
+def _hold_no_shm(conn: object) -> None:
+    """A stand-in engine core without a segment: starts a worker below itself, says its pid, and waits."""
+    worker = subprocess.Popen(["sleep", "600"])
+    conn.send(worker.pid)  # type: ignore[attr-defined]
+    time.sleep(600)

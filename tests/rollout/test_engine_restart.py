@@ -208,7 +208,9 @@ def test_a_stopped_engine_is_named_hung_and_a_restart_replaces_it(engine, record
     old = actor.call("pid")
     pids = _engine_pids(old)
     shm = _shm_of(pids)
-    assert any(n.startswith("psm_") for n, _ in shm) and any(n.startswith("sem.") for n, _ in shm), shm
+    # vLLM's ring buffers; the executor's lock is no /dev/shm entry: its workers are forked (rollout/worker_start.py),
+    # and a fork-context semaphore is unlinked as it is made.
+    assert any(n.startswith("psm_") for n, _ in shm), shm
     restarts = actor.call("stats")["restarts"]
 
     t0 = time.monotonic()
@@ -259,8 +261,8 @@ def test_a_killed_engine_is_named_dead_and_a_restart_replaces_it(engine, record_
     with pytest.raises(EngineError, match=rf"engine engine7: .*process {old} died"):
         dead.result(60)
     assert dead.finished_at - t0 < 5, dead.finished_at - t0
-    # What vLLM leaves on its own: the engine core exits when its worker dies, but keeps its queues' segments
-    # (and the executor's lock) in /dev/shm.
+    # What vLLM leaves on its own: the engine core exits when its worker dies, but keeps its queues' segments in
+    # /dev/shm.
     deadline = time.monotonic() + 30
     while any(_remains(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
@@ -277,9 +279,11 @@ def test_a_killed_engine_is_named_dead_and_a_restart_replaces_it(engine, record_
     _restarted_serves_version_1(actor, at_v1, old, restarts, out)
 
 
-def test_shutdown_of_a_half_dead_engine_leaves_no_process_and_no_segment(engine):
-    """Its engine core SIGKILLed and its worker SIGSTOPped: the worker, orphaned, is no longer below the engine
-    core and never acts on SIGTERM or on its parent's death; the shutdown must still find and end it."""
+def test_a_stopped_worker_dies_with_its_engine_core_and_the_shutdown_leaves_no_process_and_no_segment(engine):
+    """Its worker SIGSTOPped, then its engine core SIGKILLed: a stopped worker never acts on SIGTERM or on vLLM's
+    own watch of its parent, so the kernel must end it (PR_SET_PDEATHSIG, set in the worker as it is forked:
+    moe_grpo/process_ties.py); the shutdown after it leaves no process and removes the segments. (The reaper's
+    search for a worker that does outlive its core: tests/rollout/test_engine_processes.py.)"""
     actor, _ = engine
     worker = actor.call("pid")
     pids = _engine_pids(worker)
@@ -290,8 +294,9 @@ def test_shutdown_of_a_half_dead_engine_leaves_no_process_and_no_segment(engine)
     os.kill(core, signal.SIGKILL)
     try:
         deadline = time.monotonic() + 30
-        while _ppid(worker) == core:  # orphaned: no longer found below the engine core
-            assert time.monotonic() < deadline, "the stopped worker was not re-parented"
+        while process_state(worker) not in (None, "Z", "X"):
+            assert time.monotonic() < deadline, (f"the stopped worker {worker} outlived its engine core "
+                                                 f"({process_state(worker)})")
             time.sleep(0.01)
         t0 = time.monotonic()
         out = actor.call("shutdown", timeout=120)
@@ -299,11 +304,10 @@ def test_shutdown_of_a_half_dead_engine_leaves_no_process_and_no_segment(engine)
         left = [(p, process_state(p)) for p in pids if _remains(p)]
     finally:
         if process_state(worker) == "T":
-            os.kill(worker, signal.SIGKILL)  # only if the shutdown left it behind (the test fails below)
-    print("shutdown of a half-dead engine:", round(took, 2), "s; phases",
+            os.kill(worker, signal.SIGKILL)  # only if it outlived its core (the test fails above)
+    print("shutdown after a half-dead engine:", round(took, 2), "s; phases",
           {k: round(v, 2) for k, v in out["phases"].items()}, "removed", out["shm_removed"])
     assert took < 20, took
-    assert worker in out["killed"] and out["hard"], out
     assert not left, left
     assert not _still_there(shm), _still_there(shm)
     assert sorted(out["shm_removed"]) == sorted(n for n, _ in shm) and not out["processes_left"], out

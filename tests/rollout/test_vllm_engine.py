@@ -337,3 +337,32 @@ def test_a_head_size_the_cpu_attention_cannot_run_is_refused_before_vllm_starts(
     with pytest.raises(EngineError, match=r"attention head size 16 .* expected one of \[32, 64"):
         VllmEngine(tmp_path, spec)
     assert time.perf_counter() - t0 < 10  # refused up front, not after vLLM started and died
+
+
+def _stack_mapping(pid: int) -> str:
+    """Where the process's main stack is mapped: chosen at random by each exec (ASLR), kept by fork."""
+    with open(f"/proc/{pid}/maps") as f:
+        return next(line.split()[0] for line in f if line.rstrip().endswith("[stack]"))
+
+
+def test_the_engines_worker_is_forked_from_its_engine_core_not_spawned(engine_and_learner):
+    """vLLM's CPU platform spawns workers (a fresh interpreter importing vLLM: 8-12 s of each engine start and
+    restart here); `ForkedWorkersExecutor` forks them from the engine core, so a worker's stack sits where the
+    engine core's does (an exec would have placed it anew). The engine still serves: the other tests of this
+    module use the same engine."""
+    import psutil
+
+    from moe_grpo.rollout.engine_processes import engine_core_processes
+
+    with open("/proc/sys/kernel/randomize_va_space") as f:
+        if f.read().strip() == "0":
+            pytest.skip("address space randomisation is off here: a spawned worker's stack would sit where the "
+                        "engine core's does too")
+    engine, _ = engine_and_learner
+    core = psutil.Process(engine_core_processes(engine.llm)[0].pid)
+    workers = core.children()
+    assert workers, f"the engine core {core.pid} has no worker process below it"
+    for worker in workers:
+        assert _stack_mapping(worker.pid) == _stack_mapping(core.pid), (
+            f"worker {worker.pid} ({worker.name()}) was not forked from the engine core {core.pid}: its stack is "
+            f"mapped at {_stack_mapping(worker.pid)}, the engine core's at {_stack_mapping(core.pid)}")
