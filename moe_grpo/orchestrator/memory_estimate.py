@@ -215,6 +215,8 @@ def engine_memory(total_params: int, dtype: str, tensor_parallel: int, gpu_memor
                   pipeline_parallel: int = 1) -> EngineMemory:
     """Each engine GPU's share of the weights vs what vLLM may use of it (module docstring): the weights over the
     engine's tensor_parallel x pipeline_parallel GPUs (each stage holds its run of layers, each TP rank its
-    slices)."""
+    slices). vLLM's expert parallelism inside the engine (cluster.engine_expert_parallel, `enable_expert_parallel`)
+    needs no term of its own: it gives each of the same TP workers 1/TP of the routed experts whole instead of 1/TP
+    of each expert, the same bytes per GPU (up to one expert where TP does not divide the expert count)."""
     return EngineMemory(int(total_params * DTYPE_BYTES[dtype] / (tensor_parallel * pipeline_parallel)),
                         int(gpu_memory_bytes * VLLM_GPU_MEMORY_UTILIZATION - RESERVED_GIB * GIB))

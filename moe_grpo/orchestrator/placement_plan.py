@@ -61,6 +61,9 @@ class EnginePlacement:
     cpus: float
     pipeline_parallel: int = 1
     """vLLM pipeline stages (cluster.engine_pipeline_parallel), all on `node`."""
+    expert_parallel: bool = False
+    """vLLM expert parallelism (cluster.engine_expert_parallel): the routed experts sharded whole over the
+    `tensor_parallel` workers (EP = TP), on the same GPUs."""
 
 
 @dataclass(frozen=True)
@@ -194,9 +197,11 @@ class Plan:
             lines.append(f"    ({self.rank_memory.details})")
         tps = sorted({e.tensor_parallel for e in self.engines})
         pps = sorted({e.pipeline_parallel for e in self.engines})
+        eps = sorted({e.tensor_parallel for e in self.engines if e.expert_parallel})
+        expert = (f" EP={','.join(map(str, eps))} (routed experts sharded whole over the TP workers)" if eps else "")
         lines.append(f"inference pool: {_nodes(self.inference_nodes)}: {_n(len(self.engines), 'engine')} x TP="
-                     f"{','.join(map(str, tps))}" + (f" PP={','.join(map(str, pps))}" if pps != [1] else "") + (f", {_n(self.engines[0].gpus, 'GPU')} each" if self.engines
-                                                     and self.engines[0].gpus else ""))
+                     f"{','.join(map(str, tps))}" + (f" PP={','.join(map(str, pps))}" if pps != [1] else "") + expert
+                     + (f", {_n(self.engines[0].gpus, 'GPU')} each" if self.engines and self.engines[0].gpus else ""))
         for node in self.inference_nodes:
             names = [e.name for e in self.engines if e.node == node]
             used = sum(e.gpus for e in self.engines if e.node == node)
@@ -307,6 +312,8 @@ def build_plan(run: RunConfig, environ: Mapping[str, str] | None = None, *, seq_
         notes.append(f"learner ranks share GPUs (cluster.learner_gpus={rank_gpus:g}): memory not checked")
     eng_mem = None
     if engine_gpus >= 1:
+        # Expert parallelism (cluster.engine_expert_parallel) moves whole experts where TP slices them: the same
+        # 1/TP of the routed experts per GPU, so the estimate does not depend on it (memory_estimate.engine_memory).
         eng_mem = engine_memory(counts.total, run.rollout.dtype, engine_tp, gpu_bytes, engine_pp)
         if not eng_mem.fits:
             whole_node = bool(gpus) and engine_tp * engine_pp >= gpus
@@ -325,7 +332,7 @@ def build_plan(run: RunConfig, environ: Mapping[str, str] | None = None, *, seq_
         tp, pp, dp, ep, edp = coordinates(r, layout) if layout else (0, 0, 0, 0, 0)
         ranks.append(RankPlacement(r, pools.rank_nodes[r], tp, pp, dp, ep, edp))
     engines = tuple(EnginePlacement(f"engine{i}", pools.engine_nodes[i], engine_tp, engine_gpus, c.engine_cpus,
-                                    engine_pp) for i in range(c.num_engines))
+                                    engine_pp, c.engine_expert_parallel) for i in range(c.num_engines))
     sync_dtype = version_dtype(run.rollout.dtype, run.lora)
     checkpoint = None
     if c.launcher == "slurm":

