@@ -348,10 +348,9 @@ def rank_work(configs: list[dict], shm_root: str, host_roots: list[str], steps: 
 
 
 def _receive(transport: Any, layout: Any, rank: int, host: str, stop: threading.Event) -> None:
-    from moe_grpo.sync.shard_relay import ShardReceiver
+    from moe_grpo.sync.transports import make_shard_receiver
 
-    receiver = ShardReceiver(transport, layout.group(rank), layout.member(rank, host), rank, layout.world,
-                             claims=layout.claimer(host) == rank)
+    receiver = make_shard_receiver(transport, layout, rank, host)
     if receiver.connect(stop):
         with profiled(f"receiver_{layout.run_name}_r{rank}_{host}"):
             version = 1

@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING, Any
 from moe_grpo.learner.rendezvous import RunStoreServer
 from moe_grpo.orchestrator.run_dirs import make_owned_dir, release, remove_orphaned_sync_roots
 from moe_grpo.sync.layout import SyncLayout, host_root, resolve_transport
-from moe_grpo.sync.shard_relay import ShardReceiver
-from moe_grpo.sync.transport import SharedMemoryTransport, secure_root
+from moe_grpo.sync.transport import secure_root
+from moe_grpo.sync.transports import make_shard_receiver, shared_memory
 
 if TYPE_CHECKING:  # the run's config composes the orchestrator's: it is a layer above (pyproject.toml)
     from moe_grpo.config import RunConfig
@@ -59,7 +59,7 @@ class SyncHostAgent:
         # Held by this agent for as long as it lives (with the driver, on the driver's host): a sweep by another run
         # here removes it only once both are gone (run_dirs.py).
         path = Path(make_owned_dir(root, lambda: layout.run_name, existing_ok=True))
-        self.transport = SharedMemoryTransport(str(path), layout.slots)  # checked private like any root
+        self.transport = shared_memory(str(path), layout.slots)  # checked private like any root
         self.server = None
         if serve_store:
             import ray
@@ -79,8 +79,7 @@ class SyncHostAgent:
         """Receive, in a thread each, every learner rank that relays shards here; returns those ranks."""
         self.layout = layout
         for rank in layout.streams_into(self.host):
-            receiver = ShardReceiver(self.transport, layout.group(rank), layout.member(rank, self.host), rank,
-                                     layout.world, claims=layout.claimer(self.host) == rank)
+            receiver = make_shard_receiver(self.transport, layout, rank, self.host)
             self.receivers[rank] = receiver
             thread = threading.Thread(target=self._receive, args=(rank, receiver), daemon=True,
                                       name=f"moe_grpo-shards-r{rank}")

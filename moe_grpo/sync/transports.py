@@ -2,6 +2,8 @@
 
 - `make_publisher(where, rank)`: what a learner rank's `WeightSync` writes through;
 - `make_receiver(where)`: what an engine's `apply_version` reads through;
+- `shared_memory(root, slots)`: a host's buffers in shared memory (a relay host's agent, `WeightSync`'s default);
+- `make_shard_receiver(buffers, layout, rank, host)`: on a relay host, what fills its buffers from learner `rank`;
 - `open_bucket(source)`: inside an engine's vLLM worker, the tensors of one bucket the receiver described.
 
 `where` is a `SyncLayout` (a run: the driver computed it from where Ray placed every actor) or a directory
@@ -24,16 +26,27 @@ import torch
 from moe_grpo.sync.cuda_ipc import CudaIpcTransport, device_views, open_handle
 from moe_grpo.sync.layout import SyncLayout
 from moe_grpo.sync.plan import DTYPES, Bucket, BucketEntry, BucketPlan
-from moe_grpo.sync.shard_relay import ShardSender
+from moe_grpo.sync.shard_relay import ShardReceiver, ShardSender
 from moe_grpo.sync.transport import SharedMemoryTransport, WeightReceiver, WeightTransport, read_bucket
 
 
-def _local(where: SyncLayout | str, slots: int | None = None) -> SharedMemoryTransport:
+def shared_memory(root: str | None = None, slots: int = 2) -> SharedMemoryTransport:
+    """A host's buffers in shared memory at `root` (None: the default root) holding `slots` versions."""
+    return SharedMemoryTransport(root, slots)
+
+
+def make_shard_receiver(buffers: SharedMemoryTransport, layout: SyncLayout, rank: int, host: str) -> ShardReceiver:
+    """On relay host `host`: what receives learner rank `rank`'s shards into that host's `buffers`."""
+    return ShardReceiver(buffers, layout.group(rank), layout.member(rank, host), rank, layout.world,
+                         claims=layout.claimer(host) == rank)
+
+
+def _local(where: SyncLayout | str) -> SharedMemoryTransport:
     if isinstance(where, str):
-        return SharedMemoryTransport(where)
+        return shared_memory(where)
     if where.transport == "cuda_ipc":
         return CudaIpcTransport(where.path(), where.slots)
-    return SharedMemoryTransport(where.path(), where.slots)
+    return shared_memory(where.path(), where.slots)
 
 
 def make_publisher(where: SyncLayout | str, rank: int) -> WeightTransport:
@@ -55,7 +68,7 @@ class RelayPublisher:
     def __init__(self, layout: SyncLayout, rank: int) -> None:
         host = layout.rank_hosts[rank]
         self.layout, self.rank = layout, rank
-        self.local = SharedMemoryTransport(layout.path(), layout.slots) if layout.writes_locally(rank) else None
+        self.local = shared_memory(layout.path(), layout.slots) if layout.writes_locally(rank) else None
         self.claims = layout.claimer(host) == rank
         self.sender: Any = None
 

@@ -40,7 +40,8 @@ from moe_grpo.sync.delta import (DeltaHistory, DeltaTracker, VersionDelta, apply
 from moe_grpo.sync.sync_metrics import expert_bitmaps
 from moe_grpo.sync.gather import ShardWrite, local_shard_writes
 from moe_grpo.sync.plan import BucketPlan, plan_buckets
-from moe_grpo.sync.transport import SharedMemoryTransport, SyncError, WeightTransport
+from moe_grpo.sync.transport import SyncError, WeightTransport
+from moe_grpo.sync.transports import shared_memory
 
 DELTA_HISTORY = 16
 """Versions of changes a rank keeps to bring a recycled buffer forward (`delta.DeltaHistory`)."""
@@ -139,7 +140,7 @@ class WeightSync:
         learner's parameter dtype (tools and tests that publish without engines). `delta`: send each version
         after the first as its changes (`sync.delta`; None: every version whole)."""
         self.learner = learner
-        self.transport = transport if transport is not None else SharedMemoryTransport()
+        self.transport = transport if transport is not None else shared_memory()
         self.claim_timeout_s = claim_timeout_s
         if dtype is None:
             dtype = next(learner.module.parameters()).dtype
