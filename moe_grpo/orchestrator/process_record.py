@@ -3,8 +3,9 @@ had, kept current from start-up through the end of its cleanup.
 
 Whoever checks a run after it ended (an operator, the fault tests) compares this record with what is still there:
 a process of the run still alive, or an entry it created still in /dev/shm, was left behind, whether or not some
-live process still holds it. Processes are recorded with their start time (a pid reused by an unrelated process is
-not the run's); /dev/shm entries by inode, as created after the run began and mapped or open in one of its processes
+live process still holds it. Processes are recorded with their start time in clock ticks since boot (a pid reused
+by an unrelated process is not the run's; whether one still runs is `processes.process_alive`'s rule, the one the
+engine and the driver use); /dev/shm entries by inode, as created after the run began and mapped or open in one of its processes
 (a multiprocessing semaphore is mapped under the temporary name it was created with, so only the inode finds it).
 """
 
@@ -18,13 +19,16 @@ from typing import Any, Iterable
 
 import psutil
 
-from moe_grpo.processes import SHM_DIR, process_tree, shm_entries_held
+from moe_grpo.processes import SHM_DIR, process_alive, process_tree, shm_entries_held, start_ticks
 
 FULL_SCAN_S = 30.0
 """How often every process's /dev/shm entries are looked at again (new processes' are at once)."""
 CLOCK_SLACK_S = 1.0
 """Start times come from /proc in whole clock ticks: a process started just after the run began may read as a little
 before it."""
+PID_START = "clock ticks since boot (/proc/<pid>/stat field 22)"
+"""What `processes.json`'s "pids" map each pid to (its "pid_start"): `processes.start_ticks`, which never moves.
+Records written before it held psutil's epoch start time, which moves with the system clock: refused."""
 
 
 class ProcessRecord:
@@ -38,8 +42,8 @@ class ProcessRecord:
         self.driver = os.getpid()
         self.learners: list[int | None] = []
         self.engines: dict[str, int] = {}
-        self.pids: dict[int, float] = {}
-        """pid -> start time of every process the run has had."""
+        self.pids: dict[int, int] = {}
+        """pid -> start ticks (`processes.start_ticks`) of every process the run has had."""
         self.shm: dict[str, int] = {}
         """/dev/shm entry name -> inode, of every entry the run created."""
         self.sync_root = sync_root
@@ -56,14 +60,15 @@ class ProcessRecord:
         and engines' processes and theirs: on a cluster joined by address they are not the driver's) and the
         /dev/shm entries they map or hold open."""
         roots = [self.driver] + [p for p in self.learners if isinstance(p, int)] + [p for p in self.engines.values() if p]
-        found: dict[int, float] = {}
+        found: dict[int, int] = {}
         for p in process_tree(roots):
             try:
-                started = p.create_time()
+                started = p.create_time()  # wall clock, as `since` is
             except psutil.Error:
                 continue
-            if p.pid == self.driver or p.pid in roots or started >= self.since - CLOCK_SLACK_S:
-                found[p.pid] = started
+            ticks = start_ticks(p.pid)
+            if ticks is not None and (p.pid == self.driver or p.pid in roots or started >= self.since - CLOCK_SLACK_S):
+                found[p.pid] = ticks
         # Reading every process's memory map takes ~1 ms per thousand lines (a vLLM process has thousands): the
         # processes new since the last look each time, all of them every `FULL_SCAN_S` and whenever asked to.
         now = time.monotonic()
@@ -77,6 +82,7 @@ class ProcessRecord:
     def write(self) -> None:
         """Write `processes.json` (atomically, and only when it changed)."""
         info = {"driver": self.driver, "learners": self.learners, "engines": self.engines,
+                "pid_start": PID_START,
                 "pids": {str(pid): started for pid, started in sorted(self.pids.items())},
                 "shm": dict(sorted(self.shm.items())), "sync_root": self.sync_root}
         text = json.dumps(info, indent=1)
@@ -102,18 +108,20 @@ def shm_held_by(pids: Iterable[int], *, created_after: float = 0.0) -> dict[str,
 
 def left_behind(record: dict[str, Any]) -> dict[str, list[str]]:
     """What a finished run's `processes.json` (`record`, as read back) names that is still there: its processes alive
-    (a zombie is not; nor the process asking, which is the driver of a run it called in-process) and its /dev/shm
-    entries (the same inode) and weight slots; empty lists when nothing is."""
+    (`processes.process_alive` with the recorded start: a zombie is not, nor a reused pid; nor the process asking,
+    which is the driver of a run it called in-process) and its /dev/shm entries (the same inode) and weight slots;
+    empty lists when nothing is. A record whose processes carry another kind of start time is refused."""
+    pids = record.get("pids") or {}
+    if pids and record.get("pid_start") != PID_START:
+        raise ValueError(f"processes.json with pid_start={record.get('pid_start')!r}, expected {PID_START!r}: "
+                         "written before start ticks were recorded; its start times cannot tell a reused pid")
     procs = []
-    for pid, started in (record.get("pids") or {}).items():
-        if int(pid) == os.getpid():
+    for pid, started in pids.items():
+        if int(pid) == os.getpid() or not process_alive(int(pid), int(started)):
             continue
         try:
-            p = psutil.Process(int(pid))
-            if abs(p.create_time() - float(started)) > 1e-3 or p.status() in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD):
-                continue
-            procs.append(f"{pid} {' '.join(p.cmdline())[:120]}")
-        except psutil.Error:
+            procs.append(f"{pid} {' '.join(psutil.Process(int(pid)).cmdline())[:120]}")
+        except psutil.Error:  # gone since
             continue
     shm = []
     for name, inode in (record.get("shm") or {}).items():

@@ -5,6 +5,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 from moe_grpo.orchestrator.process_record import ProcessRecord, left_behind
 
@@ -71,6 +72,48 @@ def test_processes_and_entries_from_before_the_run_are_not_its_own(tmp_path):
         record.update(full=True)
         saved = read(record)
         assert str(holder.pid) not in saved["pids"] and name not in saved["shm"]
+    finally:
+        holder.kill()
+        holder.wait()
+        os.unlink(f"/dev/shm/{name}")
+
+
+def test_left_behind_uses_the_one_liveness_rule_of_processes_py(tmp_path, monkeypatch):
+    """`left_behind` judged liveness itself (psutil's epoch start time within 1 ms, psutil's zombie status) beside
+    `processes.process_alive`. psutil's start time is /proc's start ticks plus the boot time in /proc/stat, which moves
+    by whole seconds when the system clock is adjusted: after such an adjustment a process the run left alive read
+    as gone, and the fault tests' check passed over it. The record now keeps start ticks, which never move. Pinned with
+    it, as `process_alive` rules: a pid held by a process started at another time (a reused pid) is not the run's, a
+    zombie is gone, and a record from before start ticks were kept is refused, naming what it lacks."""
+    import psutil
+    import pytest
+
+    record = ProcessRecord(tmp_path)  # before the holder: it is the run's
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER], stdout=subprocess.PIPE, text=True)
+    name = holder.stdout.readline().strip()
+    try:
+        record.update()
+        saved = read(record)
+        assert str(holder.pid) in saved["pids"]
+        real_boot_time = psutil._pslinux.boot_time
+        monkeypatch.setattr(psutil._pslinux, "boot_time", lambda: real_boot_time() + 1.0)  # the clock moved 1 s
+        assert [p.split()[0] for p in left_behind(saved)["processes"]] == [str(holder.pid)]
+        monkeypatch.undo()
+
+        reused = dict(saved, pids={pid: started + 1 for pid, started in saved["pids"].items()})
+        assert left_behind(reused)["processes"] == []  # every pid now held by a process started at another time
+
+        old = {key: value for key, value in saved.items() if key != "pid_start"}
+        with pytest.raises(ValueError, match="pid_start"):
+            left_behind(old)
+        assert left_behind({}) == {"processes": [], "shm": []}  # no record yet (a run killed before it wrote one)
+
+        os.kill(holder.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while psutil.Process(holder.pid).status() != psutil.STATUS_ZOMBIE:  # killed, not yet reaped
+            assert time.monotonic() < deadline, "the killed holder never became a zombie"
+            time.sleep(0.05)
+        assert left_behind(saved)["processes"] == []
     finally:
         holder.kill()
         holder.wait()
