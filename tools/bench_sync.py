@@ -23,7 +23,7 @@ process opens them by CUDA IPC handle and copies every tensor device to device
 into its own weights. The baseline is then a device-to-device `copy_` of the
 same number of bytes (`memcpy_*` keys hold it), timed with the GPU synchronised.
 
-With --relay it also times the gloo relay (`sync/relay.py`) of the last
+With --relay it also times a whole-version gloo relay (tools/whole_relay.py) of the last
 versions to a receiver process over loopback TCP (`relay_bytes_per_s`).
 
 With `--transport relay` it times the run's relay across two Ray nodes
@@ -111,12 +111,13 @@ def receiver(root: str, versions: list[int], queue: "mp.Queue", ipc: bool = Fals
         transport.unpin("bench-receiver")
 
 
-def relay_receiver(port: int, root: str) -> None:
+def relay_receiver(port: int, secret: str, root: str) -> None:
     """Another 'host': receives versions over the relay into its own transport until the sender closes."""
-    from moe_grpo.sync.relay import RelayGroup, RelayReceiver
+    from moe_grpo.sync.relay import RelayGroup
     from moe_grpo.sync.transport import SharedMemoryTransport
+    from whole_relay import RelayReceiver
 
-    receiver = RelayReceiver(SharedMemoryTransport(root), RelayGroup("127.0.0.1", port, 2, timeout_s=600), 1)
+    receiver = RelayReceiver(SharedMemoryTransport(root), RelayGroup("127.0.0.1", port, 2, secret, timeout_s=600), 1)
     while receiver.receive() is not None:
         pass
     SharedMemoryTransport(root).close()
@@ -124,14 +125,17 @@ def relay_receiver(port: int, root: str) -> None:
 
 def measure_relay(transport: object, publish: object, first_version: int, rounds: int = 4) -> float:
     """Median seconds to relay a version to one receiver over loopback TCP (gloo), once both sides' slots are warm."""
-    from moe_grpo.learner.spawn import free_port
-    from moe_grpo.sync.relay import RelayGroup, RelaySender
+    import secrets
 
-    port = free_port()
+    from moe_grpo.learner.spawn import free_port
+    from moe_grpo.sync.relay import RelayGroup
+    from whole_relay import RelaySender
+
+    port, secret = free_port(), secrets.token_hex(32)
     root = tempfile.mkdtemp(prefix="bench_relay_", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
-    proc = mp.get_context("spawn").Process(target=relay_receiver, args=(port, root))
+    proc = mp.get_context("spawn").Process(target=relay_receiver, args=(port, secret, root))
     proc.start()
-    sender = RelaySender(transport, RelayGroup("127.0.0.1", port, 2, timeout_s=600))
+    sender = RelaySender(transport, RelayGroup("127.0.0.1", port, 2, secret, timeout_s=600))
     seconds = []
     for v in range(first_version, first_version + rounds):
         publish(v)

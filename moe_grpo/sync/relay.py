@@ -1,14 +1,6 @@
-"""Carry published versions to engines on other hosts: a broadcast over a private process group.
-
-Shared memory serves the engines on the learner's host. For the others, a
-relay next to the learner reads each complete version from its
-`SharedMemoryTransport` and broadcasts it bucket by bucket to one receiver
-per engine host; the receiver writes the bytes straight into that host's own
-`SharedMemoryTransport` (the broadcast lands in the mapped bucket file), and
-the engines there apply it as usual (`deliver.apply_version`), with the same
-checks and all-or-nothing load. A receiver marks a version done only after
-its last bucket arrived, so a relay that dies mid-version leaves nothing an
-engine would apply.
+"""The relay's private process group: where its members meet (`RelayGroup`) and the broadcast they carry versions
+with (`Broadcaster`). sync/shard_relay.py sends each learner rank's shards to the other sync hosts through one such
+group per rank (`sync.transport=relay`).
 
 The group is private (its own store and gloo ProcessGroup, not
 `torch.distributed`'s global group), so it never mixes with the learner's
@@ -19,17 +11,14 @@ through a device buffer) is not built: no GPU to run it on yet.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from moe_grpo.learner.rendezvous import RunStore, RunStoreServer
-from moe_grpo.sync.plan import BucketPlan
-from moe_grpo.sync.transport import SharedMemoryTransport, SyncError
+from moe_grpo.sync.transport import SyncError
 
 
 @dataclass(frozen=True)
@@ -61,7 +50,11 @@ class RelayGroup:
                 f"prefix={self.prefix!r})")
 
 
-class _Broadcaster:
+class Broadcaster:
+    """Member `rank` of `group`'s gloo group: `broadcast(tensor, what)` sends (rank 0) or receives (the others) one
+    tensor; a failure or a broadcast past the group's timeout raises a `SyncError` naming `role`, the member and
+    `what` was being broadcast."""
+
     def __init__(self, group: RelayGroup, rank: int, role: str) -> None:
         self.group, self.rank, self.role = group, rank, role
         timeout = timedelta(seconds=group.timeout_s)
@@ -79,54 +72,3 @@ class _Broadcaster:
         except Exception as e:
             raise SyncError(f"relay {self.role} (rank {self.rank} of {self.group.world} at {self.group.host}:"
                             f"{self.group.port}) failed while broadcasting {what}: {e}") from e
-
-
-class RelaySender:
-    """Rank 0 of the relay group, on the learner's host."""
-
-    def __init__(self, transport: SharedMemoryTransport, group: RelayGroup) -> None:
-        self.transport = transport
-        self.broadcast = _Broadcaster(group, 0, "sender")
-
-    def send(self, version: int, *, wait_s: float = 60.0) -> dict[str, float]:
-        """Broadcast a complete version to every receiver; returns bytes and seconds."""
-        slot, plan = self.transport.wait_complete(version, wait_s)
-        t0 = time.perf_counter()
-        header = torch.frombuffer(bytearray(plan.to_json().encode()), dtype=torch.uint8)
-        self.broadcast(torch.tensor([version, header.numel()], dtype=torch.int64), "the version header")
-        self.broadcast(header, f"the plan of version {version}")
-        for b in plan.buckets:
-            with self.transport.raw_bucket(slot, b, writable=False) as raw:
-                self.broadcast(raw, f"bucket {b.index} of version {version}")
-        return {"relay/bytes": float(plan.total_bytes), "relay/seconds": time.perf_counter() - t0}
-
-    def close(self) -> None:
-        """Tell every receiver to stop."""
-        self.broadcast(torch.tensor([-1, 0], dtype=torch.int64), "the stop message")
-
-
-class RelayReceiver:
-    """Ranks 1.. of the relay group, one per engine host; writes into that host's transport."""
-
-    def __init__(self, transport: SharedMemoryTransport, group: RelayGroup, rank: int) -> None:
-        if not 0 < rank < group.world:
-            raise ValueError(f"receiver rank {rank}, expected 1..{group.world - 1}")
-        self.transport = transport
-        self.broadcast = _Broadcaster(group, rank, "receiver")
-
-    def receive(self) -> int | None:
-        """Block until the next version arrived whole (returns it) or the sender closed (None)."""
-        meta = torch.zeros(2, dtype=torch.int64)
-        self.broadcast(meta, "the version header")
-        version, size = int(meta[0]), int(meta[1])
-        if version < 0:
-            return None
-        header = torch.zeros(size, dtype=torch.uint8)
-        self.broadcast(header, f"the plan of version {version}")
-        plan = BucketPlan.from_json(bytes(header.numpy()).decode())
-        slot = self.transport.claim(version, plan, 0, 1)
-        for b in plan.buckets:
-            with self.transport.raw_bucket(slot, b, writable=True) as raw:
-                self.broadcast(raw, f"bucket {b.index} of version {version}")
-        self.transport.mark_done(slot, version, 0, {b.index: sum(e.numel for e in b.entries) for b in plan.buckets})
-        return version

@@ -34,7 +34,7 @@ import torch
 from moe_grpo.learner.rendezvous import RunStore
 from moe_grpo.sync.delta import DeltaHistory, RankBucket, VersionDelta, apply_bucket, decode, flat_bucket
 from moe_grpo.sync.plan import BucketPlan
-from moe_grpo.sync.relay import RelayGroup, _Broadcaster
+from moe_grpo.sync.relay import RelayGroup, Broadcaster
 from moe_grpo.sync.transport import SharedMemoryTransport, SyncError
 
 DELTA_HISTORY = 16
@@ -78,7 +78,7 @@ class ShardSender:
         item = plan.torch_dtype.itemsize
         self.sizes = {i: sum(w.source.numel() for w in ws) * item for i, ws in self.writes.items()}
         self.staging = torch.empty(max(self.sizes.values(), default=0), dtype=torch.uint8)
-        self.broadcast: _Broadcaster | None = None
+        self.broadcast: Broadcaster | None = None
         self.bytes_sent = 0
         self.seconds = 0.0
         self.delta_version: int | None = None
@@ -86,7 +86,7 @@ class ShardSender:
     def _connect(self) -> None:
         RunStore(self.group.host, self.group.port, self.group.secret,
                  timedelta(seconds=self.group.timeout_s)).set(_ready_key(self.group), b"1")
-        self.broadcast = _Broadcaster(self.group, 0, f"shard sender of learner rank {self.rank}")
+        self.broadcast = Broadcaster(self.group, 0, f"shard sender of learner rank {self.rank}")
         setup = json.dumps({"plan": self.plan.to_json(), "placements": self.layout}).encode()
         self.broadcast(torch.tensor([len(setup)], dtype=torch.int64), "the shard layout's size")
         self.broadcast(torch.frombuffer(bytearray(setup), dtype=torch.uint8), "the shard layout")
@@ -138,7 +138,7 @@ class ShardReceiver:
             raise ValueError(f"receiver member {member}, expected 1..{group.world - 1}")
         self.transport, self.group, self.member, self.rank, self.world, self.claims = \
             transport, group, member, rank, world, claims
-        self.broadcast: _Broadcaster | None = None
+        self.broadcast: Broadcaster | None = None
         self.plan: BucketPlan | None = None
         self.layout: dict[int, list[list]] = {}
         self.parts: dict[int, RankBucket] = {}
@@ -156,7 +156,7 @@ class ShardReceiver:
         while not store.check([_ready_key(self.group)]):
             if stop.wait(READY_WAIT_S):
                 return False
-        self.broadcast = _Broadcaster(self.group, self.member, f"shard receiver of learner rank {self.rank}")
+        self.broadcast = Broadcaster(self.group, self.member, f"shard receiver of learner rank {self.rank}")
         size = torch.zeros(1, dtype=torch.int64)
         self.broadcast(size, "the shard layout's size")
         raw = torch.zeros(int(size[0]), dtype=torch.uint8)

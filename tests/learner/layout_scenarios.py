@@ -193,9 +193,14 @@ def relay_receive(host: str, port: int, world: int, secret: str, rank: int, root
     With die_after_buckets >= 0 it is killed (SIGKILL) after receiving that many buckets."""
     import os
     import signal
+    import sys
 
-    from moe_grpo.sync.relay import RelayGroup, RelayReceiver
+    from moe_grpo.sync.relay import RelayGroup
     from moe_grpo.sync.transport import SharedMemoryTransport
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                                    "tools"))
+    from whole_relay import RelayReceiver
 
     class Dying(SharedMemoryTransport):
         got = 0

@@ -2,6 +2,7 @@
 
 import os
 import signal
+import sys
 
 import numpy as np
 import pytest
@@ -258,8 +259,12 @@ def test_engine_on_another_host_matches_the_learner_through_the_relay(synced, tm
 
     from moe_grpo.learner.spawn import free_port
     from moe_grpo.sync.deliver import apply_version
-    from moe_grpo.sync.relay import RelayGroup, RelaySender
+    from moe_grpo.sync.relay import RelayGroup
     from moe_grpo.sync.transport import SharedMemoryTransport
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                                    "tools"))
+    from whole_relay import RelaySender
 
     engine, transport, ckpt, reference = synced
     version = _serve_other_weights(engine, transport, reference["start"], seed=99)
