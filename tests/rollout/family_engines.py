@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from publishing import serve_published
+
 USERS = {"test_families.py": "family", "test_engine_tensor_parallel.py": "served",
          "test_engine_pipeline_parallel.py": "served"}
 """Test module -> the module-scoped fixture (parametrized by family name) through which its tests use the engine."""
@@ -93,7 +95,7 @@ def release(name: str, request) -> None:
     from moe_grpo.models.hf_names import hf_names
 
     files = SafetensorsDir(fam.hf)
-    fam.engine.load_weights({n: files.get(n).float() for n in hf_names(fam.spec)}, fam.engine.policy_version + 1)
+    serve_published(fam.engine, {n: files.get(n).float() for n in hf_names(fam.spec)}, fam.engine.policy_version + 1)
     left = not_as_found(fam)
     if left:  # not handed on: the next module starts a fresh one
         _engines.pop(name)

@@ -5,6 +5,7 @@ import pytest
 
 from moe_grpo.learner.batch import LearnerSequence
 from moe_grpo.rollout.types import SamplingSettings
+from publishing import serve_published
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -104,6 +105,8 @@ def test_r3_learner_replays_vllm_routing_exactly(engine_and_learner, record_prop
 
 
 def test_loaded_weights_change_the_engine_and_match_the_learner(engine_and_learner):
+    """A published version (the runs' path) makes the engine agree with the learner; `load_weights` (tensors held in
+    this process: what `restore` reloads a model directory with) leaves the very same bits."""
     engine, learner = engine_and_learner
     from moe_grpo.rollout.export import hf_state_from_megatron
 
@@ -112,26 +115,32 @@ def test_loaded_weights_change_the_engine_and_match_the_learner(engine_and_learn
     seqs = to_sequences(before)
     learner.train_step(seqs, replay=True)  # move the weights (lr 1e-2)
     state = hf_state_from_megatron(learner.spec, dict(learner.module.state_dict()))
-    engine.load_weights(state, version=1)
+    version = engine.policy_version + 1
+    serve_published(engine, state, version)
     after = engine.generate(prompts, SamplingSettings(n=2, max_tokens=12))
-    assert all(np.all(c.versions == 1) for g in after for c in g)
+    assert all(np.all(c.versions == version) for g in after for c in g)
     new_seqs = to_sequences(after)
     lp = learner.logprobs(new_seqs, replay=True)
     diff = max(float(np.abs(l[s.prompt_len - 1:] - s.old_logprobs).max()) for l, s in zip(lp, new_seqs))
     assert diff < 1e-4, f"after the load, vLLM and the learner should agree: max |dlogp| = {diff}"
+    published = engine.weight_digests()
+    engine.load_weights(state, version=engine.policy_version + 1)
+    assert engine.weight_digests() == published, "load_weights and a published version leave the same bits"
 
     # Without the CPU MoE reload patch the same load leaves vLLM's experts stale.
     engine._rpc("moe_grpo_set_reload_patch", (False,))
     try:
         learner.train_step(new_seqs, replay=True)
-        engine.load_weights(hf_state_from_megatron(learner.spec, dict(learner.module.state_dict())), version=2)
+        serve_published(engine, hf_state_from_megatron(learner.spec, dict(learner.module.state_dict())),
+                        engine.policy_version + 1)
         stale = to_sequences(engine.generate(prompts, SamplingSettings(n=2, max_tokens=12)))
         lp = learner.logprobs(stale, replay=True)
         stale_diff = max(float(np.abs(l[s.prompt_len - 1:] - s.old_logprobs).max()) for l, s in zip(lp, stale))
         assert stale_diff > 1e-3, f"expected stale experts without the patch, got max |dlogp| = {stale_diff}"
     finally:
         engine._rpc("moe_grpo_set_reload_patch", (True,))
-        engine.load_weights(hf_state_from_megatron(learner.spec, dict(learner.module.state_dict())), version=3)
+        serve_published(engine, hf_state_from_megatron(learner.spec, dict(learner.module.state_dict())),
+                        engine.policy_version + 1)
 
 
 def test_weight_digests_see_one_ulp_in_a_weight_vllm_packed_for_its_cpu_kernels(engine_and_learner):
@@ -144,17 +153,17 @@ def test_weight_digests_see_one_ulp_in_a_weight_vllm_packed_for_its_cpu_kernels(
     engine, learner = engine_and_learner
     state = _current_hf_state(learner)
     name = next(k for k in state if "o_proj.weight" in k or "out_proj.weight" in k)
-    engine.load_weights(state, version=engine.policy_version + 1)
+    serve_published(engine, state, engine.policy_version + 1)
     before = engine.weight_digests()
     nudged = dict(state)
     w = state[name].clone()
     w.view(-1)[7] = torch.nextafter(w.view(-1)[7], torch.tensor(float("inf"), dtype=w.dtype))
     nudged[name] = w
     try:
-        engine.load_weights(nudged, version=engine.policy_version + 1)
+        serve_published(engine, nudged, engine.policy_version + 1)
         after = engine.weight_digests()
     finally:
-        engine.load_weights(state, version=engine.policy_version + 1)
+        serve_published(engine, state, engine.policy_version + 1)
     changed = sorted(k for k in after if after[k] != before.get(k))
     assert len(changed) == 1 and name.rsplit(".", 2)[0].split("layers.")[-1] in changed[0], \
         f"one ulp in {name}: digests that changed {changed}"
@@ -231,7 +240,7 @@ def test_a_weight_update_mid_completion_keeps_every_token_and_each_trace_row_is_
     engine.on_update = on_update
     try:
         old = engine.policy_version + 1
-        engine.load_weights(_current_hf_state(learner), version=old)  # exactly the learner's weights
+        serve_published(engine, _current_hf_state(learner), old)  # exactly the learner's weights
         long = SamplingSettings(n=2, max_tokens=120, stop_token_ids=())  # no early stop: every request spans the load
         # Prompts of 6 + 12 + 9 tokens, twice: 54 < the fixture's 64-token step budget, so no prompt's prefill is
         # split across engine steps (and so across the update).
@@ -242,11 +251,11 @@ def test_a_weight_update_mid_completion_keeps_every_token_and_each_trace_row_is_
         while engine.num_routing_buffers() < 2 * len(futures) and time.monotonic() < deadline:
             time.sleep(0.002)
         assert not any(f.done() for f in futures), "requests should still be generating when the update lands"
-        engine.load_weights(hf_state(spec, new_state), version=old + 1)
+        serve_published(engine, hf_state(spec, new_state), old + 1)
         completions = [c for f in futures for c in f.result(300)]
     finally:
         engine.on_update = "keep"
-        engine.load_weights(_current_hf_state(learner), version=engine.policy_version + 1)
+        serve_published(engine, _current_hf_state(learner), engine.policy_version + 1)
     seqs = [LearnerSequence(np.concatenate([c.prompt_ids, c.token_ids]), prompt_len=len(c.prompt_ids))
             for c in completions]
     try:
@@ -294,7 +303,7 @@ def test_the_trace_follows_the_weights_the_engine_serves_not_the_learners(engine
     gen = torch.Generator().manual_seed(5)
     perturbed = {k: (v + 0.5 * v.std() * torch.randn(v.shape, generator=gen) if v.is_floating_point() and v.numel() > 1
                      else v) for k, v in original.items()}
-    engine.load_weights(hf_state_from_megatron(learner.spec, perturbed), version=engine.policy_version + 1)
+    serve_published(engine, hf_state_from_megatron(learner.spec, perturbed), engine.policy_version + 1)
     try:
         seqs = to_sequences(engine.generate(prompts_of_lengths([12, 25, 40], seed=41), SamplingSettings(n=2, max_tokens=16)))
         rollout = [s.routing for s in seqs]
@@ -303,7 +312,7 @@ def test_the_trace_follows_the_weights_the_engine_serves_not_the_learners(engine
         served = agreement(rollout, learner.routing_traces(seqs)["free"])["set_agreement"]
     finally:
         learner.module.load_state_dict(original, strict=False)
-        engine.load_weights(_current_hf_state(learner), version=engine.policy_version + 1)
+        serve_published(engine, _current_hf_state(learner), engine.policy_version + 1)
     assert served == 1.0, "a learner holding the engine's weights routes exactly as the trace says"
     assert own < 0.9, f"the learner's own weights route differently ({own:.3f} agreement)"
 

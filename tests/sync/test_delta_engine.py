@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 import layout_scenarios as S
+from publishing import serve_published
 from moe_grpo.learner.spawn import run_distributed
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -66,7 +67,7 @@ def test_an_engine_served_delta_versions_scores_exactly_as_after_a_full_load(eng
         for got, want in zip(delta_scores, full_scores):
             assert np.array_equal(got, want)
     finally:
-        engine.load_weights(hf_state_from_megatron(learner.spec, dict(learner.module.state_dict())),
-                            engine.policy_version + 1)
+        serve_published(engine, hf_state_from_megatron(learner.spec, dict(learner.module.state_dict())),
+                        engine.policy_version + 1)
         transport.unpin(engine.engine_id)
         transport.close()

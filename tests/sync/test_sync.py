@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import layout_scenarios as S
-from publishing import publish_version
+from publishing import publish_version, serve_published
 from moe_grpo.learner.spawn import DistributedRunError, run_distributed
 from moe_grpo.models.hf_names import param_mappings, to_hf, to_megatron
 
@@ -49,8 +49,8 @@ def synced(engine_and_learner, tmp_path_factory):
     reference = {"greedy": _greedy(engine), "learner_lp": learner_lp, "start": start}
     yield engine, transport, ckpt, reference
     # Hand the shared engine back on the in-process learner's weights for the other test modules.
-    engine.load_weights(hf_state_from_megatron(learner.spec, dict(learner.module.state_dict())),
-                        engine.policy_version + 1)
+    serve_published(engine, hf_state_from_megatron(learner.spec, dict(learner.module.state_dict())),
+                    engine.policy_version + 1)
     transport.unpin(engine.engine_id)
     transport.close()
 

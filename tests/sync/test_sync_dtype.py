@@ -160,7 +160,7 @@ def test_a_bf16_engine_after_a_sync_holds_the_weights_cast_to_bf16_bit_for_bit(t
     from moe_grpo.rollout.vllm_engine import VllmEngine
     from moe_grpo.sync.deliver import apply_version
     from moe_grpo.sync.transport import SharedMemoryTransport, SyncError
-    from publishing import publish_version
+    from publishing import publish_version, serve_published
 
     spec = tiny_spec()
     weights_file = str(tmp_path / "learner.safetensors")
@@ -183,7 +183,7 @@ def test_a_bf16_engine_after_a_sync_holds_the_weights_cast_to_bf16_bit_for_bit(t
         apply_version(engine, transport, 2)
         synced = engine.weight_digests()
         assert engine.policy_version == 2 and synced != started
-        engine.load_weights({k: t.to(torch.bfloat16) for k, t in learner_fp32.items()}, 3)
+        serve_published(engine, {k: t.to(torch.bfloat16) for k, t in learner_fp32.items()}, 3)
         loaded = engine.weight_digests()
         assert [n for n in loaded if loaded[n] != synced[n]] == []
     finally:
