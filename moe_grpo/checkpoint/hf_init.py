@@ -33,6 +33,7 @@ from moe_grpo.models.hf_config import hf_config_from_spec, read_hf_config, spec_
 
 if TYPE_CHECKING:  # the run's config composes init's (InitConfig, here): it is a layer above (pyproject.toml)
     from moe_grpo.config import RunConfig
+    from moe_grpo.models.spec import MoEModelSpec
 
 log = logging.getLogger("moe_grpo")
 
@@ -124,7 +125,7 @@ def cached_megatron(hf_dir: str | Path, cache_root: str | Path, *, timeout_s: fl
         return target
 
 
-def engine_dir(hf_dir: str | Path, spec: Any, out_dir: str | Path) -> Path:
+def engine_dir(hf_dir: str | Path, spec: MoEModelSpec, out_dir: str | Path) -> Path:
     """A view of `hf_dir` that vLLM loads: its files linked, config.json completed with what vLLM needs.
 
     transformers' `save_pretrained` leaves out keys vLLM reads (DeepSeek-V3's `topk_method: noaux_tc` and

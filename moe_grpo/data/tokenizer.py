@@ -17,7 +17,10 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
+
+if TYPE_CHECKING:  # the model's spec is a layer above data (pyproject.toml)
+    from moe_grpo.models.spec import MoEModelSpec
 
 PAD, BOS, EOS = "<pad>", "<bos>", "<eos>"
 SPECIALS = (PAD, BOS, EOS)
@@ -187,7 +190,7 @@ def _generation_eos(directory: str) -> Any:
         return None
 
 
-def load_tokenizer(spec: Any, hf_dir: str | None) -> ByteTokenizer | HFTokenizer:
+def load_tokenizer(spec: MoEModelSpec, hf_dir: str | None) -> ByteTokenizer | HFTokenizer:
     """The run's tokenizer: the checkpoint's own when starting from one (`init.hf`), else the byte tokenizer.
 
     A run's `policy/` given as `init.hf` holds the byte tokenizer's files; it gets the byte tokenizer, which puts
@@ -197,7 +200,7 @@ def load_tokenizer(spec: Any, hf_dir: str | None) -> ByteTokenizer | HFTokenizer
     return ByteTokenizer(spec.vocab_size)
 
 
-def policy_tokenizer(spec: Any, directory: str | Path) -> ByteTokenizer | HFTokenizer:
+def policy_tokenizer(spec: MoEModelSpec, directory: str | Path) -> ByteTokenizer | HFTokenizer:
     """The tokenizer a policy directory was trained with: the byte tokenizer when its tokenizer.json is the one
     `write_tokenizer` writes (a run that did not start from `init.hf`; encoding then matches the run's exactly),
     else the directory's own (as `init.hf` loads it)."""

@@ -10,11 +10,17 @@ import asyncio
 import logging
 import os
 import time
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from moe_grpo.orchestrator.logs import quiet_libraries, quiet_vllm
 from moe_grpo.process_ties import forget_shm, owner_key, record_shm, remove_previous_shm, tag_processes, wait_until_gone
 from moe_grpo.rollout.context import context_length
+
+if TYPE_CHECKING:  # annotations only: importing sync brings in torch (see the module's docstring)
+    from moe_grpo.learner.lora_config import LoraConfig
+    from moe_grpo.models.spec import MoEModelSpec
+    from moe_grpo.orchestrator.config import RolloutConfig
+    from moe_grpo.sync.layout import SyncLayout
 
 LEFTOVER_TIMEOUT_S = 60.0
 """Seconds a new engine actor waits for the processes of the engine's previous actor on its host to go before it
@@ -28,9 +34,10 @@ LEFTOVER_KILL_AFTER_S = 10.0
 class EngineWorker:
     """Owns one `VllmEngine` (AsyncLLM) in its own process; many `generate` calls run at once."""
 
-    def __init__(self, name: str, model_dir: str | None, spec: Any, rollout: Any, run_dir: str, sync: Any,
-                 cpus: list[int] | None = None, seed: int = 0, lora: Any = None, lora_apply: str = "merge",
-                 tensor_parallel: int = 1, pipeline_parallel: int = 1, expert_parallel: bool = False) -> None:
+    def __init__(self, name: str, model_dir: str | None, spec: MoEModelSpec, rollout: RolloutConfig, run_dir: str,
+                 sync: SyncLayout | str, cpus: list[int] | None = None, seed: int = 0, lora: LoraConfig | None = None,
+                 lora_apply: str = "merge", tensor_parallel: int = 1, pipeline_parallel: int = 1,
+                 expert_parallel: bool = False) -> None:
         """`sync`: the run's `SyncLayout` (or a shared-memory root directory): where this host's versions arrive.
         `lora`, `lora_apply`: the run's `lora` section and `sync.lora_apply` (VllmEngine). `tensor_parallel`:
         `cluster.engine_tensor_parallel`, the engine's vLLM workers (on CPU they split `cpus`, or this process's

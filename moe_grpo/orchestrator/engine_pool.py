@@ -25,7 +25,10 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
+
+if TYPE_CHECKING:
+    from moe_grpo.orchestrator.config import RolloutConfig
 
 log = logging.getLogger("moe_grpo")
 
@@ -102,7 +105,7 @@ class EngineSlot:
 class EnginePool:
     """The engines, what runs on them, and their repair."""
 
-    def __init__(self, slots: list[EngineSlot], rollout: Any, make_engine: Callable[[int], Any],
+    def __init__(self, slots: list[EngineSlot], rollout: RolloutConfig, make_engine: Callable[[int], Any],
                  start_timeout_s: float) -> None:
         self.slots = {s.name: s for s in slots}
         self.rollout, self.make_engine, self.start_timeout_s = rollout, make_engine, start_timeout_s

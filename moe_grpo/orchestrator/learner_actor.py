@@ -16,12 +16,14 @@ from moe_grpo.sync.dtypes import version_dtype
 
 if TYPE_CHECKING:  # the run's config composes the orchestrator's: it is a layer above (pyproject.toml)
     from moe_grpo.config import RunConfig
+    from moe_grpo.sync.layout import SyncLayout
 
 
 class LearnerWorker:
     """Holds this rank's `MegatronLearner` and its `WeightSync`; every rank gets the same calls in the same order."""
 
-    def __init__(self, rank: int, world_size: int, master_addr: str, master_port: int, run: RunConfig, sync: Any,
+    def __init__(self, rank: int, world_size: int, master_addr: str, master_port: int, run: RunConfig,
+                 sync: SyncLayout | str,
                  cpus: list[int] | None = None, secret: str = "") -> None:
         """`sync`: the run's `SyncLayout` (or a shared-memory root directory); `secret`: the run's rendezvous
         secret (the driver's; only holders get into the learners' store)."""

@@ -23,6 +23,7 @@ from moe_grpo.orchestrator.run_dirs import make_private_dir, remove_orphaned_pri
 
 if TYPE_CHECKING:  # the run's config composes the orchestrator's: it is a layer above (pyproject.toml)
     from moe_grpo.config import RunConfig
+    from moe_grpo.sync.layout import SyncLayout
 
 
 @dataclass
@@ -31,7 +32,7 @@ class EngineFactory:
 
     run: RunConfig
     run_dir: str
-    sync: Any
+    sync: SyncLayout
     """The run's `SyncLayout`: where each engine's versions arrive."""
     model_dir: str | None
     """The model directory engines start from (version 0); None while the learner ranks are still writing it
@@ -64,7 +65,7 @@ class Pools:
     """Starts a replacement engine actor in a given bundle."""
     engine_pids: list[int] | None = None
     """Each engine's vLLM engine-core process."""
-    sync: Any = None
+    sync: SyncLayout | None = None
     """The run's `SyncLayout` (transport, each actor's host)."""
     sync_agents: list[Any] | None = None
     """One `SyncHostAgent` per sync host under the relay (orchestrator/sync_hosts.py); empty on one host."""

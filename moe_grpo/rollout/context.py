@@ -5,10 +5,13 @@ One function decides it, so the engines, the prompt checks and the evaluation co
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the rollout section is the orchestrator's config: a layer above (pyproject.toml)
+    from moe_grpo.orchestrator.config import RolloutConfig
 
 
-def context_length(rollout: Any, model_limit: int, longest_prompt: int | None = None, where: str = "") -> int:
+def context_length(rollout: RolloutConfig, model_limit: int, longest_prompt: int | None = None, where: str = "") -> int:
     """The context an engine is started with, in tokens.
 
     `rollout.max_model_len` > 0 is taken as given; 0 (auto) is `longest_prompt + rollout.max_tokens`, or

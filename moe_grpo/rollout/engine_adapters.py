@@ -17,15 +17,16 @@ from moe_grpo.rollout.lora_merge import is_adapter_name
 from moe_grpo.sync.transports import open_bucket
 
 if TYPE_CHECKING:  # the engine these coroutines run on imports this module
+    from moe_grpo.learner.lora_config import LoraConfig
     from moe_grpo.rollout.vllm_engine import VllmEngine
 
 
-def adapted_hf(spec: MoEModelSpec, lora: Any) -> list[str]:
+def adapted_hf(spec: MoEModelSpec, lora: LoraConfig) -> list[str]:
     """The HF weights the run's adapters (`lora`, a LoraConfig) change."""
     return [hf for m in adapter_sites(spec, lora).values() for hf in m.hf]
 
 
-def start_adapter_dir(model_dir: str, lora: Any, engine_id: str) -> Path | None:
+def start_adapter_dir(model_dir: str, lora: LoraConfig, engine_id: str) -> Path | None:
     """`model_dir/adapter` (a PEFT adapter) checked against `lora`, or None if the directory has none."""
     directory = Path(model_dir) / START_ADAPTER
     if not (directory / ADAPTER_WEIGHTS).exists():
@@ -45,7 +46,7 @@ def merge_rpcs(sources: list[dict], scale: float) -> list[tuple[str, tuple]]:
     return [("moe_grpo_merge_adapter", (sources, float(scale)))]
 
 
-def dir_adapter_rpcs(model_dir: str, lora: Any, engine_id: str) -> list[tuple[str, tuple]]:
+def dir_adapter_rpcs(model_dir: str, lora: LoraConfig, engine_id: str) -> list[tuple[str, tuple]]:
     """Merge mode: the calls that apply `model_dir/adapter`; none without one."""
     directory = start_adapter_dir(model_dir, lora, engine_id)
     if directory is None:

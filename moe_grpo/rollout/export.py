@@ -6,7 +6,7 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
 import torch
 
@@ -19,6 +19,9 @@ from moe_grpo.models.hf_config import hf_config_from_spec, read_hf_config
 from moe_grpo.models.hf_names import hf_names, layer_groups, param_mappings, to_hf
 from moe_grpo.models.spec import MoEModelSpec
 from moe_grpo.rollout.lora_merge import is_adapter_name
+
+if TYPE_CHECKING:
+    from moe_grpo.learner.lora_config import LoraConfig
 
 START_ADAPTER = "adapter"
 """A LoRA run's start directory: the frozen base in the directory, this subdirectory the PEFT adapter of the version
@@ -92,7 +95,8 @@ def export_model_dir(spec: MoEModelSpec, hf_state: dict[str, torch.Tensor], dire
     return target
 
 
-def export_lora_version(spec: MoEModelSpec, lora: Any, tensors: dict[str, torch.Tensor], directory: str | Path, *,
+def export_lora_version(spec: MoEModelSpec, lora: LoraConfig, tensors: dict[str, torch.Tensor],
+                        directory: str | Path, *,
                         base_dir: str | Path | None = None, source_dir: str | Path | None = None) -> tuple[Path, bool]:
     """A published LoRA version (`read_version`: HF base tensors and / or PEFT adapter tensors) as a directory.
 

@@ -23,7 +23,11 @@ import shutil
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from moe_grpo.learner.lora_config import LoraConfig
+    from moe_grpo.models.spec import MoEModelSpec
 
 VLLM_MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 """The values vLLM 0.32 accepts for `max_lora_rank` (config/lora.py `MaxLoRARanks`)."""
@@ -87,7 +91,7 @@ class ServedAdapters:
         return cls(Path(tempfile.mkdtemp(prefix=f"moe_grpo-lora-{name}-", dir=parent)))
 
     def prepare(self, version: int, directory: str | Path | None = None, state: dict | None = None, *,
-                spec: Any = None, lora: Any = None) -> ServedAdapter:
+                spec: MoEModelSpec | None = None, lora: LoraConfig | None = None) -> ServedAdapter:
         """The adapter of `version`: an existing PEFT directory, or `state` (PEFT names -> whole A / B)
         written as one under `root`. Not served until `switch`."""
         from vllm.lora.request import LoRARequest

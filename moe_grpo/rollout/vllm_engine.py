@@ -47,7 +47,7 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import Any, Awaitable, Collection, Sequence
+from typing import TYPE_CHECKING, Any, Awaitable, Collection, Sequence
 
 import numpy as np
 import torch
@@ -63,6 +63,9 @@ from moe_grpo.rollout.engine_setup import (EXTENSION, capture_order, check_cpu_h
                                            cpu_omp_bind, engine_args, prepare_cpu)
 from moe_grpo.rollout.types import Completion, SamplingSettings
 
+if TYPE_CHECKING:
+    from moe_grpo.learner.lora_config import LoraConfig
+
 __all__ = ["EXTENSION", "EngineError", "VllmEngine", "check_cpu_head_size", "cpu_omp_bind", "join_segments",
            "native_routing_to_trace", "versions_from_spans"]  # what callers import from here; the parts define them
 
@@ -72,7 +75,7 @@ _ENGINE_IDS = itertools.count()
 class VllmEngine:
     """A vLLM AsyncLLM engine with per-token routing capture and in-flight weight updates."""
 
-    lora: Any
+    lora: LoraConfig | None
     """The adapters' LoraConfig (None: full-weight versions only)."""
     lora_apply: str | None
     """'merge', 'serve' (how adapter versions are applied) or None without LoRA."""
@@ -113,7 +116,7 @@ class VllmEngine:
                  kv_cache_gib: int = 1, capture: bool = True, extension: bool = True, seed: int = 0,
                  max_num_batched_tokens: int | None = None, dtype: str = "float32", routing_source: str = "auto",
                  on_update: str = "keep", request_timeout_s: float = 600.0, name: str | None = None,
-                 lora: Any = None, lora_apply: str = "merge", tensor_parallel: int = 1,
+                 lora: LoraConfig | None = None, lora_apply: str = "merge", tensor_parallel: int = 1,
                  pipeline_parallel: int = 1, expert_parallel: bool = False) -> None:
         """`routing_source`: 'extension' (router hooks, any platform), 'native' (vLLM's
         enable_return_routed_experts: Model Runner V2, GPU only) or 'auto' (native on GPU).

@@ -5,13 +5,16 @@ Torch-free: a dry run (`cluster.dry_run=true`) prints the plan's bytes per versi
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from moe_grpo.learner.lora_config import LoraConfig
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 """Element types a version can travel in (`sync/plan.py` maps them to torch's)."""
 
 
-def version_dtype(engine_dtype: str, lora: Any = None) -> str:
+def version_dtype(engine_dtype: str, lora: LoraConfig | None = None) -> str:
     """The dtype versions travel in to engines serving `engine_dtype` (`rollout.dtype`): that dtype, so the
     engine loads them as they are; with LoRA adapters (`lora.rank > 0`) float32 whatever the engines serve.
 

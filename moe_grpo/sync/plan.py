@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -31,6 +31,9 @@ from moe_grpo.learner.lora import adapter_sites, peft_key, peft_shapes
 from moe_grpo.models.hf_names import hf_shapes, layer_groups, param_mappings
 from moe_grpo.models.spec import MoEModelSpec
 from moe_grpo.sync.dtypes import version_dtype
+
+if TYPE_CHECKING:
+    from moe_grpo.learner.lora_config import LoraConfig
 
 ALIGN = 64
 """Every tensor starts on a 64-byte boundary (a cache line): copies into the bucket run at full speed."""
@@ -149,7 +152,7 @@ def _bucketed(groups: list[list[tuple[str, tuple[int, ...]]]], item: int, max_bu
     return buckets
 
 
-def adapter_groups(spec: MoEModelSpec, lora: Any) -> list[list[tuple[str, tuple[int, ...]]]]:
+def adapter_groups(spec: MoEModelSpec, lora: LoraConfig) -> list[list[tuple[str, tuple[int, ...]]]]:
     """The adapter tensors (PEFT names, full shapes) grouped by decoder layer, in model order."""
     shapes = peft_shapes(spec, lora)
     groups: dict[str, list[tuple[str, tuple[int, ...]]]] = {}
@@ -163,7 +166,7 @@ def adapter_groups(spec: MoEModelSpec, lora: Any) -> list[list[tuple[str, tuple[
 
 
 def plan_buckets(spec: MoEModelSpec, dtype: torch.dtype | str, max_bucket_bytes: int = 512 << 20, *,
-                 lora: Any = None, base: bool = True) -> BucketPlan:
+                 lora: LoraConfig | None = None, base: bool = True) -> BucketPlan:
     """Buckets of whole decoder layers, in Megatron module order, each closed at `max_bucket_bytes`.
 
     `lora` (a LoraConfig with rank > 0): the adapters follow in buckets of their own; `base=False` leaves the
@@ -186,7 +189,8 @@ def plan_buckets(spec: MoEModelSpec, dtype: torch.dtype | str, max_bucket_bytes:
     return BucketPlan(spec.name, name, tuple(buckets), lora_plan)
 
 
-def check_plan(plan: BucketPlan, spec: MoEModelSpec, lora: Any = None, engine_dtype: str | None = None) -> None:
+def check_plan(plan: BucketPlan, spec: MoEModelSpec, lora: LoraConfig | None = None,
+               engine_dtype: str | None = None) -> None:
     """Raise ValueError naming the first thing where `plan` and the engine's model `spec` (its `lora`, a
     LoraConfig or None, and its `engine_dtype`, the dtype it serves; None: not checked) disagree: model name,
     dtype (`version_dtype`), adapter rank / alpha / targets, tensor names and shapes."""

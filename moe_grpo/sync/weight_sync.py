@@ -30,7 +30,7 @@ import contextlib
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -42,6 +42,9 @@ from moe_grpo.sync.gather import ShardWrite, local_shard_writes
 from moe_grpo.sync.plan import BucketPlan, plan_buckets
 from moe_grpo.sync.transport import SyncError, WeightTransport
 from moe_grpo.sync.transports import shared_memory
+
+if TYPE_CHECKING:
+    from moe_grpo.sync.config import SyncConfig
 
 DELTA_HISTORY = 16
 """Versions of changes a rank keeps to bring a recycled buffer forward (`delta.DeltaHistory`)."""
@@ -55,7 +58,7 @@ class DeltaOptions:
     full_every: int = 0
 
     @staticmethod
-    def of(sync: Any) -> "DeltaOptions | None":
+    def of(sync: SyncConfig) -> "DeltaOptions | None":
         """From the run's `SyncConfig`: None unless `sync.delta`."""
         return DeltaOptions(sync.delta_max_fraction, sync.full_every) if sync.delta else None
 
