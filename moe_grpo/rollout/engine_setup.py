@@ -4,7 +4,7 @@ AsyncLLM's engine arguments, and the workers' start-up answers checked."""
 from __future__ import annotations
 
 import os
-from typing import Any, Collection
+from typing import TYPE_CHECKING, Any, Collection
 
 from moe_grpo.models.hf_config import read_hf_config, vllm_hf_overrides
 from moe_grpo.models.spec import MoEModelSpec
@@ -12,11 +12,14 @@ from moe_grpo.rollout import lora_serving
 from moe_grpo.rollout.engine_adapters import adapted_hf
 from moe_grpo.rollout.engine_error import EngineError
 
+if TYPE_CHECKING:
+    from moe_grpo.learner.lora_config import LoraConfig
+
 EXTENSION = "moe_grpo.rollout.worker_extension.RoutingCaptureExtension"
 
 
 def check_options(*, tensor_parallel: Any, routing_source: str, on_update: str, capture: bool, extension: bool,
-                  lora: Any, lora_apply: str, pipeline_parallel: Any = 1, num_layers: int | None = None,
+                  lora: LoraConfig | None, lora_apply: str, pipeline_parallel: Any = 1, num_layers: int | None = None,
                   expert_parallel: Any = False) -> None:
     """Refuse a combination of `VllmEngine` options that cannot run, naming the bad value (ValueError).
     `num_layers`: the model's decoder layers (each pipeline stage needs at least one)."""
@@ -124,7 +127,7 @@ def hf_overrides(model_dir: str) -> dict[str, Any]:
 
 def engine_args(model_dir: str, spec: MoEModelSpec, *, dtype: str, max_model_len: int, max_num_seqs: int, seed: int,
                 tensor_parallel: int, extension: bool, max_num_batched_tokens: int | None, native: bool,
-                served_lora: Any, on_gpu: bool, pipeline_parallel: int = 1,
+                served_lora: LoraConfig | None, on_gpu: bool, pipeline_parallel: int = 1,
                 expert_parallel: bool = False) -> dict[str, Any]:
     """vLLM's `AsyncEngineArgs` for an engine (see `VllmEngine`). `served_lora`: the LoraConfig whose adapters vLLM
     serves (`lora_apply='serve'`), else None. `native` (vLLM's own routing capture) also sets the environment
