@@ -118,7 +118,7 @@ def cached_megatron(hf_dir: str | Path, cache_root: str | Path, *, timeout_s: fl
         shutil.rmtree(target, ignore_errors=True)
         t0 = time.perf_counter()
         # A child process: conversion initialises torch.distributed and megatron, which the driver keeps out of.
-        run_distributed(_convert, 1, str(hf_dir), str(staging), timeout_s=timeout_s)
+        run_distributed(_convert, 1, str(hf_dir), str(staging), timeout_s=timeout_s, start_method="spawn")
         (staging / ".complete").write_text(json.dumps({"hf": str(Path(hf_dir).resolve()), "time": time.time()}))
         os.replace(staging, target)
         log.info("init: converted %s to a Megatron checkpoint in %.1fs: %s", hf_dir, time.perf_counter() - t0, target)

@@ -47,11 +47,14 @@ def preloaded_here() -> tuple[str, ...]:
     return PRELOADED_MODULES[:1] if cuda_host() else PRELOADED_MODULES
 
 
-def _context() -> Any:
+def _context(start_method: str = "forkserver") -> Any:
     """The forkserver context, its server told what to preload (only read when the server starts: the first
-    `run_distributed` of a process; later calls reuse it)."""
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(list(preloaded_here()))
+    `run_distributed` of a process; later calls reuse it); or the spawn context."""
+    if start_method not in ("forkserver", "spawn"):
+        raise ValueError(f"start_method={start_method!r}, expected 'forkserver' or 'spawn'")
+    ctx = mp.get_context(start_method)
+    if start_method == "forkserver":
+        ctx.set_forkserver_preload(list(preloaded_here()))
     return ctx
 
 
@@ -94,9 +97,11 @@ class DistributedRunError(RuntimeError):
 
 
 def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 600.0,
-                    env: dict[str, str] | None = None) -> list[Any]:
-    """`fn(*args)` on ranks 0..world_size-1; returns their results in rank order."""
-    ctx = _context()
+                    env: dict[str, str] | None = None, start_method: str = "forkserver") -> list[Any]:
+    """`fn(*args)` on ranks 0..world_size-1; returns their results in rank order. `start_method` 'spawn' for a
+    one-off group in a long-lived process (a run's driver converting its checkpoint): its first forkserver group
+    costs as much as a spawned one, and the server (torch and megatron-core in memory) would stay beside it."""
+    ctx = _context(start_method)
     port = free_port()
     secret = secrets.token_hex(32)  # this group's rendezvous secret (parallel.init_distributed)
     with tempfile.TemporaryDirectory(prefix="moe_grpo_spawn_") as out_dir:

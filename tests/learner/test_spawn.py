@@ -33,6 +33,15 @@ def test_ranks_start_with_torch_and_megatron_already_imported():
         assert "megatron.core.models.gpt" in first["preloaded"]
 
 
+def test_a_spawned_group_imports_only_what_its_ranks_import():
+    """`start_method='spawn'` (a run's driver converting its checkpoint once): fresh interpreters, no process server
+    left beside the driver; the ranks find only what `_entry` imports."""
+    first, = run_distributed(_modules_and_env, 1, [], start_method="spawn")
+    assert "torch" in first["preloaded"] and "megatron.core.models.gpt" not in first["preloaded"]
+    with pytest.raises(ValueError, match="start_method='fork'"):
+        run_distributed(_modules_and_env, 1, [], start_method="fork")
+
+
 def test_ranks_see_the_callers_environment_as_it_is_when_they_start(monkeypatch):
     """The process server started with an earlier environment; a rank still sees the caller's at its own start
     (as a spawned one does): a variable set, changed or removed since is as the caller has it now."""
