@@ -36,7 +36,8 @@ import is not checked for that here (no GPU on the machines this was measured on
 
 
 def cuda_host() -> bool:
-    """Whether torch sees a CUDA device (asked without initialising CUDA in this process)."""
+    """Whether torch sees a CUDA device on this host (asked in the caller; the process server is a fresh
+    interpreter that only imports, so nothing this touches reaches it)."""
     import torch
 
     return bool(torch.cuda.is_available())
