@@ -58,7 +58,7 @@ CPU_EXPERT_PARALLEL_SEGFAULT = (
 """Why vLLM's CPU backend is refused expert parallelism (tools/probe_vllm_cpu_parallel.py, layout tp2_ep)."""
 
 
-def check_expert_parallel(expert_parallel: bool, on_gpu: bool, tensor_parallel: int = 2) -> None:
+def check_expert_parallel(expert_parallel: bool, on_gpu: bool, tensor_parallel: int) -> None:
     """Refuse expert parallelism (vLLM `enable_expert_parallel`) on vLLM's CPU backend, before vLLM starts: its
     workers would segfault at the first forward and the pool would restart the engine into the same crash."""
     if expert_parallel and not on_gpu:

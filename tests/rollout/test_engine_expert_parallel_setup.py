@@ -48,9 +48,9 @@ def test_cpu_expert_parallel_is_refused_before_vllm_starts_naming_the_segfault(t
     naming the segfault and the probe's record, instead of an engine that dies at its first forward."""
     reason = r"segfault.*cpu_fused_moe\.cpp.*tools/results/probe_vllm_cpu_parallel\.txt"
     with pytest.raises(EngineError, match=reason):
-        check_expert_parallel(True, on_gpu=False)
+        check_expert_parallel(True, on_gpu=False, tensor_parallel=2)
     with pytest.raises(EngineError, match=r"expert_parallel=True with tensor_parallel=2 on vLLM's CPU backend"):
         _args(tmp_path, expert_parallel=True, on_gpu=False)
-    check_expert_parallel(True, on_gpu=True)
-    check_expert_parallel(False, on_gpu=False)
+    check_expert_parallel(True, on_gpu=True, tensor_parallel=2)
+    check_expert_parallel(False, on_gpu=False, tensor_parallel=1)
     assert "enable_expert_parallel" not in _args(tmp_path, on_gpu=False)
