@@ -54,3 +54,19 @@ def test_cpu_expert_parallel_is_refused_before_vllm_starts_naming_the_segfault(t
     check_expert_parallel(True, on_gpu=True, tensor_parallel=2)
     check_expert_parallel(False, on_gpu=False, tensor_parallel=1)
     assert "enable_expert_parallel" not in _args(tmp_path, on_gpu=False)
+
+
+def test_served_adapters_at_expert_parallel_keep_the_settings_vllms_moe_lora_requires(tmp_path):
+    """vLLM 0.32 serves routed-expert adapters at EP only with its `allgather_reducescatter` all-to-all and without
+    fully sharded LoRA (vllm/lora/layers/fused_moe.py asserts both when the worker builds its LoRA layers, on GPU,
+    after the engine started). The engine's arguments must leave both at those values, or a GPU engine serving
+    adapters at EP would die at start; a change that sets either (for memory, say) fails here first."""
+    from vllm.config import ParallelConfig
+
+    from moe_grpo.learner.lora_config import LoraConfig
+
+    lora = LoraConfig(rank=4, alpha=8.0)
+    args = _args(tmp_path, expert_parallel=True, served_lora=lora)
+    assert args["enable_lora"] is True and args["enable_expert_parallel"] is True
+    assert args.get("all2all_backend", ParallelConfig().all2all_backend) == "allgather_reducescatter"
+    assert args.get("fully_sharded_loras", False) is False
