@@ -1,6 +1,6 @@
 """An engine loads each published version at most once (issue 32, Show: "every version loaded by both workers once").
 
-`tests/rollout/test_engine_tp_version_loads.py` shows, with a real TP=2 engine, that one `apply_version` loads
+`tests/rollout/test_engine_tensor_parallel_faults.py` shows, with a real TP=2 engine, that one `apply_version` loads
 each tensor of a version into both workers exactly once. Over a whole run the other half of "once" is that
 no version is applied to an engine twice: the engine pool offers every version to every engine, and offers the
 newest again to an engine that missed one (orchestrator/engine_pool.py), so what keeps a version from being
