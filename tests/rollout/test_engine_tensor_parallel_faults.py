@@ -239,28 +239,6 @@ def _on_version(tp: OnVersion) -> OnVersion:
     return dataclasses.replace(tp, old=old, rank1=rank1)
 
 
-def test_a_killed_second_worker_fails_the_engine_and_a_restart_brings_both_back(serving):
-    from moe_grpo.processes import process_alive
-    from moe_grpo.rollout.types import SamplingSettings
-    from moe_grpo.rollout.vllm_engine import EngineError
-
-    tp = _on_version(serving)
-    engine, seqs = tp.engine, tp.seqs
-    request = engine.submit(seqs[0][:10], SamplingSettings(n=1, max_tokens=200, temperature=1.0, seed=3))
-    time.sleep(0.5)
-    t0 = time.monotonic()
-    os.kill(tp.rank1, signal.SIGKILL)
-    with pytest.raises(EngineError, match=rf"engine {NAME}: "):
-        request.result(60)
-    assert time.monotonic() - t0 < 10, f"the lost request took {time.monotonic() - t0:.1f} s to fail"
-    assert not engine.alive()
-
-    out = engine.restart(timeout_s=120)
-    assert out["policy_version"] == SERVED
-    assert not any(process_alive(p) for p in tp.old), [p for p in tp.old if process_alive(p)]
-    check_back_on_version(tp)
-
-
 def _wait_for(predicate, what: str, timeout_s: float = 60.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not predicate():
@@ -275,6 +253,29 @@ def _stopped(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] == "T"
     except FileNotFoundError:
         return False
+
+
+def test_a_killed_second_worker_fails_the_engine_and_a_restart_brings_both_back(serving):
+    from moe_grpo.processes import process_alive
+    from moe_grpo.rollout.types import SamplingSettings
+    from moe_grpo.rollout.vllm_engine import EngineError
+
+    tp = _on_version(serving)
+    engine, seqs = tp.engine, tp.seqs
+    request = engine.submit(seqs[0][:10], SamplingSettings(n=1, max_tokens=200, temperature=1.0, seed=3))
+    _wait_for(lambda: engine.num_routing_buffers() >= 1 or request.done(), "the request generating")
+    assert not request.done(), "the request ended before its worker was killed"
+    t0 = time.monotonic()
+    os.kill(tp.rank1, signal.SIGKILL)
+    with pytest.raises(EngineError, match=rf"engine {NAME}: "):
+        request.result(60)
+    assert time.monotonic() - t0 < 10, f"the lost request took {time.monotonic() - t0:.1f} s to fail"
+    assert not engine.alive()
+
+    out = engine.restart(timeout_s=120)
+    assert out["policy_version"] == SERVED
+    assert not any(process_alive(p) for p in tp.old), [p for p in tp.old if process_alive(p)]
+    check_back_on_version(tp)
 
 
 def test_a_stopped_second_worker_is_named_hung_and_a_restart_brings_both_back(serving):
