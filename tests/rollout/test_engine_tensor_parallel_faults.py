@@ -78,6 +78,8 @@ def _by_rank(digests: dict[str, str]) -> dict[str, dict[str, str]]:
 
 @dataclass
 class Engine:
+    """The module's TP=2 engine, the transport its versions are published to, its checkpoint and spec."""
+
     engine: Any
     transport: Any
     hf: str
