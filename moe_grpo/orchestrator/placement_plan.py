@@ -38,6 +38,7 @@ from moe_grpo.orchestrator.checkpoint_time import CheckpointTime, checkpoint_byt
 from moe_grpo.orchestrator.cluster_env import (NodeFacts, RunCommand, local_facts, run_command_stdout, signal_warning_s,
                                                slurm_facts)
 from moe_grpo.orchestrator.config import ClusterConfig
+from moe_grpo.orchestrator.engine_span import RAY_ON_CPU_REFUSAL, EngineSpan, engine_span
 from moe_grpo.orchestrator.memory_estimate import (DTYPE_BYTES, GIB, RESERVED_GIB, EngineMemory, RankMemory,
                                                    TrainingShape, engine_memory, rank_memory)
 from moe_grpo.orchestrator.run_prompts import engine_context, prompt_source
@@ -60,10 +61,29 @@ class EnginePlacement:
     gpus: float
     cpus: float
     pipeline_parallel: int = 1
-    """vLLM pipeline stages (cluster.engine_pipeline_parallel), all on `node`."""
+    """vLLM pipeline stages (cluster.engine_pipeline_parallel): on `node`, or over `worker_nodes`."""
     expert_parallel: bool = False
     """vLLM expert parallelism (cluster.engine_expert_parallel): the routed experts sharded whole over the
     `tensor_parallel` workers (EP = TP), on the same GPUs."""
+    worker_nodes: tuple[str, ...] = ()
+    """The node of each vLLM worker, in vLLM's rank order (stage-major), when the engine's stages span nodes
+    (orchestrator/engine_span.py; vLLM's Ray executor, one placement bundle per worker); empty: every worker on
+    `node` (vLLM's multiprocessing executor)."""
+
+    @property
+    def spans_nodes(self) -> bool:
+        return len(set(self.worker_nodes)) > 1
+
+    @property
+    def nodes(self) -> tuple[str, ...]:
+        """Every node holding a worker of this engine, stage 0's first."""
+        return tuple(dict.fromkeys(self.worker_nodes)) if self.worker_nodes else (self.node,) if self.node else ()
+
+    @property
+    def actor_gpus(self) -> float:
+        """GPUs the engine's actor reserves itself: all of them on one node (its multiprocessing workers inherit
+        them), none when its stages span nodes (vLLM's Ray workers take theirs from the engine's bundles)."""
+        return 0.0 if self.spans_nodes else self.gpus
 
 
 @dataclass(frozen=True)
@@ -153,7 +173,13 @@ class Plan:
 
     @property
     def engine_hosts(self) -> list[str]:
-        return list(dict.fromkeys(e.node for e in self.engines if e.node))
+        """Every node holding an engine worker (each receives every version once)."""
+        return list(dict.fromkeys(n for e in self.engines for n in e.nodes))
+
+    def engine_worker_nodes(self) -> list[list[str] | None]:
+        """Per engine: the node of each of its vLLM workers when its stages span nodes (its own placement group,
+        one bundle per worker: pools.start_pools), else None."""
+        return [list(e.worker_nodes) if e.spans_nodes else None for e in self.engines]
 
     def bundle_nodes(self) -> list[str | None]:
         """The node each placement-group bundle must go to: engines first, then learner ranks (pools.start_pools'
@@ -167,7 +193,7 @@ class Plan:
         rank); a local plan changes nothing."""
         if not self.pinned:
             return cluster
-        engine_gpus = self.engines[0].gpus if self.engines else cluster.engine_gpus
+        engine_gpus = self.engines[0].actor_gpus if self.engines else cluster.engine_gpus
         return dataclasses.replace(cluster, nodes=self.facts.nodes, learner_ranks=self.world, engine_gpus=engine_gpus,
                                    learner_gpus=self.rank_gpus)
 
@@ -201,10 +227,13 @@ class Plan:
         expert = (f" EP={','.join(map(str, eps))} (routed experts sharded whole over the TP workers)" if eps else "")
         lines.append(f"inference pool: {_nodes(self.inference_nodes)}: {_n(len(self.engines), 'engine')} x TP="
                      f"{','.join(map(str, tps))}" + (f" PP={','.join(map(str, pps))}" if pps != [1] else "") + expert
-                     + (f", {_n(self.engines[0].gpus, 'GPU')} each" if self.engines and self.engines[0].gpus else ""))
+                     + (f", {_n(self.engines[0].gpus, 'GPU')} each" if self.engines and self.engines[0].gpus else "")
+                     + (f", stages across {_n(len(self.engines[0].nodes), 'node')} each (vLLM's Ray executor, one "
+                        "bundle per worker)" if self.engines and self.engines[0].spans_nodes else ""))
         for node in self.inference_nodes:
-            names = [e.name for e in self.engines if e.node == node]
-            used = sum(e.gpus for e in self.engines if e.node == node)
+            names = [e.name + _stages_on(e, node) for e in self.engines if node in e.nodes]
+            used = sum(e.gpus if not e.spans_nodes else e.worker_nodes.count(node) for e in self.engines
+                       if node in e.nodes)
             room = f" ({used:g} of {self.gpus_per_node} GPUs)" if self.gpus_per_node and used else ""
             lines.append(f"  {node}: {', '.join(names) or 'no engine'}{room}")
         unplaced_engines = [e.name for e in self.engines if e.node is None]
@@ -247,6 +276,14 @@ class Plan:
 
     def refusal(self) -> str:
         return "the placement plan is refused: " + "; ".join(self.problems)
+
+
+def _stages_on(engine: EnginePlacement, node: str) -> str:
+    """' stages 2-3' where an engine spanning nodes has those stages on `node`; '' for an engine on one node."""
+    if not engine.spans_nodes:
+        return ""
+    stages = sorted({w // engine.tensor_parallel for w, n in enumerate(engine.worker_nodes) if n == node})
+    return f" stage{'s' if len(stages) > 1 else ''} {_span(stages)}"
 
 
 def _nodes(nodes: Sequence[str]) -> str:
@@ -316,12 +353,12 @@ def build_plan(run: RunConfig, environ: Mapping[str, str] | None = None, *, seq_
         # 1/TP of the routed experts per GPU, so the estimate does not depend on it (memory_estimate.engine_memory).
         eng_mem = engine_memory(counts.total, run.rollout.dtype, engine_tp, gpu_bytes, engine_pp)
         if not eng_mem.fits:
-            whole_node = bool(gpus) and engine_tp * engine_pp >= gpus
-            helps = ("larger GPUs (cluster.gpu_memory_gib): an engine already spans a whole node "
-                     f"(cluster.engine_tensor_parallel={engine_tp}) and engines across nodes (vLLM pipeline parallelism) "
-                     "are not built" if whole_node else
-                     "more GPUs per engine (cluster.engine_tensor_parallel x cluster.engine_pipeline_parallel, at "
-                     "most a node's) or larger GPUs (cluster.gpu_memory_gib)")
+            need = math.ceil(counts.total * DTYPE_BYTES[run.rollout.dtype] / (engine_tp * eng_mem.capacity))
+            helps = (f"more pipeline stages (cluster.engine_pipeline_parallel >= {need} at TP={engine_tp}: stages "
+                     "beyond a node span nodes through vLLM's Ray executor, whole stages per node) or larger GPUs "
+                     "(cluster.gpu_memory_gib)" if gpus else
+                     "more GPUs per engine (cluster.engine_tensor_parallel x cluster.engine_pipeline_parallel) or "
+                     "larger GPUs (cluster.gpu_memory_gib)")
             problems.append(
                 f"an engine GPU needs {eng_mem.weights / GIB:.1f} GiB for its share of the weights "
                 f"({counts.total / 1e9:.2f}B parameters x {DTYPE_BYTES[run.rollout.dtype]} bytes {run.rollout.dtype} / "
@@ -332,7 +369,9 @@ def build_plan(run: RunConfig, environ: Mapping[str, str] | None = None, *, seq_
         tp, pp, dp, ep, edp = coordinates(r, layout) if layout else (0, 0, 0, 0, 0)
         ranks.append(RankPlacement(r, pools.rank_nodes[r], tp, pp, dp, ep, edp))
     engines = tuple(EnginePlacement(f"engine{i}", pools.engine_nodes[i], engine_tp, engine_gpus, c.engine_cpus,
-                                    engine_pp, c.engine_expert_parallel) for i in range(c.num_engines))
+                                    engine_pp, c.engine_expert_parallel,
+                                    pools.engine_worker_nodes[i] if pools.engine_worker_nodes else ())
+                    for i in range(c.num_engines))
     sync_dtype = version_dtype(run.rollout.dtype, run.lora)
     checkpoint = None
     if c.launcher == "slurm":
@@ -392,6 +431,8 @@ class _Pools:
     world: int
     engine_gpus: float
     rank_gpus: float
+    engine_worker_nodes: list[tuple[str, ...]] = field(default_factory=list)
+    """Per engine, its workers' nodes when its stages span nodes (else empty)."""
 
 
 def _slurm_pools(run: RunConfig, nodes: tuple[str, ...], gpus: int | None, cpus: int | None, problems: list[str],
@@ -414,14 +455,17 @@ def _slurm_pools(run: RunConfig, nodes: tuple[str, ...], gpus: int | None, cpus:
         problems.append(f"cluster.engine_gpus={c.engine_gpus:g} / cluster.learner_gpus={c.learner_gpus:g} but the "
                         f"nodes have no GPUs (gpus_per_node={gpus}); set cluster.gpus_per_node if SLURM does not "
                         "say")
-    engines_per_node = _per_node(engine_gpus, gpus, c.engine_cpus, cpus, c.num_engines)
-    if use_gpus and engine_tp > gpus:
-        problems.append(f"an engine's tensor parallelism (cluster.engine_tensor_parallel={engine_tp}) does not "
-                        f"fit a node of {gpus} GPUs; an engine runs within one node")
-    elif use_gpus and engine_workers > gpus:
-        problems.append(f"an engine of cluster.engine_tensor_parallel={engine_tp} x cluster.engine_pipeline_parallel="
-                        f"{engine_pp} = {engine_workers} GPUs does not fit a node of {gpus} GPUs; an engine's "
-                        "pipeline stages run within one node (stages across nodes, vLLM's Ray executor, are not built)")
+    span = None
+    if use_gpus:
+        span, why = engine_span(engine_tp, engine_pp, gpus)
+        if why:
+            problems.append(why)
+    elif cpus and c.engine_cpus > cpus:
+        problems.append(f"an engine of cluster.engine_cpus={c.engine_cpus:g} does not fit a node of {cpus} CPUs, and "
+                        f"its pipeline stages cannot span nodes on CPU: {RAY_ON_CPU_REFUSAL}")
+    spanning = span is not None and span.spans_nodes
+    # An engine spanning nodes fills whole nodes (none shares them); its actor reserves no GPU of its own.
+    engines_per_node = 1 if spanning else _per_node(engine_gpus, gpus, c.engine_cpus, cpus, c.num_engines)
     unit = "GPUs" if use_gpus else "CPUs"
     per_node = gpus if use_gpus else cpus
     need_engine = engine_gpus if use_gpus else c.engine_cpus
@@ -436,17 +480,24 @@ def _slurm_pools(run: RunConfig, nodes: tuple[str, ...], gpus: int | None, cpus:
         room = f"{nodes[0]}'s {per_node} {unit} less the engines' {c.num_engines * need_engine:g}"
         train_gpus = max(0, int(gpus_left)) if use_gpus else 0
     else:
-        training, inference, unused = _split_nodes(c, nodes, engines_per_node, problems)
+        training, inference, unused = _split_nodes(c, nodes, engines_per_node, problems,
+                                                   span.nodes if spanning else 1)
         ranks_per_node = _per_node(rank_gpus, gpus, c.learner_cpus, cpus, None)
         room = f"the training pool's {len(training)} node(s) x {per_node} {unit}"
         train_gpus = len(training) * (gpus or 0)
     world = c.learner_ranks or (train_gpus if use_gpus and train_gpus else run.parallel.world_size())
-    engine_nodes = _fill(c.num_engines, inference, engines_per_node)
+    worker_nodes: list[tuple[str, ...]] = [()] * c.num_engines
+    if spanning:
+        assert span is not None
+        engine_nodes, worker_nodes = _fill_spanning(c.num_engines, inference, span)
+    else:
+        engine_nodes = _fill(c.num_engines, inference, engines_per_node)
     rank_nodes = _fill(world, training, ranks_per_node)
     if None in engine_nodes and inference:
+        held = len(inference) // span.nodes if spanning and span else len(inference) * engines_per_node
         problems.append(f"{c.num_engines} engine(s) x {need_engine:g} {unit} need {c.num_engines * need_engine:g} "
                         f"{unit}; the inference pool ({len(inference)} node(s) x {per_node} {unit}) holds "
-                        f"{len(inference) * engines_per_node} engine(s)")
+                        f"{held} engine(s)" + (f" of {span.nodes} whole nodes each" if spanning and span else ""))
     if None in rank_nodes and training:
         need = 1 if use_gpus else c.learner_cpus
         problems.append(f"{world} learner rank(s) x {need:g} {unit} need {world * need:g} {unit}; {room} have "
@@ -459,7 +510,24 @@ def _slurm_pools(run: RunConfig, nodes: tuple[str, ...], gpus: int | None, cpus:
         notes.append(f"TP={run.parallel.tensor_parallel} groups span nodes ({ranks_per_node} ranks per node): "
                      "their all-reduces cross the network")
     return _Pools(tuple(training), tuple(inference), tuple(unused), engine_nodes, rank_nodes, world, engine_gpus,
-                  rank_gpus)
+                  rank_gpus, worker_nodes)
+
+
+def _fill_spanning(count: int, nodes: Sequence[str], span: EngineSpan) -> tuple[list[str | None],
+                                                                                 list[tuple[str, ...]]]:
+    """Engine i on nodes [i x span.nodes, (i + 1) x span.nodes) (None past the pool's room): its actor's node
+    (stage 0's) and each worker's node."""
+    actor_nodes: list[str | None] = []
+    workers: list[tuple[str, ...]] = []
+    for i in range(count):
+        mine = list(nodes[i * span.nodes:(i + 1) * span.nodes])
+        if len(mine) < span.nodes:
+            actor_nodes.append(None)
+            workers.append(())
+        else:
+            actor_nodes.append(mine[0])
+            workers.append(tuple(span.worker_nodes(mine)))
+    return actor_nodes, workers
 
 
 def _local_pools(run: RunConfig, nodes: tuple[str, ...], gpus: int | None, cpus: int | None, problems: list[str],
@@ -518,9 +586,10 @@ def _per_node(gpus_each: float, gpus: int | None, cpus_each: float, cpus: int | 
     return min(fits)
 
 
-def _split_nodes(c: ClusterConfig, nodes: Sequence[str], engines_per_node: int,
-                 problems: list[str]) -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]:
-    """(training, inference, unused) nodes: the training pool first (rank 0 next to the driver on the first node)."""
+def _split_nodes(c: ClusterConfig, nodes: Sequence[str], engines_per_node: int, problems: list[str],
+                 nodes_per_engine: int = 1) -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]:
+    """(training, inference, unused) nodes: the training pool first (rank 0 next to the driver on the first node).
+    `nodes_per_engine` > 1: engines whose stages span that many whole nodes."""
     n = len(nodes)
     if not n:
         return (), (), ()
@@ -528,6 +597,8 @@ def _split_nodes(c: ClusterConfig, nodes: Sequence[str], engines_per_node: int,
         inference = c.inference_nodes
     elif c.training_nodes is not None:
         inference = n - c.training_nodes
+    elif nodes_per_engine > 1:
+        inference = c.num_engines * nodes_per_engine
     else:
         inference = math.ceil(c.num_engines / engines_per_node) if engines_per_node else 1
     training = c.training_nodes if c.training_nodes is not None else n - inference

@@ -116,10 +116,11 @@ def test_deepseek_v3_on_four_nodes_of_eight_h100s_is_refused_with_the_numbers():
     assert "(the training pool has 16)" in training
     assert engine.startswith("an engine GPU needs 156.2 GiB for its share of the weights (671.03B parameters x 2 "
                              "bytes bfloat16 / TP 8) but vLLM may use 68.0 GiB of a 80-GiB GPU")
-    # An engine of TP=8 already holds a whole 8-GPU node: the refusal does not ask for more GPUs per engine.
-    assert engine.endswith("larger GPUs (cluster.gpu_memory_gib): an engine already spans a whole node "
-                           "(cluster.engine_tensor_parallel=8) and engines across nodes (vLLM pipeline parallelism) are "
-                           "not built"), engine
+    # An engine of TP=8 already holds a whole 8-GPU node: the refusal names the pipeline stages that would fit
+    # (156.2 GiB / 68.0 GiB usable: 3 stages, spanning nodes), not more tensor parallelism.
+    assert engine.endswith("more pipeline stages (cluster.engine_pipeline_parallel >= 3 at TP=8: stages beyond a node "
+                           "span nodes through vLLM's Ray executor, whole stages per node) or larger GPUs "
+                           "(cluster.gpu_memory_gib)"), engine
 
 
 def test_deepseek_v3_fits_nine_nodes_of_288_gb_gpus_and_not_of_141_gb_ones():
