@@ -31,21 +31,48 @@ if TYPE_CHECKING:  # the run's config composes the orchestrator's: it is a layer
 log = logging.getLogger("moe_grpo")
 
 
-def plan_sync(run: RunConfig, placement_group: Any, run_name: str) -> SyncLayout:
-    """The run's `SyncLayout`: engines are bundles 0..num_engines-1, learner rank r is bundle num_engines + r."""
+def plan_sync(run: RunConfig, placement_group: Any, run_name: str, engine_groups: list[Any] | None = None) -> SyncLayout:
+    """The run's `SyncLayout`: engines are bundles 0..num_engines-1, learner rank r is bundle num_engines + r;
+    `engine_groups`: per engine its own placement group when its stages span nodes (its workers' hosts)."""
     import ray
 
     nodes = ray.util.placement_group_table(placement_group)["bundles_to_node_id"]
     c, world = run.cluster, run.learner_world_size()
     engine_hosts = tuple(nodes[i] for i in range(c.num_engines))
     rank_hosts = tuple(nodes[c.num_engines + r] for r in range(world))
-    transport = resolve_transport(run.sync.transport, len(set(engine_hosts + rank_hosts)))
+    worker_hosts = tuple(_group_hosts(g) for g in engine_groups) if engine_groups else ()
+    all_hosts = set(engine_hosts + rank_hosts).union(*map(set, worker_hosts))
+    transport = resolve_transport(run.sync.transport, len(all_hosts))
     if run.lora.enabled and transport != "shm":
         raise ValueError(f"lora.rank={run.lora.rank}: the run's actors were placed on "
                          f"{len(set(engine_hosts + rank_hosts))} hosts (sync.transport={run.sync.transport} -> "
                          f"{transport}), and adapter-only versions are built for shared memory on one host only")
     return SyncLayout(transport, run_name, rank_hosts, engine_hosts, run.sync.root, run.sync.slots,
-                      timeout_s=run.sync.relay_timeout_s)
+                      timeout_s=run.sync.relay_timeout_s, engine_worker_hosts=worker_hosts)
+
+
+def _group_hosts(group: Any) -> tuple[str, ...]:
+    """The host of each bundle of an engine's own placement group (None: the engine has none)."""
+    import ray
+
+    if group is None:
+        return ()
+    table = ray.util.placement_group_table(group)["bundles_to_node_id"]
+    return tuple(table[i] for i in range(len(table)))
+
+
+def engine_host_agents(layout: SyncLayout, agents: list[Any], engine: int) -> dict[str, Any] | None:
+    """The `SyncHostAgent` of each host of engine `engine`'s workers other than its own (None: all on its
+    host). Raises naming the host when the relay has no agent there."""
+    others = layout.worker_hosts(engine)
+    if not others:
+        return None
+    by_host = dict(zip(layout.hosts, agents))
+    missing = [h for h in others if h not in by_host]
+    if missing:
+        raise RuntimeError(f"engine{engine}'s workers are on host(s) {', '.join(missing)} without a weight relay "
+                           f"agent (sync.transport={layout.transport}); they could not read the versions there")
+    return {h: by_host[h] for h in others}
 
 
 class SyncHostAgent:
@@ -97,6 +124,19 @@ class SyncHostAgent:
             self.errors[rank] = f"{type(e).__name__}: {e}"
             if not self.stop.is_set():
                 log.error("host %s: relay of learner rank %d failed: %s", self.host[:8], rank, e)
+
+    def complete(self, version: int, timeout_s: float) -> str:
+        """This host's slot of `version` once it is complete here (an engine whose workers span hosts asks each
+        of its hosts: sync/engine_hosts.py)."""
+        slot, _ = self.transport.wait_complete(version, timeout_s)
+        return slot
+
+    def pin(self, engine_id: str, slots: dict[str, int]) -> None:
+        """Keep these slots of this host for engine `engine_id` (its workers here read them)."""
+        self.transport.pin(engine_id, slots)
+
+    def unpin(self, engine_id: str) -> None:
+        self.transport.unpin(engine_id)
 
     def received(self) -> dict[str, Any]:
         """{"versions": {rank: versions received whole, in order}, "errors": {rank: message}, "root": directory}."""

@@ -45,15 +45,19 @@ class SyncLayout:
     secret: str = field(default="", repr=False)
     """The run's secret for that store."""
     timeout_s: float = 300.0
+    engine_worker_hosts: tuple[tuple[str, ...], ...] = ()
+    """Per engine, the hosts of its vLLM workers when its pipeline stages span hosts (vLLM's Ray executor), its
+    own host first; empty (or an empty entry): every worker on the engine's host. Each is a sync host: it receives
+    every version once, and the engine's workers there read that host's copy (sync/engine_hosts.py)."""
 
     def __post_init__(self) -> None:
         if self.transport not in ("shm", "relay", "cuda_ipc"):
             raise ValueError(f"SyncLayout.transport={self.transport!r}, expected 'shm', 'relay' or 'cuda_ipc'")
         if not self.rank_hosts:
             raise ValueError("SyncLayout.rank_hosts is empty, expected the host of every learner rank")
-        if self.transport != "relay" and len(set(self.rank_hosts + self.engine_hosts)) > 1:
-            raise ValueError(f"sync.transport={self.transport} needs every learner rank and engine on one host; "
-                             f"this run spans {len(set(self.rank_hosts + self.engine_hosts))} hosts "
+        if self.transport != "relay" and len(set(self.rank_hosts + self.hosts)) > 1:
+            raise ValueError(f"sync.transport={self.transport} needs every learner rank and engine on one host "
+                             f"(each engine's workers too); this run spans {len(set(self.rank_hosts + self.hosts))} hosts "
                              f"(use sync.transport=relay or auto)")
 
     @property
@@ -62,8 +66,15 @@ class SyncLayout:
 
     @property
     def hosts(self) -> tuple[str, ...]:
-        """The sync hosts: learner rank 0's host first, then every other engine host, in bundle order."""
-        return tuple(dict.fromkeys((self.rank_hosts[0],) + self.engine_hosts))
+        """The sync hosts: learner rank 0's host first, then every other engine host, in bundle order (an engine
+        spanning hosts: its workers' hosts after its own)."""
+        spans = [h for i, e in enumerate(self.engine_hosts) for h in (e, *self.worker_hosts(i))]
+        return tuple(dict.fromkeys((self.rank_hosts[0], *spans)))
+
+    def worker_hosts(self, engine: int) -> tuple[str, ...]:
+        """The hosts of engine `engine`'s workers other than its own host (empty: all on its host)."""
+        hosts = self.engine_worker_hosts[engine] if engine < len(self.engine_worker_hosts) else ()
+        return tuple(h for h in dict.fromkeys(hosts) if h != self.engine_hosts[engine])
 
     def local_ranks(self, host: str) -> list[int]:
         return [r for r, h in enumerate(self.rank_hosts) if h == host]

@@ -1,7 +1,8 @@
 """Choosing a run's weight transport (`sync.transport`): the one place that names the transport classes.
 
 - `make_publisher(where, rank)`: what a learner rank's `WeightSync` writes through;
-- `make_receiver(where)`: what an engine's `apply_version` reads through;
+- `make_receiver(where)`: what an engine's `apply_version` reads through (an engine whose workers span hosts:
+  each host's copy, `engine_hosts.py`);
 - `shared_memory(root, slots)`: a host's buffers in shared memory (a relay host's agent, `WeightSync`'s default);
 - `make_shard_receiver(buffers, layout, rank, host)`: on a relay host, what fills its buffers from learner `rank`;
 - `open_bucket(source)`: inside an engine's vLLM worker, the tensors of one bucket the receiver described.
@@ -24,6 +25,7 @@ from typing import Any, Iterator
 import torch
 
 from moe_grpo.sync.cuda_ipc import CudaIpcTransport, device_views, open_handle
+from moe_grpo.sync.engine_hosts import EngineHostsReceiver, own_path
 from moe_grpo.sync.layout import SyncLayout
 from moe_grpo.sync.plan import DTYPES, Bucket, BucketEntry, BucketPlan
 from moe_grpo.sync.shard_relay import ShardReceiver, ShardSender
@@ -56,8 +58,15 @@ def make_publisher(where: SyncLayout | str, rank: int) -> WeightTransport:
     return _local(where)
 
 
-def make_receiver(where: SyncLayout | str) -> WeightReceiver:
-    """The transport an engine on this host reads through (its host's buffers)."""
+def make_receiver(where: SyncLayout | str, host_agents: dict[str, Any] | None = None,
+                  host: str | None = None) -> WeightReceiver:
+    """The transport an engine on this host (`host`) reads through (its host's buffers); with `host_agents` (the
+    `SyncHostAgent` of each other host of an engine whose workers span hosts) each worker reads its own host's
+    (`engine_hosts.EngineHostsReceiver`)."""
+    if host_agents:
+        if host is None:
+            raise ValueError("make_receiver: an engine spanning hosts needs its own host (Ray node id)")
+        return EngineHostsReceiver(_local(where), host, host_agents)
     return _local(where)
 
 
@@ -131,7 +140,7 @@ def open_bucket(source: dict[str, Any]) -> Iterator[dict[str, torch.Tensor]]:
     bucket = Bucket(0, tuple(BucketEntry(n, tuple(s), o) for n, s, o in source["entries"]), int(source["nbytes"]))
     dtype = DTYPES[source["dtype"]]
     if source["kind"] == "shm":
-        with read_bucket(source["path"], bucket, dtype) as tensors:
+        with read_bucket(own_path(source), bucket, dtype) as tensors:
             yield tensors
     elif source["kind"] == "cuda_ipc":
         yield device_views(open_handle(source["handle"]), bucket, dtype)
