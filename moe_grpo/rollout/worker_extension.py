@@ -97,7 +97,7 @@ class RoutingCaptureExtension:
             runner._prepare_inputs, runner.execute_model = _prepare_inputs, execute_model
             runner._mg_wrapped = True
         return {"moe_layers": self._mg_layers, "pid": os.getpid(), "tp_rank": tp_rank, "pp_rank": pp_rank,
-                "capturing": capture}
+                "capturing": capture, "host": os.uname().nodename}
 
     def moe_grpo_set_capture(self, on: bool) -> bool:
         from vllm.distributed import get_tensor_model_parallel_rank
