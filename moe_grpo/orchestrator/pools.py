@@ -38,6 +38,10 @@ class EngineFactory:
     """The model directory engines start from (version 0); None while the learner ranks are still writing it
     (actors made then wait for `EngineWorker.start`)."""
     placement_group: Any
+    engine_groups: list[Any] | None = None
+    """Per engine, its own placement group when its stages span nodes (one GPU bundle per vLLM worker), else None."""
+    sync_agents: list[Any] | None = None
+    """The relay's `SyncHostAgent`s, in `sync.hosts` order (an engine spanning hosts reads each host's copy)."""
 
     def __call__(self, bundle: int) -> Any:
         import ray
@@ -51,7 +55,17 @@ class EngineFactory:
         ).remote(f"engine{bundle}", self.model_dir, self.run.model, self.run.rollout, self.run_dir, self.sync,
                  _cores(c, bundle, c.engine_cpus, 0), self.run.seed + bundle, self.run.lora, self.run.sync.lora_apply,
                  tensor_parallel=c.engine_tensor_parallel, pipeline_parallel=c.engine_pipeline_parallel,
-                 expert_parallel=c.engine_expert_parallel)
+                 expert_parallel=c.engine_expert_parallel,
+                 placement_group=self.engine_groups[bundle] if self.engine_groups else None,
+                 host_agents=self._host_agents(bundle))
+
+    def _host_agents(self, bundle: int) -> dict[str, Any] | None:
+        """The relay agents of the other hosts of an engine whose stages span nodes (None for the others)."""
+        if not self.engine_groups or self.engine_groups[bundle] is None:
+            return None
+        from moe_grpo.orchestrator.sync_hosts import engine_host_agents  # brings in torch (the transports)
+
+        return engine_host_agents(self.sync, self.sync_agents or [], bundle)
 
 
 @dataclass
@@ -69,6 +83,8 @@ class Pools:
     """The run's `SyncLayout` (transport, each actor's host)."""
     sync_agents: list[Any] | None = None
     """One `SyncHostAgent` per sync host under the relay (orchestrator/sync_hosts.py); empty on one host."""
+    engine_groups: list[Any] | None = None
+    """Per engine, its own placement group when its stages span nodes, else None (`EngineFactory`)."""
 
 
 def start_ray(cluster: ClusterConfig, run_dir: str) -> str | None:
@@ -201,8 +217,46 @@ def single_host() -> bool:
     return len([n for n in ray.nodes() if n.get("Alive")]) == 1
 
 
+def engine_group_bundles(worker_nodes: list[str], ray_nodes: Any) -> list[dict[str, float]]:
+    """The placement bundles of an engine whose stages span nodes: one GPU per vLLM worker, in its rank order,
+    each pinned to the node the plan gives it (vLLM's Ray executor takes one GPU bundle per worker, at most one GPU
+    each: rollout/ray_executor.py)."""
+    return pin_bundles([{"GPU": 1.0}] * len(worker_nodes), worker_nodes, ray_nodes)
+
+
+def start_engine_groups(engine_worker_nodes: list[list[str] | None], timeout_s: float) -> list[Any] | None:
+    """A placement group per engine whose stages span nodes (None for the others); None when no engine does.
+    Raises naming the engine whose group Ray could not reserve within `timeout_s` (the groups made are removed)."""
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    if not any(engine_worker_nodes):
+        return None
+    groups: list[Any] = []
+    try:
+        for i, nodes in enumerate(engine_worker_nodes):
+            if not nodes:
+                groups.append(None)
+                continue
+            bundles = engine_group_bundles(nodes, ray.nodes())
+            group = placement_group(bundles, strategy="PACK", name=f"moe_grpo-engine{i}")
+            groups.append(group)
+            if not group.wait(timeout_seconds=timeout_s):
+                raise RuntimeError(f"Ray could not reserve engine{i}'s {len(bundles)} GPU bundles on "
+                                   f"{' '.join(dict.fromkeys(nodes))} within {timeout_s:.0f} s (cluster has "
+                                   f"{ray.cluster_resources()})")
+    except BaseException:
+        for group in groups:
+            if group is not None:
+                with contextlib.suppress(Exception):
+                    remove_placement_group(group)
+        raise
+    return groups
+
+
 def start_pools(run: RunConfig, run_dir: str, sync_name: str, model_dir_fn: Any, learner_cls: type | None = None,
-                bundle_nodes: list[str | None] | None = None) -> Pools:
+                bundle_nodes: list[str | None] | None = None,
+                engine_worker_nodes: list[list[str] | None] | None = None) -> Pools:
     """Learner ranks first (they build the initial weights), then engines on `model_dir_fn(learners)` (the ranks'
     `LearnerGroup`).
 
@@ -210,7 +264,9 @@ def start_pools(run: RunConfig, run_dir: str, sync_name: str, model_dir_fn: Any,
     weight transport is planned from where they landed, and under the relay its host agents start first.
 
     `learner_cls` replaces `LearnerWorker` (a subclass; tests slow it down on purpose). `bundle_nodes`: the host
-    each bundle (engines, then learner ranks) must be reserved on, from the placement plan; None lets Ray pack."""
+    each bundle (engines, then learner ranks) must be reserved on, from the placement plan; None lets Ray pack.
+    `engine_worker_nodes`: per engine, its workers' nodes when its stages span nodes (the plan's
+    `engine_worker_nodes`): such an engine gets a placement group of its own, one GPU bundle per worker."""
     import ray
     from ray.util.placement_group import placement_group
 
@@ -227,22 +283,27 @@ def start_pools(run: RunConfig, run_dir: str, sync_name: str, model_dir_fn: Any,
 
     from moe_grpo.orchestrator.sync_hosts import plan_sync, start_sync_hosts  # brings in torch (the transports)
 
-    layout, agents = start_sync_hosts(plan_sync(run, pg, sync_name))
+    groups: list[Any] | None = None
+    agents: list[Any] = []
     try:
-        return _start_actors(run, run_dir, pg, layout, agents, model_dir_fn, learner_cls)
+        groups = start_engine_groups(engine_worker_nodes or [], c.start_timeout_s)
+        layout, agents = start_sync_hosts(plan_sync(run, pg, sync_name, groups))
+        return _start_actors(run, run_dir, pg, layout, agents, model_dir_fn, learner_cls, groups)
     except BaseException:
         from ray.util.placement_group import remove_placement_group
 
         from moe_grpo.orchestrator.sync_hosts import stop_sync_hosts  # brings in torch (the transports)
 
         stop_sync_hosts(agents)
-        with contextlib.suppress(Exception):  # ends the actors started so far (no Pools to release them by)
-            remove_placement_group(pg)
+        for group in [pg, *(groups or [])]:  # ends the actors started so far (no Pools to release them by)
+            if group is not None:
+                with contextlib.suppress(Exception):
+                    remove_placement_group(group)
         raise
 
 
 def _start_actors(run: RunConfig, run_dir: str, pg: Any, layout: Any, agents: list[Any], model_dir_fn: Any,
-                  learner_cls: type | None) -> Pools:
+                  learner_cls: type | None, engine_groups: list[Any] | None = None) -> Pools:
     import ray
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -255,7 +316,7 @@ def _start_actors(run: RunConfig, run_dir: str, pg: Any, layout: Any, agents: li
     # The engines' actors are asked for first: they get ready (vLLM's import: ~10 s of a run's start-up on CPU)
     # while the learner ranks start and build the weights; each starts its engine once the model directory is
     # written.
-    make_engine = EngineFactory(run, run_dir, layout, None, pg)
+    make_engine = EngineFactory(run, run_dir, layout, None, pg, engine_groups, agents)
     engines = [(f"engine{i}", make_engine(i)) for i in range(c.num_engines)]
     addr, port = rendezvous(at(c.num_engines))
     secret = secrets.token_hex(32)  # the run's rendezvous secret, handed to the ranks as an actor argument
@@ -276,7 +337,7 @@ def _start_actors(run: RunConfig, run_dir: str, pg: Any, layout: Any, agents: li
             pids.append(ray.get(ref, timeout=max(1.0, c.start_timeout_s - (time.perf_counter() - t0))))
         except ray.exceptions.GetTimeoutError as e:
             raise RuntimeError(f"{name} (vLLM) did not start within {c.start_timeout_s:.0f} s") from e
-    return Pools(engines, group, pg, make_engine, pids, layout, agents)
+    return Pools(engines, group, pg, make_engine, pids, layout, agents, engine_groups)
 
 
 def stop_pools(pools: Pools | None, engines: list[Any] | None = None, *, release: bool = False,
@@ -323,6 +384,9 @@ def release_actors(pools: Pools, engines: list[Any], timeout_s: float) -> None:
     actors = [*engines, *pools.learners.actors, *(pools.sync_agents or [])]
     if pools.placement_group is not None:
         remove_placement_group(pools.placement_group)
+    for engine_group in pools.engine_groups or []:  # vLLM's Ray workers of engines spanning nodes
+        if engine_group is not None:
+            remove_placement_group(engine_group)
     for actor in actors:
         try:
             ray.kill(actor, no_restart=True)

@@ -193,7 +193,9 @@ class RunSession:
         t0 = time.perf_counter()
         self.pools = pools = pool_setup.start_pools(self.run, self.run_dir, self.sync_name, initial_weights,
                                                     learner_cls,
-                                                    bundle_nodes=plan.bundle_nodes() if plan.pinned else None)
+                                                    bundle_nodes=plan.bundle_nodes() if plan.pinned else None,
+                                                    engine_worker_nodes=plan.engine_worker_nodes() if plan.pinned
+                                                    else None)
         log.info("pools up in %.0fs: %d engine(s), %d learner rank(s) (%.2fM parameters on rank 0)",
                  time.perf_counter() - t0, len(pools.engines), len(pools.learners),
                  pools.learners.infos[0].parameters / 1e6)
