@@ -115,8 +115,9 @@ class ClusterConfig:
     per engine GPU); routing is captured once per request (TP rank 0) and a version is served only when every worker
     loaded it."""
     engine_pipeline_parallel: int = 1
-    """vLLM pipeline stages per engine (vLLM `pipeline_parallel_size`), each of `engine_tensor_parallel` workers, all
-    on one node through vLLM's multiprocessing executor (stages on other nodes, vLLM's Ray executor, are not built):
+    """vLLM pipeline stages per engine (vLLM `pipeline_parallel_size`), each of `engine_tensor_parallel` workers, on
+    one node through vLLM's multiprocessing executor, or, when TP x PP exceeds a node's GPUs, over whole nodes (each
+    stage's workers on one node) through vLLM's Ray executor (GPU only, unrun; vLLM 0.32's CPU platform refuses it):
     an engine holds TP x PP GPUs (or core sets on CPU), weights / (TP x PP) per engine GPU. Each stage captures the
     routing of its own layers, joined in layer order; a version is served only when every stage loaded it. At most
     one stage per decoder layer; not with LoRA."""

@@ -6,7 +6,8 @@ host, orchestrator/cluster_env.py). It decides
 - the nodes of each pool: `cluster=slurm` splits the job's nodes into a training pool (the first nodes: learner
   rank 0 and its rendezvous next to the driver) and an inference pool (the next ones); `cluster=local` keeps
   both on this host (or leaves them to Ray on a joined cluster), as before;
-- each engine's node and tensor parallelism, each learner rank's node and Megatron coordinates (TP, PP, DP, EP and
+- each engine's node (or, wider than a node, its stages' nodes: orchestrator/engine_span.py) and parallelism,
+  each learner rank's node and Megatron coordinates (TP, PP, DP, EP and
   expert DP, in megatron-core 0.16.1's default order tp-cp-ep-dp-pp);
 - the bytes a weight sync moves per engine host (every engine host receives the whole model once per version, in
   the engines' dtype: sync/dtypes.py `version_dtype`), and each pool's memory estimate
@@ -16,7 +17,8 @@ host, orchestrator/cluster_env.py). It decides
 
 and refuses, with the reason and the numbers, a plan that cannot run: more GPUs than the nodes have, a learner
 world Megatron cannot split (world = TP x PP x DP, TP x EP x PP dividing the world, EP dividing the expert count,
-PP the layer count, TP the attention heads), a training pool the world does not fill, an engine wider than a node,
+PP the layer count, TP the attention heads), a training pool the world does not fill, an engine whose stages cannot lie whole on whole nodes (or wider than a
+node on CPU),
 a model whose estimate does not fit the GPUs. The driver prints it before the pools start;
 `cluster.dry_run=true` prints it and exits.
 """
