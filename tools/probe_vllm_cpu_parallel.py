@@ -2,7 +2,8 @@
 
 Writes a tiny Qwen3-MoE checkpoint (transformers, random fp32 weights), then serves it in a fresh process per
 layout with vLLM's offline `LLM` and the multiprocessing executor: TP=1, TP=2, and TP=2 with
-`enable_expert_parallel=True` (EP=2 inside the engine), and two pipeline stages (PP=2, same executor, one host).
+`enable_expert_parallel=True` (EP=2 inside the engine), and two pipeline stages (PP=2, same executor, one host;
+`pp2_ray`: through vLLM's Ray executor instead, which stages on other nodes need).
 Each run scores the same sequences (prompt log-probs); the
 TP=2 runs are compared with TP=1. A layout vLLM refuses is reported with its error, quoted.
 
@@ -27,7 +28,10 @@ import traceback
 
 LAYOUTS = {"tp1": dict(tensor_parallel_size=1), "tp2": dict(tensor_parallel_size=2),
            "tp2_ep": dict(tensor_parallel_size=2, enable_expert_parallel=True),
-           "pp2": dict(pipeline_parallel_size=2)}
+           "pp2": dict(pipeline_parallel_size=2),
+           "pp2_ray": dict(pipeline_parallel_size=2, distributed_executor_backend="ray")}
+"""`pp2_ray`: two stages through vLLM's Ray executor (stages on other nodes need it), what vLLM's CPU platform
+refuses (issue 32, PP); the others use the multiprocessing executor."""
 
 
 def write_qwen3_moe(path: str) -> None:
@@ -60,8 +64,9 @@ def serve(path: str, layout: str, seqs: list[list[int]], queue: mp.Queue, patche
         # main's kill after its timeout, otherwise leaves them behind (seen: orphaned workers of 1.7 GB each).
         with started_processes_die_with_this_thread():
             llm = LLM(model=path, skip_tokenizer_init=True, dtype="float32", enforce_eager=True, max_model_len=256,
-                      max_num_seqs=8, enable_prefix_caching=False, distributed_executor_backend="mp", seed=0,
-                      **({"worker_extension_cls": WORKER_EXTENSION} if patched else {}), **LAYOUTS[layout])
+                      max_num_seqs=8, enable_prefix_caching=False, seed=0,
+                      **({"worker_extension_cls": WORKER_EXTENSION} if patched else {}),
+                      **{"distributed_executor_backend": "mp", **LAYOUTS[layout]})
         started = time.perf_counter() - t0
         outs = llm.generate([{"prompt_token_ids": s} for s in seqs],
                             SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0))
