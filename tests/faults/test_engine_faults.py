@@ -56,7 +56,9 @@ REWARD_ONLY_STEPS = 4  # phase 1: the hanging reward alone
 PROMPTS_PER_STEP = 8
 MAX_STALENESS = 1  # the default
 REWARD_TIMEOUT_S = 2
-REQUEST_TIMEOUT_S = 20  # rollout.request_timeout_s: a SIGSTOPped engine is named hung within this
+REQUEST_TIMEOUT_S = 20  # rollout.request_timeout_s: a SIGSTOPped engine is named hung within this. Phase 4 waits it
+# out once (~20 of the run's ~150 s), but it is not a free margin: the run's first requests take ~10 s on the suite's
+# 2-core machine (step 1: 10.2 s), and with 10 s the healthy engine was named hung at step 1 (2026-11-27, issue 30)
 TAG_ENV = "MOE_GRPO_OWNER"  # moe_grpo.process_ties.TAG_ENV: read from the engine core's environment, as a user would
 
 
