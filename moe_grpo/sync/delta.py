@@ -40,6 +40,19 @@ Applying (`apply_bucket`) writes the values at their positions in the bucket
 (one indexed write per bucket into the bucket's flat buffer, which holds the
 previous version); a buffer holding an older version is brought forward by
 applying each newer version's changes in order (`DeltaHistory.chain`).
+
+Two implementations of the same steps, chosen per tracker (`torch_ops`): on
+CPU (shared memory, the relay) numpy's passes on the tensors' memory, which
+took a third to a tenth of torch's CPU kernels' time; on a GPU (`cuda_ipc`)
+torch ops on the device end to end (compare, `nonzero`, gather, steps, the
+encodings' sizes, positions, `index_copy_` into the slot and the kept copy),
+with two small host reads a version (the encodings' sizes, the changed
+tensors' names): a full version there is one ~10 ms device copy of 315 MB, and
+copying the changes to the host and back cost 14-275x that (H200, 2026-11-27).
+`torch_ops=True` runs the device path on CPU tensors too (tests, benches).
+The encodings' sizes mean the same on both paths (`sync/bytes`: the payload of
+the smallest encoding); over `cuda_ipc` no bytes cross a wire, and that figure
+is what the relay would carry, not what the device writes (positions + values).
 """
 
 from __future__ import annotations
@@ -102,6 +115,7 @@ class RankBucket:
         starts = np.concatenate([[0], np.cumsum(self.numels, dtype=np.int64)])
         self.starts = torch.from_numpy(starts)
         """Where each shard starts in the part, and (last) the part's length."""
+        self._on_device: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
         self.numel = int(starts[-1])
         dense = [_is_dense(p[0], p[1]) for p in self.placements]
         self._sparse = [i for i, d in enumerate(dense) if not d]
@@ -126,19 +140,29 @@ class RankBucket:
                                  f"of the {item}-byte element")
         return RankBucket([n for n, _ in rows], [p for _, p in rows], [offsets[n] // item for n, _ in rows])
 
-    def counts(self, local: torch.Tensor) -> torch.Tensor:
-        """Changed elements per shard of ascending part indices `local`."""
-        return torch.searchsorted(local, self.starts).diff()
+    def _starts_shift(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """`starts` and the per-shard shifts on `device` (copied there once: searchsorted wants both on one)."""
+        if device.type == "cpu":
+            return self.starts, self._shift
+        if device not in self._on_device:
+            self._on_device[device] = (self.starts.to(device), self._shift.to(device))
+        return self._on_device[device]
 
-    def positions(self, local: torch.Tensor) -> torch.Tensor:
-        """Element positions in the bucket's flat buffer of ascending part indices `local`."""
-        cuts = torch.searchsorted(local, self.starts)
+    def counts(self, local: torch.Tensor) -> torch.Tensor:
+        """Changed elements per shard of ascending part indices `local` (on `local`'s device)."""
+        return torch.searchsorted(local, self._starts_shift(local.device)[0]).diff()
+
+    def positions(self, local: torch.Tensor, torch_ops: bool = False) -> torch.Tensor:
+        """Element positions in the bucket's flat buffer of ascending part indices `local` (on its device;
+        `torch_ops`: torch's repeat on CPU too, as on a GPU)."""
+        starts, shift = self._starts_shift(local.device)
+        cuts = torch.searchsorted(local, starts)
         counts = cuts.diff()
-        if local.device.type == "cpu":  # numpy's repeat: a tenth of repeat_interleave's time
-            out = torch.from_numpy(np.repeat(self._shift.numpy(), counts.numpy()))
+        if local.device.type == "cpu" and not torch_ops:  # numpy's repeat: a tenth of repeat_interleave's time
+            out = torch.from_numpy(np.repeat(shift.numpy(), counts.numpy()))
             out += local
         else:
-            out = local + torch.repeat_interleave(self._shift.to(local.device), counts, output_size=local.numel())
+            out = local + torch.repeat_interleave(shift, counts, output_size=local.numel())
         if self._sparse:
             at = cuts.tolist()
             for i in self._sparse:
@@ -161,6 +185,9 @@ class BucketChange:
     """Integer differences of the new values' bit patterns from the old ones (None: no old values, a first
     version): a small weight update moves a bf16 value by a few units in its last place, which a varint carries
     in one byte."""
+    torch_ops: bool = False
+    """Whether its tensors stay on their device and are worked on with torch ops (a GPU rank's changes); False:
+    on the host, numpy's passes."""
     _positions: torch.Tensor | None = field(default=None, repr=False)
     _sizes: dict | None = field(default=None, repr=False)
 
@@ -171,12 +198,12 @@ class BucketChange:
     def positions(self) -> torch.Tensor:
         """Element positions in the bucket's flat buffer (kept: a chain may apply one change to several slots)."""
         if self._positions is None:
-            self._positions = self.part.positions(self.local)
+            self._positions = self.part.positions(self.local, self.torch_ops)
         return self._positions
 
     def names(self) -> list[str]:
         """The HF tensors with a changed element."""
-        return [self.part.names[i] for i in self.part.counts(self.local).nonzero().view(-1).tolist()]
+        return _names_of([self])
 
     def entries(self) -> list["EntryChange"]:
         """Per changed shard: its changes (positions inside the full tensor), for inspection and tests."""
@@ -220,10 +247,20 @@ class VersionDelta:
     changes: dict[int, BucketChange] = field(default_factory=dict)
 
     def names(self) -> set[str]:
-        return {n for c in self.changes.values() for n in c.names()}
+        """The HF tensors with a changed element, in every bucket (one host read for all of them)."""
+        return set(_names_of(list(self.changes.values())))
 
     def changed_elements(self) -> int:
         return sum(c.count for c in self.changes.values())
+
+
+def _names_of(changes: list[BucketChange]) -> list[str]:
+    """The shards with a changed element of each change, in order: their per-shard counts read to the host once
+    for all of them (on a GPU each read waits for the device)."""
+    if not changes:
+        return []
+    hit = torch.cat([c.part.counts(c.local) > 0 for c in changes]).tolist()
+    return [n for n, h in zip((n for c in changes for n in c.part.names), hit) if h]
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
@@ -250,10 +287,10 @@ def _not_equal(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
         torch.ne(a, b, out=out)
 
 
-def _flatnonzero(mask: torch.Tensor) -> torch.Tensor:
+def _flatnonzero(mask: torch.Tensor, torch_ops: bool = False) -> torch.Tensor:
     """int64 indices of a flat bool tensor's True elements (numpy's on CPU: half of torch's `nonzero` time on
     a 75M-element mask; no copy either way)."""
-    if mask.device.type == "cpu":
+    if mask.device.type == "cpu" and not torch_ops:
         return torch.from_numpy(np.flatnonzero(mask.numpy()))
     return mask.nonzero().view(-1)
 
@@ -354,19 +391,61 @@ def _gaps(local: torch.Tensor, numel: int) -> torch.Tensor:
     return torch.from_numpy(out)
 
 
+def _gaps_torch(local: torch.Tensor, numel: int) -> torch.Tensor:
+    """`_gaps` as torch ops on `local`'s device (the same values and dtype)."""
+    out = torch.empty(local.shape, dtype=_position_dtype(numel), device=local.device)
+    if local.numel():
+        out[:1] = local[:1] + 1
+        torch.sub(local[1:], local[:-1], out=out[1:])  # gaps < numel: they fit (a narrowing copy_ into out)
+    return out
+
+
+def _zigzag_torch(v: torch.Tensor) -> torch.Tensor:
+    """`_zigzag` as torch ops on `v`'s device (arithmetic right shift of a signed integer, as numpy's)."""
+    return (v << 1) ^ (v >> (v.element_size() * 8 - 1))
+
+
+def _varint_bytes_torch(x: torch.Tensor) -> torch.Tensor:
+    """The LEB128 bytes of non-negative integers `x`, summed on their device (an int64 scalar tensor): one byte
+    each, and one more for each 7 bits past the first 7. Bounded by the dtype's width, not the largest value
+    (which would be a host read): a step or gap of a 2-byte dtype passes 2**21 never, so the later passes count
+    nothing."""
+    total = torch.zeros((), dtype=torch.int64, device=x.device) + x.numel()
+    for k in range(1, (x.element_size() * 8 - 1 + 6) // 7):  # a non-negative value has width - 1 bits
+        total += (x >= (1 << (7 * k))).sum()
+    return total
+
+
 def _sizes(change: BucketChange, item: int) -> dict[str, int]:
     """Payload bytes of each encoding of one bucket's changes (kept on the change: `encode` reuses the varints'
     sizes)."""
     if change._sizes is None:
+        _fill_sizes([change], item)
+    return {k: v for k, v in change._sizes.items() if not k.startswith("_")}  # type: ignore[union-attr]
+
+
+def _fill_sizes(changes: list[BucketChange], item: int) -> None:
+    """Size the encodings of every change not sized yet. A device path change's varint bytes are summed on its
+    device and read to the host once for all of them (`torch_ops`); its gaps and zigzag steps are not kept
+    (device memory: `encode`, the relay's, remakes them)."""
+    pending: list[tuple[BucketChange, torch.Tensor]] = []
+    for change in changes:
+        if change._sizes is not None:
+            continue
         n, numel = change.count, change.part.numel
         sizes: dict = {"index": n * (_position_dtype(numel).itemsize + item), "bitmap": math.ceil(numel / 8) + n * item}
-        if change.steps is not None:
-            gaps, steps = _gaps(change.local, change.part.numel), _zigzag(change.steps)
+        if change.steps is not None and change.torch_ops:
+            gaps, steps = _gaps_torch(change.local, numel), _zigzag_torch(change.steps)
+            pending.append((change, _varint_bytes_torch(gaps) + _varint_bytes_torch(steps)))
+        elif change.steps is not None:
+            gaps, steps = _gaps(change.local, numel), _zigzag(change.steps)
             gap_n, step_n = _varint_sizes(gaps), _varint_sizes(steps)
             sizes["varint"] = _total(gap_n) + _total(step_n)
             sizes["_varints"] = (gaps, gap_n, steps, step_n)
         change._sizes = sizes
-    return {k: v for k, v in change._sizes.items() if not k.startswith("_")}
+    if pending:
+        for (change, _), total in zip(pending, torch.stack([t for _, t in pending]).tolist()):
+            change._sizes["varint"] = int(total)  # type: ignore[index]
 
 
 def encoded_bucket_bytes(change: BucketChange, item: int) -> tuple[str, int]:
@@ -378,6 +457,7 @@ def encoded_bucket_bytes(change: BucketChange, item: int) -> tuple[str, int]:
 
 def encoded_bytes(delta: VersionDelta, plan: BucketPlan) -> int:
     """What `encode(delta, plan)` carries: the payload of every bucket in its smallest encoding (header aside)."""
+    _fill_sizes(list(delta.changes.values()), plan.torch_dtype.itemsize)
     return sum(encoded_bucket_bytes(c, plan.torch_dtype.itemsize)[1] for c in delta.changes.values())
 
 
@@ -408,6 +488,8 @@ def encode(delta: VersionDelta, plan: BucketPlan) -> bytes:
     for index, c in sorted(delta.changes.items()):
         encoding, _ = encoded_bucket_bytes(c, item)
         if encoding == "varint":
+            if "_varints" not in c._sizes:  # type: ignore[operator]  # a device change: remade on the host
+                c._sizes["_varints"] = (_gaps(c.local, c.part.numel), None, _zigzag(c.steps), None)  # type: ignore
             gaps, gap_n, steps, step_n = c._sizes["_varints"]  # type: ignore[index]
             where, values = _varint(gaps, gap_n).numpy().tobytes(), _varint(steps, step_n).numpy().tobytes()
         elif encoding == "index":
@@ -499,18 +581,20 @@ def apply_bucket(flat: torch.Tensor, change: BucketChange | None) -> int:
     return change.count
 
 
-def _changes(part: RankBucket, local: torch.Tensor, new: torch.Tensor, old: torch.Tensor) -> BucketChange:
+def _changes(part: RankBucket, local: torch.Tensor, new: torch.Tensor, old: torch.Tensor,
+             torch_ops: bool = False) -> BucketChange:
     """The changed elements `local` of a part: new values and their bit patterns' steps from `old` (int32 for
-    2-byte dtypes: no overflow, half the bytes), on the host (numpy's gathers and subtraction on CPU)."""
-    if new.device.type == "cpu":
+    2-byte dtypes: no overflow, half the bytes): numpy's gathers and subtraction on CPU; with `torch_ops` torch's
+    on the tensors' device, kept there."""
+    if not torch_ops:
         at, new_bits = local.numpy(), bits(new).numpy()
         values = new_bits[at]
         steps = np.subtract(values, bits(old).numpy()[at], dtype=np.int32 if new.element_size() <= 2 else np.int64)
         return BucketChange(part, local, torch.from_numpy(values).view(new.dtype), torch.from_numpy(steps))
-    values = new[local]
+    values = new[local]  # a copy: the scratch buffer is reused for the next bucket
     wide = torch.int32 if values.element_size() <= 2 else torch.int64
     steps = bits(values).to(wide) - bits(old)[local].to(wide)
-    return BucketChange(part, local.cpu(), values.cpu(), steps.cpu())
+    return BucketChange(part, local, values, steps, torch_ops=True)
 
 
 class DeltaTracker:
@@ -518,9 +602,14 @@ class DeltaTracker:
 
     `shards`: per bucket index, (HF name, the rank's source tensor, a view of a contiguous meta tensor of the full
     HF shape showing where that source lands in it). Holds one engine-dtype copy of the rank's shards (2 bytes
-    per parameter for bf16), one flat tensor per bucket; a diff casts one bucket's shards at a time beside it."""
+    per parameter for bf16), one flat tensor per bucket; a diff casts one bucket's shards at a time beside it.
 
-    def __init__(self, plan: BucketPlan, shards: dict[int, list[tuple[str, torch.Tensor, torch.Tensor]]]) -> None:
+    `torch_ops`: find, size and keep the changes with torch ops on the sources' device (the device path; always
+    for sources off the CPU, e.g. a GPU rank's), not numpy's on the host; True on CPU runs the device path there
+    (tests compare it with the numpy path, benches time it)."""
+
+    def __init__(self, plan: BucketPlan, shards: dict[int, list[tuple[str, torch.Tensor, torch.Tensor]]],
+                 torch_ops: bool = False) -> None:
         self.dtype = plan.torch_dtype
         self.shards = {i: s for i, s in shards.items() if s}
         item = self.dtype.itemsize
@@ -529,6 +618,7 @@ class DeltaTracker:
                       for i, s in self.shards.items()}
         """Each bucket's part of this rank (where its shards lie in the bucket)."""
         device = next((src.device for s in self.shards.values() for _, src, _ in s), torch.device("cpu"))
+        self.torch_ops = bool(torch_ops) or device.type != "cpu"
         self._scratch = torch.empty(max((p.numel for p in self.parts.values()), default=0), dtype=self.dtype,
                                     device=device)
         """One bucket's part cast to the engine's dtype, on the sources' device (the kept copy lives there too)."""
@@ -558,10 +648,14 @@ class DeltaTracker:
         for start in range(0, new.numel(), COMPARE_CHUNK):
             end = min(new.numel(), start + COMPARE_CHUNK)
             mask = self._mask[: end - start]
-            _not_equal(new[start:end], old[start:end], mask)
-            found = _flatnonzero(mask)
+            if self.torch_ops:  # the device's own kernels (a `nonzero` reads one count to the host)
+                torch.ne(new[start:end], old[start:end], out=mask)
+            else:
+                _not_equal(new[start:end], old[start:end], mask)
+            found = _flatnonzero(mask, self.torch_ops)
             out.append(found + start if start else found)
-        return torch.cat(out) if len(out) > 1 else (out[0] if out else torch.zeros(0, dtype=torch.int64))
+        return (torch.cat(out) if len(out) > 1 else
+                (out[0] if out else torch.zeros(0, dtype=torch.int64, device=self._scratch.device)))
 
     def diff(self, version: int) -> VersionDelta:
         """The changes of the current weights against the last version (call `commit` once they are published).
@@ -569,13 +663,15 @@ class DeltaTracker:
         out = VersionDelta(version, self.last_version if self.last is not None else None)
         for index, part in self.parts.items():
             new = self._cast(index)
-            if self.last is None:
-                out.changes[index] = BucketChange(part, torch.arange(part.numel), new.cpu().clone())
+            if self.last is None:  # every element; on the device path the values stay on the device
+                where = new.device if self.torch_ops else torch.device("cpu")
+                out.changes[index] = BucketChange(part, torch.arange(part.numel, device=where), new.to(where, copy=True),
+                                                  torch_ops=self.torch_ops)
                 continue
             old = self.last[index]
             local = self._changed(bits(new), bits(old))
-            if local.numel():  # what travels is on the host (the shard relay, the encodings)
-                out.changes[index] = _changes(part, local, new, old)
+            if local.numel():  # numpy path: on the host (the shard relay, the encodings); device path: on the device
+                out.changes[index] = _changes(part, local, new, old, self.torch_ops)
         self._diffed = out
         return out
 

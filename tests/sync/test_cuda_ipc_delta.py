@@ -61,9 +61,11 @@ FULL_EVERY = 4
 """`sync.full_every`: version 5 (after 4 published) goes whole; version 6 is a delta whose chain crosses it."""
 
 
-def publish_versions(kind: str, tmp_path) -> list[dict]:
+def publish_versions(kind: str, tmp_path, torch_ops: bool = False) -> list[dict]:
     """Publish `STEPS` from a float32 learner in bf16 twice, with delta versions and whole (two roots of `kind`:
-    "cuda_ipc" or "shm"); after each version, another process reads both. Returns one row per version."""
+    "cuda_ipc" or "shm"); after each version, another process reads both. Returns one row per version.
+    `torch_ops`: the delta side takes the device path on CPU too (`DeltaOptions.torch_ops`; a CUDA learner
+    always does)."""
     import torch
 
     from layout_scenarios import make_sequences, tiny_spec
@@ -89,7 +91,8 @@ def publish_versions(kind: str, tmp_path) -> list[dict]:
     rows = []
     try:
         delta = WeightSync(learner, delta_t, max_bucket_bytes=1 << 16, dtype="bfloat16",
-                           delta=DeltaOptions(max_fraction=0.5, full_every=FULL_EVERY))
+                           delta=DeltaOptions(max_fraction=0.5, full_every=FULL_EVERY, torch_ops=torch_ops))
+        assert delta._tracker.torch_ops == (torch_ops or kind == "cuda_ipc")
         full = WeightSync(learner, full_t, max_bucket_bytes=1 << 16, dtype="bfloat16")
         assert len(delta.plan.buckets) > 2 and delta.plan.dtype == "bfloat16"
         for version, step in STEPS.items():
