@@ -7,13 +7,18 @@ Version 1 is its initial weights; each version is published in bf16 twice, into 
 slots each, buffers in this process's GPU memory): with `sync.delta` (max_fraction 0.9, as the CPU benchmark) and
 whole. Seconds per version: `sync(version).wait()` with the GPU synchronised before it (the step's kernels are not
 counted); the order of the two alternates from version to version. A delta version's seconds include finding the
-changes (cast, bitwise compare and `nonzero` on the GPU, the changes copied to the host, their encodings sized with
-numpy) and applying them to the slot's device buffers; a full version's are the fused device-to-device copies.
+changes (cast, bitwise compare and `nonzero`, gather, steps, the encodings' sizes: torch ops on the GPU, two small
+host reads) and applying them to the slot's device buffers (`index_copy_`); a full version's are the device copies.
+
+`--cpu` (no GPU needed): the same on CPU, the learner on CPU and `SharedMemoryTransport` roots standing in for
+`cuda_ipc`, the delta side on the device path's torch ops run on CPU tensors (`DeltaOptions.torch_ops`), beside a
+third way, `delta_numpy`, the CPU transports' numpy path: a check that the device path is exact and its time sane
+(on a CPU, not a measure of a GPU).
 
 Exactness: after each version, both versions read back from the device buffers (this process owns them), sha256
 per tensor; `delta_tensor_mismatches` counts tensors whose hash differs (over every rate and version).
 
-    python3 tools/bench_sync_ipc_delta.py [--model deepseek_moe_128e] [--no-large] [--lrs 1e-6,1e-5] [--steps 3]
+    python3 tools/bench_sync_ipc_delta.py [--model deepseek_moe_128e] [--no-large] [--lrs 1e-6,1e-5] [--steps 3] [--cpu]
 
 Progress on stderr; one JSON line per rate on stdout as it finishes, then a last line with every rate's medians
 (versions after the first): `changed_fraction_lr1e-6`, `delta_bytes_ratio_lr1e-6`,
@@ -47,30 +52,41 @@ def _digests(tensors: dict) -> dict[str, str]:
             for n, t in tensors.items()}
 
 
-def one_rate(spec: Any, lr: float, steps: int, root: str) -> dict[str, Any]:
-    """Train and publish `steps` + 1 versions at `lr` both ways; returns the per-version figures."""
+def one_rate(spec: Any, lr: float, steps: int, root: str, cpu: bool = False) -> dict[str, Any]:
+    """Train and publish `steps` + 1 versions at `lr` both ways (`cpu`: three, see the module's docstring);
+    returns the per-version figures."""
     import torch
 
     from moe_grpo.learner.megatron_learner import LearnerConfig, MegatronLearner
-    from moe_grpo.sync.cuda_ipc import CudaIpcTransport
     from moe_grpo.sync.sync_metrics import combine_sync_metrics
     from moe_grpo.sync.weight_sync import DeltaOptions, WeightSync
 
+    if cpu:
+        from moe_grpo.sync.transport import SharedMemoryTransport as Transport
+    else:
+        from moe_grpo.sync.cuda_ipc import CudaIpcTransport as Transport  # type: ignore[assignment]
     t0 = time.perf_counter()
     learner = MegatronLearner(spec, config=LearnerConfig(seed=5, lr=lr, lr_decay="constant"))
-    assert next(learner.module.parameters()).is_cuda, "the learner is not on the GPU"
+    assert next(learner.module.parameters()).is_cuda != cpu, f"the learner is on {next(learner.module.parameters()).device}"
     log(f"lr {lr:g}: learner built in {time.perf_counter() - t0:.1f} s")
-    transports = {way: CudaIpcTransport(f"{root}/{way}", slots=2) for way in ("delta", "full")}
-    syncs = {"delta": WeightSync(learner, transports["delta"], dtype="bfloat16", delta=DeltaOptions(max_fraction=0.9)),
+    ways = ("delta", "full", "delta_numpy") if cpu else ("delta", "full")
+    transports = {way: Transport(f"{root}/{way}", slots=2) for way in ways}
+    syncs = {"delta": WeightSync(learner, transports["delta"], dtype="bfloat16",
+                                 delta=DeltaOptions(max_fraction=0.9, torch_ops=True)),
              "full": WeightSync(learner, transports["full"], dtype="bfloat16")}
+    if cpu:
+        syncs["delta_numpy"] = WeightSync(learner, transports["delta_numpy"], dtype="bfloat16",
+                                          delta=DeltaOptions(max_fraction=0.9))
+    assert syncs["delta"]._tracker is not None and syncs["delta"]._tracker.torch_ops
     versions, mismatches = [], 0
     try:
         for version in range(1, steps + 2):
             if version > 1:
                 learner.train_step(_sequences(spec, 4, version), replay=True)
             row: dict[str, Any] = {"version": version}
-            for way in (("delta", "full") if version % 2 else ("full", "delta")):
-                torch.cuda.synchronize()
+            for way in (ways if version % 2 else ways[::-1]):
+                if not cpu:
+                    torch.cuda.synchronize()
                 t1 = time.perf_counter()
                 report = syncs[way].sync(version).wait()
                 row[f"{way}_seconds"] = time.perf_counter() - t1
@@ -78,11 +94,18 @@ def one_rate(spec: Any, lr: float, steps: int, root: str) -> dict[str, Any]:
             want = _digests(transports["full"].read_version(version, 30))
             got = _digests(transports["delta"].read_version(version, 30))
             row["mismatched"] = sorted(n for n in want if got.get(n) != want[n])
+            if cpu:
+                got = _digests(transports["delta_numpy"].read_version(version, 30))
+                row["mismatched"] += sorted(f"{n} (numpy path)" for n in want if got.get(n) != want[n])
+                row["mismatched"] += [f"{k} reported (numpy path {row['delta_numpy'][k]}, device path {row['delta'][k]})"
+                                      for k in ("sync/bytes", "sync/changed_fraction", "sync/experts_unchanged",
+                                                "sync/delta") if row["delta"][k] != row["delta_numpy"][k]]
             mismatches += len(row["mismatched"])
+            numpy_ms = f" (numpy path {row['delta_numpy_seconds'] * 1e3:.2f} ms)" if cpu else ""
             log(f"lr {lr:g} v{version}: changed {row['delta']['sync/changed_fraction']:.3e}, delta "
                 f"{row['delta']['sync/delta']:.0f}, bytes {row['delta']['sync/bytes']:.0f} of "
                 f"{row['full']['sync/bytes']:.0f}, {row['delta_seconds'] * 1e3:.2f} vs "
-                f"{row['full_seconds'] * 1e3:.2f} ms, "
+                f"{row['full_seconds'] * 1e3:.2f} ms{numpy_ms}, "
                 f"{len(row['mismatched'])} of {len(want)} tensors differ")
             versions.append(row)
     finally:
@@ -96,10 +119,13 @@ def one_rate(spec: Any, lr: float, steps: int, root: str) -> dict[str, Any]:
            "delta_versions": sum(r["delta"]["sync/delta"] for r in later),
            "delta_ms": med(lambda r: r["delta_seconds"] * 1e3), "full_ms": med(lambda r: r["full_seconds"] * 1e3),
            "first_full_ms": versions[0]["full_seconds"] * 1e3, "mismatches": mismatches}
+    if cpu:
+        out["delta_numpy_ms"] = med(lambda r: r["delta_numpy_seconds"] * 1e3)
     out["delta_seconds_ratio_ipc"] = out["delta_ms"] / out["full_ms"]
     del syncs, learner
     gc.collect()
-    torch.cuda.empty_cache()
+    if not cpu:
+        torch.cuda.empty_cache()
     return out
 
 
@@ -109,6 +135,8 @@ def main() -> None:
     ap.add_argument("--no-large", action="store_true", help="the model as its yaml has it, not widened (LARGE)")
     ap.add_argument("--lrs", default="1e-6,1e-5,1e-4", help="comma-separated learning rates")
     ap.add_argument("--steps", type=int, default=3, help="optimizer steps (versions after the first) per rate")
+    ap.add_argument("--cpu", action="store_true", help="on CPU: shared memory for cuda_ipc, the device path's torch "
+                                                       "ops on CPU tensors beside the numpy path")
     args = ap.parse_args()
     import warnings
 
@@ -117,7 +145,7 @@ def main() -> None:
 
     from moe_grpo.config import load_model_spec
 
-    if not torch.cuda.is_available():
+    if not args.cpu and not torch.cuda.is_available():
         raise SystemExit("bench_sync_ipc_delta needs a CUDA GPU (torch.cuda.is_available() is False)")
     if args.steps < 1:
         raise SystemExit(f"--steps {args.steps}: at least 1 (a delta version needs a version before it)")
@@ -125,15 +153,17 @@ def main() -> None:
     if not args.no_large:
         spec = spec.replace(**LARGE)
     summary: dict[str, Any] = {"bench": "sync_ipc_delta", "model": spec.name, "widened": not args.no_large,
-                               "device": torch.cuda.get_device_name(), "torch": torch.__version__, "steps": args.steps}
+                               "device": "cpu" if args.cpu else torch.cuda.get_device_name(), "torch": torch.__version__, "steps": args.steps}
     mismatches = 0
     for lr in [float(x) for x in args.lrs.split(",")]:
         with tempfile.TemporaryDirectory(prefix="bench_ipc_delta_", dir="/dev/shm") as root:
-            row = one_rate(spec, lr, args.steps, root)
+            row = one_rate(spec, lr, args.steps, root, args.cpu)
         print(json.dumps({"bench": "sync_ipc_delta_rate", **row}), flush=True)
         tag = f"lr{lr:.0e}".replace("e-0", "e-")
         for k in ("changed_fraction", "delta_bytes_ratio", "delta_seconds_ratio_ipc", "delta_ms", "full_ms",
-                  "delta_versions"):
+                  "delta_versions", "delta_numpy_ms"):
+            if k not in row:
+                continue
             summary[f"{k}_{tag}"] = round(row[k], 6)
         summary["full_bytes"] = row["full_bytes"]
         mismatches += row["mismatches"]

@@ -74,7 +74,15 @@ _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 """Integer dtype of each element size: changed elements are found by comparing bits, not values."""
 
 COMPARE_CHUNK = 1 << 22
-"""Elements compared at a time in a diff (a 4 MB mask, reused)."""
+"""Elements compared at a time in a diff on CPU (a 4 MB mask, reused)."""
+
+COMPARE_CHUNK_DEVICE = 1 << 26
+"""Elements compared at a time on a GPU (a 64 MB mask): each chunk's `nonzero` waits for the device to count its
+hits, so fewer, larger chunks (a 256 MB bf16 bucket's part in two)."""
+
+
+def _compare_chunk(device: torch.device) -> int:
+    return COMPARE_CHUNK if device.type == "cpu" else COMPARE_CHUNK_DEVICE
 
 Placement = tuple[Sequence[int], Sequence[int], int]
 """Where a shard lies in its full HF tensor: (shape, strides, element offset) of a view of the contiguous tensor."""
@@ -208,7 +216,7 @@ class BucketChange:
     def entries(self) -> list["EntryChange"]:
         """Per changed shard: its changes (positions inside the full tensor), for inspection and tests."""
         out = []
-        cuts = torch.searchsorted(self.local, self.part.starts).tolist()
+        cuts = torch.searchsorted(self.local, self.part._starts_shift(self.local.device)[0]).tolist()
         for i, name in enumerate(self.part.names):
             a, b = cuts[i], cuts[i + 1]
             if a == b:
@@ -622,7 +630,7 @@ class DeltaTracker:
         self._scratch = torch.empty(max((p.numel for p in self.parts.values()), default=0), dtype=self.dtype,
                                     device=device)
         """One bucket's part cast to the engine's dtype, on the sources' device (the kept copy lives there too)."""
-        self._mask = torch.empty(min(COMPARE_CHUNK, self._scratch.numel()), dtype=torch.bool, device=device)
+        self._mask = torch.empty(min(_compare_chunk(device), self._scratch.numel()), dtype=torch.bool, device=device)
         self._casts = {i: ([self._scratch[a : a + n].view(src.shape) for (_, src, _), a, n
                             in zip(s, part.starts.tolist(), part.numels)], [src for _, src, _ in s])
                        for i, (s, part) in ((i, (s, self.parts[i])) for i, s in self.shards.items())}
@@ -645,8 +653,9 @@ class DeltaTracker:
         """Ascending indices where the integer views `new` and `old` differ: compared a chunk at a time into one
         reused mask (a fresh mask of a 256 MB bucket's part cost more in page faults than the comparison)."""
         out = []
-        for start in range(0, new.numel(), COMPARE_CHUNK):
-            end = min(new.numel(), start + COMPARE_CHUNK)
+        chunk = _compare_chunk(new.device)
+        for start in range(0, new.numel(), chunk):
+            end = min(new.numel(), start + chunk)
             mask = self._mask[: end - start]
             if self.torch_ops:  # the device's own kernels (a `nonzero` reads one count to the host)
                 torch.ne(new[start:end], old[start:end], out=mask)

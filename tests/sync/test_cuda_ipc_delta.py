@@ -182,8 +182,9 @@ def test_delta_versions_over_cuda_ipc_read_by_another_process_equal_full_version
     the oldest link of each chain made it fail at version 3 (the same scenario over shm on CPU)."""
     from moe_grpo.sync import delta
 
-    # Compared 4099 elements at a time (4M by default): each 64 KB bucket's diff crosses chunk boundaries, at odd
-    # offsets, as a large model's buckets do.
+    # Compared 4099 elements at a time (64M by default on a GPU): each 64 KB bucket's diff crosses chunk
+    # boundaries, at odd offsets, as a large model's buckets do.
     monkeypatch.setattr(delta, "COMPARE_CHUNK", 4099)
+    monkeypatch.setattr(delta, "COMPARE_CHUNK_DEVICE", 4099)
     for line in check_versions(publish_versions("cuda_ipc", tmp_path), "cuda"):
         print(line)
