@@ -404,7 +404,7 @@ def _gaps_torch(local: torch.Tensor, numel: int) -> torch.Tensor:
     out = torch.empty(local.shape, dtype=_position_dtype(numel), device=local.device)
     if local.numel():
         out[:1] = local[:1] + 1
-        torch.sub(local[1:], local[:-1], out=out[1:])  # gaps < numel: they fit (a narrowing copy_ into out)
+        out[1:] = local[1:] - local[:-1]  # gaps < numel: they fit (a narrowing copy)
     return out
 
 
@@ -415,9 +415,8 @@ def _zigzag_torch(v: torch.Tensor) -> torch.Tensor:
 
 def _varint_bytes_torch(x: torch.Tensor) -> torch.Tensor:
     """The LEB128 bytes of non-negative integers `x`, summed on their device (an int64 scalar tensor): one byte
-    each, and one more for each 7 bits past the first 7. Bounded by the dtype's width, not the largest value
-    (which would be a host read): a step or gap of a 2-byte dtype passes 2**21 never, so the later passes count
-    nothing."""
+    each, and one more for each 7 bits past the first 7. One pass per 7 bits of the dtype's width (4 for int32),
+    not of the largest value as on the host (knowing it would be a host read): a pass past it counts nothing."""
     total = torch.zeros((), dtype=torch.int64, device=x.device) + x.numel()
     for k in range(1, (x.element_size() * 8 - 1 + 6) // 7):  # a non-negative value has width - 1 bits
         total += (x >= (1 << (7 * k))).sum()
