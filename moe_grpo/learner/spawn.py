@@ -24,6 +24,7 @@ import time
 import traceback
 from typing import Any, Callable
 
+from moe_grpo.carried_env import CallerSettings
 from moe_grpo.learner.parallel import SECRET_ENV
 
 PRELOADED_MODULES: tuple[str, ...] = (
@@ -66,10 +67,9 @@ def free_port() -> int:
 
 
 def _entry(fn: Callable[..., Any], rank: int, world: int, port: int, out_dir: str, args: tuple, env: dict,
-           secret: str, caller_env: dict[str, str]) -> None:
+           secret: str, caller: CallerSettings) -> None:
     # The server's environment is the caller's at the server's start; a rank gets the caller's as it is now.
-    os.environ.clear()
-    os.environ.update(caller_env)
+    caller.apply()
     os.environ.update(env)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **{SECRET_ENV: secret})
@@ -106,8 +106,8 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
     port = free_port()
     secret = secrets.token_hex(32)  # this group's rendezvous secret (parallel.init_distributed)
     with tempfile.TemporaryDirectory(prefix="moe_grpo_spawn_") as out_dir:
-        caller_env = dict(os.environ)
-        procs = [ctx.Process(target=_entry, args=(fn, r, world_size, port, out_dir, args, env or {}, secret, caller_env),
+        caller = CallerSettings.now()
+        procs = [ctx.Process(target=_entry, args=(fn, r, world_size, port, out_dir, args, env or {}, secret, caller),
                              daemon=False) for r in range(world_size)]
         for p in procs:
             p.start()
