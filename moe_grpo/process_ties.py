@@ -30,7 +30,7 @@ import threading
 import time
 from dataclasses import dataclass
 from multiprocessing import context
-from typing import Iterator
+from typing import Any, Callable, Iterator
 
 from moe_grpo.processes import SHM_DIR, process_alive, start_ticks
 
@@ -108,6 +108,16 @@ def _install() -> None:
             return original(process_obj)
 
         context.SpawnProcess._Popen = staticmethod(popen)
+
+
+def tied_target(target: Callable[..., Any], parent_pid: int) -> Callable[..., Any]:
+    """`target` as a process started now from this thread should run it: tied to `parent_pid` (the process that
+    forks it: a process server's, `rollout/engine_core_start.py`) while `started_processes_die_with_this_thread`
+    is active here, else unchanged. For process kinds the spawn wrapper does not see."""
+    if not _tying() or isinstance(target, _TiedTarget):
+        return target
+    _install()
+    return _TiedTarget(target, parent_pid)
 
 
 @contextlib.contextmanager

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 from moe_grpo.orchestrator.logs import quiet_libraries, quiet_vllm
 from moe_grpo.process_ties import forget_shm, owner_key, record_shm, remove_previous_shm, tag_processes, wait_until_gone
+from moe_grpo.rollout import engine_core_start
 from moe_grpo.rollout.context import context_length
 
 if TYPE_CHECKING:  # annotations only: importing sync brings in torch (see the module's docstring)
@@ -81,6 +82,9 @@ class EngineWorker:
                 "engine %s: waited %.1f s for %d process(es) of its previous actor (%s) to go before starting; "
                 "removed what its engine left in /dev/shm (%s)", name, self.waited_s, len(self.previous_processes),
                 ", ".join(map(str, self.previous_processes)) or "none left", ", ".join(self.previous_shm) or "nothing")
+        # The engine core's process server imports vLLM beside the import below (the second core); it carries this
+        # actor's tag, cores and environment, and restarts reuse it (rollout/engine_core_start.py).
+        engine_core_start.start_server_on_cpu()
         import vllm.v1.engine.async_llm  # noqa: F401 - the slow import, done before the model directory is needed
 
         self.name, self.rollout = name, rollout

@@ -58,6 +58,7 @@ from moe_grpo.processes import process_alive
 from moe_grpo.rollout import engine_requests, engine_weights, lora_serving
 from moe_grpo.rollout.engine_error import EngineError
 from moe_grpo.rollout.engine_outputs import check_prompt, join_segments, native_routing_to_trace, versions_from_spans
+from moe_grpo.rollout import engine_core_start
 from moe_grpo.rollout.engine_processes import EngineProcesses, engine_core_processes
 from moe_grpo.rollout.engine_setup import (EXTENSION, capture_order, check_cpu_head_size, check_options, check_workers,
                                            cpu_omp_bind, engine_args, prepare_cpu)
@@ -247,6 +248,7 @@ class VllmEngine:
         # process never runs).
         if self._omp_bind is not None:  # read by the engine core when it spawns its workers (one list per worker)
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = self._omp_bind
+        engine_core_start.install()  # on CPU the engine core is forked from a server that imported vLLM once
         with started_processes_die_with_this_thread():
             self.llm = start_async_llm(self._engine_args, self._placement_group)
         self._processes = EngineProcesses.record(self.llm)

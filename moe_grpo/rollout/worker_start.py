@@ -3,7 +3,8 @@
 vLLM's CPU platform sets `VLLM_WORKER_MULTIPROC_METHOD=spawn` in the process that builds the engine's config (an
 engine actor, a test, a tool: processes with threads that ran OpenMP, which must not fork), and its engine core
 inherits that, so each worker was a fresh interpreter importing vLLM again: 8-12 s of every engine start and
-restart on 2 cores (tools/bench_engine_start.py). The engine core itself is spawned, has run no OpenMP region when
+restart on 2 cores (tools/bench_engine_start.py). The engine core itself is forked from a process server that
+only imported vLLM (rollout/engine_core_start.py; spawned where that is not installed), has run no OpenMP region when
 it starts its workers (the model is built in the workers) and is what vLLM forks workers from by default on GPU.
 `ForkedWorkersExecutor` is vLLM's multiprocessing executor with that env var set to `fork` in the engine core
 before the workers start; vLLM still spawns where it must (`vllm.utils.system_utils._maybe_force_spawn`: CUDA

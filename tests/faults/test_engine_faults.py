@@ -102,12 +102,27 @@ class FaultedRun:
     stopped_output_at: int
 
 
+def _actor_above(core: psutil.Process) -> tuple[psutil.Process, list[psutil.Process]]:
+    """The engine's Ray actor (the nearest process above vLLM's engine core whose title is Ray's "ray::<class>"), and
+    the processes between them: the actor's engine-core process server, which the engine core is forked from
+    (rollout/engine_core_start.py)."""
+    between, p = [], core.parent()
+    while p is not None and not " ".join(p.cmdline()).startswith("ray::"):
+        between.append(p)
+        p = p.parent()
+    assert p is not None, f"no Ray actor above vLLM's engine core {core.pid}"
+    return p, between
+
+
 def _kill_the_actor(run: Run) -> ActorKill:
     """Phase 2 (see the module's docstring); returns once the replacement's vLLM process is in the run's record."""
     worker = psutil.Process(run.processes()["engines"]["engine0"])
     core = worker.parent()
-    actor = core.parent()
+    actor, servers = _actor_above(core)
     old = {p.pid: p.create_time() for p in [core, worker] + core.children(recursive=True)}
+    # The process server is not stopped (vLLM's processes are: their watch of their parent cannot act): it must go
+    # with the actor as well.
+    server_pids = {p.pid: p.create_time() for p in servers}
     shm = shm_mapped(list(old))
     mark = environ_of(core.pid).get(TAG_ENV)
     assert mark, f"vLLM's engine core carries no {TAG_ENV} mark of its actor"
@@ -121,7 +136,7 @@ def _kill_the_actor(run: Run) -> ActorKill:
         deadline = time.monotonic() + 400
         while time.monotonic() < deadline:
             now = time.time()
-            if "processes" not in seen and all(gone(p, t) for p, t in old.items()):
+            if "processes" not in seen and all(gone(p, t) for p, t in {**old, **server_pids}.items()):
                 seen["processes"] = now
             if "shm" not in seen and not shm_there(shm):
                 seen["shm"] = now
@@ -137,7 +152,7 @@ def _kill_the_actor(run: Run) -> ActorKill:
         replacement = {"core_started": psutil.Process(new).parent().create_time(), "pid": new}
         straggler_code = straggler.poll()  # before this test's own cleanup below ends it
     finally:
-        for pid, t in old.items():
+        for pid, t in {**old, **server_pids}.items():
             if not gone(pid, t):
                 os.kill(pid, signal.SIGKILL)
         if straggler.poll() is None:
