@@ -22,9 +22,11 @@ started on the first engine start or by `start_server()` ahead of it; it exits w
   worker sets its threads and their cores itself (`init_cpu_threads_env`), as it must after a fork of its workers.
 - What /proc/<pid>/environ shows is the server's start environment. `process_ties.leftovers` reads the owner tag
   there, so the server is restarted when the tag differs from the one it started with (`IDENTITY_ENV`: one server per tag).
-- Parent death: the engine core's parent is the server, not the client. The server exits when no client holds
-  its "alive" pipe any more (multiprocessing's forkserver: EOF on that pipe); the child's inherited copy is closed
-  at its start, so the server exits when the client does, however the client ends. Under
+- Parent death: the engine core's parent is the server, not the client. The server is SIGKILLed by the kernel
+  when its client does (`moe_grpo/die_with_parent.py`, imported first: PR_SET_PDEATHSIG, tied to a thread of the
+  client that lives as long as the client), however the client ends; and it exits when no client holds its
+  "alive" pipe any more (multiprocessing's forkserver: EOF on that pipe; the child's inherited copy is closed at
+  its start), which covers a client that died before the server had tied itself. Under
   `process_ties.started_processes_die_with_this_thread` (what engines start under) the child is tied to the
   server with PR_SET_PDEATHSIG (`process_ties.tied_target`): client gone -> server gone -> engine core killed ->
   its workers killed (tied to it). vLLM 0.32's engine core itself does not watch its parent (it serves until its
@@ -41,7 +43,9 @@ from __future__ import annotations
 
 import io
 import os
+import queue
 import threading
+from concurrent import futures
 from multiprocessing import context as mp_context
 from multiprocessing import forkserver, popen_forkserver, process, reduction, spawn, util
 from typing import Any, Callable
@@ -69,14 +73,43 @@ def _identity() -> tuple[str | None, ...]:
     return tuple(os.environ.get(k) for k in IDENTITY_ENV)
 
 
+SERVER_TIE_MODULE = "moe_grpo.die_with_parent"
+"""Imported by the server before `ENGINE_CORE_MODULES`: it dies with the thread that started it (`_starter`)."""
+
+_starter: queue.SimpleQueue | None = None
+"""Requests to this process's server-starting thread, which lives as long as the process: a server's tie
+(PR_SET_PDEATHSIG) follows the thread that started it, not its process, and an engine's loop thread ends with
+the engine while the server serves the next one."""
+
+
+def _serve_starts(requests: queue.SimpleQueue) -> None:
+    while True:
+        fn, done = requests.get()
+        try:
+            done.set_result(fn())
+        except BaseException as e:  # noqa: BLE001 - handed to the caller
+            done.set_exception(e)
+
+
+def _in_starter_thread(fn: Callable[[], Any]) -> Any:
+    global _starter
+    if _starter is None:
+        _starter = queue.SimpleQueue()
+        threading.Thread(target=_serve_starts, args=(_starter,), name="moe_grpo-engine-core-server-starter",
+                         daemon=True).start()
+    done: futures.Future = futures.Future()
+    _starter.put((fn, done))
+    return done.result()
+
+
 def _running_server() -> forkserver.ForkServer:
-    """This process's server for the caller's identity, started as needed."""
+    """This process's server for the caller's identity, started as needed (from `_starter`'s thread)."""
     with _lock:
         server = _servers.get(_identity())
         if server is None:
             server = _servers[_identity()] = forkserver.ForkServer()
-            server.set_forkserver_preload(list(ENGINE_CORE_MODULES))
-        server.ensure_running()
+            server.set_forkserver_preload([SERVER_TIE_MODULE, *ENGINE_CORE_MODULES])
+        _in_starter_thread(server.ensure_running)
         return server
 
 
@@ -117,6 +150,8 @@ def _forget_servers_in_fork() -> None:
             except OSError:
                 pass
     _servers.clear()
+    global _starter
+    _starter = None  # its thread is not in this process
 
 
 os.register_at_fork(after_in_child=_forget_servers_in_fork)

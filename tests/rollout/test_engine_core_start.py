@@ -101,10 +101,12 @@ CLIENT = textwrap.dedent("""
 
 
 def test_a_killed_client_takes_its_server_its_engine_core_and_the_core_s_worker_with_it(tmp_path):
-    """A client (an engine actor) SIGKILLed while its engine core, forked from its server, runs a worker: the
-    server exits (its client is gone), and the engine core and its worker are killed by the kernel in turn (tied
-    with PR_SET_PDEATHSIG to their parents). Would catch an engine core that keeps the server alive (it inherits the
-    server's "alive" pipe), or one not tied to the server (it would outlive its client, holding the engine's memory)."""
+    """A client (an engine actor) SIGKILLed while its engine core, forked from its server, runs a worker, all three
+    SIGSTOPped: the kernel kills the server, the engine core and its worker in turn (each tied with PR_SET_PDEATHSIG
+    to its parent; the server to the client's starter thread). Would catch a server that only exits on its own
+    (seconds of interpreter teardown with vLLM loaded, never when stopped), or an engine core not tied to the server
+    (it would outlive its client, holding the engine's memory). Within 5 s: the fault run's bound
+    (tests/faults/test_engine_faults.py)."""
     script = tmp_path / "client.py"  # a file: the server's children import its functions from it
     script.write_text(CLIENT.format(root=ROOT))
     proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
@@ -115,10 +117,12 @@ def test_a_killed_client_takes_its_server_its_engine_core_and_the_core_s_worker_
         pids = [int(x) for x in line.split()]
         server, core, worker = pids
         assert psutil.Process(core).ppid() == server and psutil.Process(worker).ppid() == core
+        for pid in pids:  # none of them can act: only the kernel's ties can end them
+            os.kill(pid, signal.SIGSTOP)
         proc.kill()
         proc.wait()
         _wait_for(lambda: not any(process_alive(p) for p in pids),
-                  f"server {server}, engine core {core} and worker {worker} gone after their client was killed")
+                  f"server {server}, engine core {core} and worker {worker} gone after their client was killed", 5.0)
     finally:
         proc.kill()
         for pid in pids:
