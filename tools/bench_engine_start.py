@@ -1,13 +1,22 @@
-"""Seconds from `VllmEngine(...)` to an engine that has served one request, with its vLLM worker forked from the
-engine core (`ForkedWorkersExecutor`, what engines do) against spawned (vLLM's multiprocessing executor as the
-CPU platform sets it, what they did before), side by side in one run.
+"""Seconds from `VllmEngine(...)` to an engine that has served one request, three ways side by side in one run:
 
-The default model's exported weights, routing capture on as in runs; each round starts one engine of each kind,
-alternating which goes first, serves one 8-token request and shuts it down (shutdown not timed).
+- `forked`: what engines do. vLLM's engine core is forked from this process's engine-core server, which imported
+  vLLM once (rollout/engine_core_start.py), and its vLLM worker is forked from the engine core
+  (`ForkedWorkersExecutor`, rollout/worker_start.py);
+- `core_spawned`: the engine core spawned (vLLM's own `get_mp_context`, what engines did before
+  engine_core_start), its worker still forked;
+- `spawned`: both spawned (vLLM's multiprocessing executor as the CPU platform sets it, what engines did before
+  worker_start).
+
+The default model's exported weights, routing capture on as in runs; the server is started and has imported vLLM
+before the first round (`server_ready_s`: what the first engine start of a process pays once, or an engine actor
+while it imports vLLM itself); each round starts one engine of each kind, in a rotating order, serves one 8-token
+request and shuts it down (shutdown not timed).
 
     .venv/bin/python tools/bench_engine_start.py [--rounds 3] [--tensor-parallel 1]
 
-Last line: one JSON object; `spawned_over_forked` (median start seconds, spawned / forked) is the headline.
+Last line: one JSON object; `core_spawned_over_forked` and `spawned_over_forked` (median start seconds over the
+`forked` arm's) are the headlines.
 """
 
 from __future__ import annotations
@@ -19,16 +28,35 @@ import tempfile
 import time
 from unittest import mock
 
-from moe_grpo.rollout import worker_start
+from moe_grpo.rollout import engine_core_start, worker_start
+
+ARMS = ("forked", "core_spawned", "spawned")
 
 
-def start_and_serve(model_dir: str, spec: object, tensor_parallel: int, forked: bool) -> float:
-    """Seconds to start one engine and serve one request; the engine is shut down after."""
+def _noop() -> None:
+    pass
+
+
+def server_ready() -> float:
+    """Seconds to start this process's engine-core server and have it import vLLM (one process forked from it)."""
+    start = time.perf_counter()
+    engine_core_start.start_server()
+    proc = engine_core_start.ENGINE_CORE_CONTEXT.Process(target=_noop)
+    proc.start()
+    proc.join()
+    return time.perf_counter() - start
+
+
+def start_and_serve(model_dir: str, spec: object, tensor_parallel: int, arm: str) -> float:
+    """Seconds to start one engine as `arm` starts it and serve one request; the engine is shut down after."""
     from moe_grpo.rollout.types import SamplingSettings
     from moe_grpo.rollout.vllm_engine import VllmEngine
 
-    executor = worker_start.ForkedWorkersExecutor if forked else "mp"
-    with mock.patch.object(worker_start, "ForkedWorkersExecutor", executor):
+    executor = "mp" if arm == "spawned" else worker_start.ForkedWorkersExecutor
+    install = engine_core_start.install if arm == "forked" else lambda: False
+    engine_core_start.revert()
+    with mock.patch.object(worker_start, "ForkedWorkersExecutor", executor), \
+            mock.patch.object(engine_core_start, "install", install):
         start = time.perf_counter()
         engine = VllmEngine(model_dir, spec, max_model_len=128, max_num_seqs=4, tensor_parallel=tensor_parallel)
     try:
@@ -48,19 +76,21 @@ def main() -> None:
     from moe_grpo.rollout.export import export_learner
 
     spec = load_model_spec("deepseek_moe")
+    ready_s = server_ready()
+    print(f"engine-core server ready in {ready_s:.2f} s", flush=True)
     with tempfile.TemporaryDirectory(prefix="bench_engine_start_") as tmp:
         model_dir = export_learner(MegatronLearner(spec, config=LearnerConfig()), f"{tmp}/model")
-        times: dict[str, list[float]] = {"forked": [], "spawned": []}
+        times: dict[str, list[float]] = {arm: [] for arm in ARMS}
         for i in range(args.rounds):
-            order = ("spawned", "forked") if i % 2 == 0 else ("forked", "spawned")
-            for arm in order:
-                times[arm].append(start_and_serve(str(model_dir), spec, args.tensor_parallel, arm == "forked"))
+            for arm in ARMS[i % len(ARMS):] + ARMS[:i % len(ARMS)]:
+                times[arm].append(start_and_serve(str(model_dir), spec, args.tensor_parallel, arm))
                 print(f"round {i + 1}/{args.rounds} {arm}: {times[arm][-1]:.2f} s", flush=True)
     med = {k: statistics.median(v) for k, v in times.items()}
     print(json.dumps({"tensor_parallel": args.tensor_parallel, "rounds": args.rounds,
-                      "forked_s": [round(t, 2) for t in times["forked"]],
-                      "spawned_s": [round(t, 2) for t in times["spawned"]],
-                      "forked_median_s": round(med["forked"], 2), "spawned_median_s": round(med["spawned"], 2),
+                      "server_ready_s": round(ready_s, 2),
+                      **{f"{arm}_s": [round(t, 2) for t in times[arm]] for arm in ARMS},
+                      **{f"{arm}_median_s": round(med[arm], 2) for arm in ARMS},
+                      "core_spawned_over_forked": round(med["core_spawned"] / med["forked"], 2),
                       "spawned_over_forked": round(med["spawned"] / med["forked"], 2)}))
 
 
