@@ -95,9 +95,13 @@ def engine_core_processes(llm: Any) -> list[Any]:
 
 
 def kill_all(targets: dict[int, int]) -> list[int]:
-    """SIGKILL each process of `targets` (pid -> start ticks) still alive (a stopped one too); the pids signalled."""
+    """SIGKILL each process of `targets` (pid -> start ticks) still alive (a stopped one too); the pids signalled.
+
+    Youngest first: a process starts after its parent, so each worker is signalled before its engine core. The
+    other way round, a worker tied to its core (PR_SET_PDEATHSIG, worker_start.py) may be killed by the kernel as
+    the core goes, before this loop reaches it, and a shutdown's report would not name it."""
     done = []
-    for pid, started in targets.items():
+    for pid, started in sorted(targets.items(), key=lambda item: item[1], reverse=True):
         if not process_alive(pid, started):
             continue
         try:

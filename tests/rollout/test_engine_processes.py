@@ -110,3 +110,52 @@ def _hold_no_shm(conn: object) -> None:
     worker = subprocess.Popen(["sleep", "600"])
     conn.send(worker.pid)  # type: ignore[attr-defined]
     time.sleep(600)
+
+
+def _hold_tied_worker(conn: object) -> None:
+    """A stand-in engine core whose worker dies with it (PR_SET_PDEATHSIG, as vLLM's forked workers here)."""
+    import ctypes
+
+    def tie() -> None:
+        ctypes.CDLL(None).prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
+
+    worker = subprocess.Popen(["sleep", "600"], preexec_fn=tie)
+    conn.send(worker.pid)  # type: ignore[attr-defined]
+    time.sleep(600)
+
+
+def test_end_names_every_process_it_killed_when_workers_die_with_their_core(monkeypatch):
+    """A hung engine's shutdown reports each of its processes as killed (tests/rollout/test_engine_restart.py
+    asserts it of a real engine). A worker tied to its engine core dies with it; killing the core first let the
+    kernel take the worker before the reaper reached it, so the report left the worker out (seen in a whole-suite
+    run, 2026-11-27). Each signal here is followed by a pause long enough for that to happen every time: the test
+    fails when the core is signalled before its worker."""
+    import moe_grpo.rollout.engine_processes as engine_processes
+
+    parent, child = multiprocessing.Pipe()
+    core = multiprocessing.get_context("fork").Process(target=_hold_tied_worker, args=(child,), daemon=True)
+    core.start()
+    worker = None
+    real_kill = os.kill
+
+    def kill_then_pause(pid: int, sig: int) -> None:
+        real_kill(pid, sig)
+        time.sleep(0.5)
+
+    try:
+        assert parent.poll(30), "the stand-in engine core started its worker"
+        worker = parent.recv()
+        recorded = EngineProcesses(descendants([core.pid]), [core], {})
+        assert list(recorded.procs)[0] == core.pid and worker in recorded.procs, recorded
+        os.kill(core.pid, signal.SIGSTOP)
+        _wait_for(lambda: process_state(core.pid) in ("T", "t"), "the engine core stopped")
+        monkeypatch.setattr(engine_processes.os, "kill", kill_then_pause)
+        out = recorded.end(None, kill=None, timeout_s=1.0, name="test", quiesce=lambda: None)
+        monkeypatch.undo()
+        assert {core.pid, worker} <= set(out["killed"]) and out["processes_left"] == [], out
+    finally:
+        monkeypatch.undo()
+        for pid in [core.pid, worker]:
+            if pid and process_alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        core.join(10)
