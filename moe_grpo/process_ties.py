@@ -1,6 +1,7 @@
 """Processes that end with the process that started them, and the leftovers of an owner that died anyway.
 
-An engine actor owns vLLM's engine core and its workers (vLLM spawns the engine core; the engine core forks its
+An engine actor owns vLLM's engine core and its workers (on CPU the engine core is forked from a process server
+that imported vLLM, rollout/engine_core_start.py, elsewhere vLLM spawns it; the engine core forks its
 workers, rollout/worker_start.py, or spawns them where vLLM must). When the actor is SIGKILLed nothing of it runs to end them, and a replacement that
 started beside them would find their memory (GPU memory, `/dev/shm` ring buffers) still taken. Two parts:
 
