@@ -150,11 +150,17 @@ def load_published(engine: VllmEngine, slot: str, plan: Any, version: int, *, so
         engine.broken = None  # a full version is about to replace whatever is loaded
     dead = engine._dead_pid()
     if dead is not None:
-        raise EngineError(f"engine {engine.engine_id}: process {dead} is dead (version {version} not sent)")
+        raise EngineError(f"engine {engine.engine_id}: vLLM process {dead} died (version {version} not sent)")
     try:
         engine._call(apply_published(engine, slot, plan, sources, version, only), f"load of version {version}",
                      timeout_s)
     except Exception as e:
+        dead = None if engine.closing else engine._dead_pid()
+        if dead is not None:  # nothing to roll back on: a restart brings back the version served
+            if isinstance(e, EngineError):  # `_call` named the process
+                raise
+            raise EngineError(f"engine {engine.engine_id}: vLLM process {dead} died during the load of version "
+                              f"{version} ({type(e).__name__})") from e
         if engine._served is not None and not engine.closing:  # nothing served changed: no rollback
             raise EngineError(f"engine {engine.engine_id}: loading version {version} failed ({e}); still serving "
                               f"version {engine.policy_version}") from e

@@ -199,10 +199,19 @@ class VllmEngine:
             except concurrent.futures.CancelledError:  # a shutdown or restart ended it
                 raise EngineError(f"engine {self.engine_id}: {what} was stopped: "
                                   f"{self.closing or 'cancelled'}") from None
+            except EngineError:
+                raise
+            except Exception as e:
+                # vLLM says only "EngineCore encountered an issue" when a worker dies mid-call: name the process
+                dead = None if self.closing else self._dead_pid()  # closing: its processes are ours to end
+                if dead is None:
+                    raise
+                raise EngineError(f"engine {self.engine_id}: vLLM process {dead} died during {what} "
+                                  f"({type(e).__name__})") from e
             pid = self._dead_pid()
             if pid is not None:
                 future.cancel()
-                raise EngineError(f"engine {self.engine_id}: process {pid} died during {what}")
+                raise EngineError(f"engine {self.engine_id}: vLLM process {pid} died during {what}")
             if deadline is not None and time.monotonic() > deadline:
                 future.cancel()
                 raise EngineError(f"engine {self.engine_id}: {what} did not finish within {timeout_s:.0f} s "
@@ -216,7 +225,7 @@ class VllmEngine:
         """A worker call that cannot hang on a dead engine (vLLM 0.32 leaves it pending forever)."""
         dead = self._dead_pid()
         if dead is not None:
-            raise EngineError(f"engine {self.engine_id}: process {dead} is dead ({method} not sent)")
+            raise EngineError(f"engine {self.engine_id}: vLLM process {dead} died ({method} not sent)")
         return self._call(self._collective_rpc(method, args), method, timeout_s)
 
     def _start(self, timeout_s: float | None = None) -> None:
