@@ -48,7 +48,7 @@ from moe_grpo.orchestrator.state import RunState
 from moe_grpo.orchestrator.watch import JumpWatch
 from moe_grpo.reward.functions import Rewards
 from moe_grpo.reward.scoring import score_held_out, submit_group
-from moe_grpo.sync.sync_metrics import combine_sync_metrics
+from moe_grpo.sync.sync_metrics import combine_sync_metrics, newest_common_version
 
 if TYPE_CHECKING:  # the run's config composes the orchestrator's: it is a layer above (pyproject.toml)
     from moe_grpo.config import RunConfig
@@ -384,7 +384,8 @@ class Driver:
             busy += max(0.0, stats["busy_seconds"] - self.busy_last.get(name, 0.0))
             self.busy_last[name] = stats["busy_seconds"]
             abort_resubmits += stats.get("resubmitted", 0.0)
-        sync = combine_sync_metrics(self.learners.call("sync_metrics", what="reading sync metrics"))
+        sync = combine_sync_metrics(newest_common_version(self.learners.call("sync_metrics",
+                                                                             what="reading sync metrics")))
         self.advance_probe()
         row = step_row(self.state, metrics, self.train_batch, trained_version=self.state.step - 1,
                        interval=interval, train_seconds=metrics["train_seconds"],

@@ -18,6 +18,9 @@ if TYPE_CHECKING:  # the run's config composes the orchestrator's: it is a layer
     from moe_grpo.config import RunConfig
     from moe_grpo.sync.layout import SyncLayout
 
+KEPT_REPORTS = 8
+"""Publish reports a rank keeps: background publishes on different ranks finish at most a version or two apart."""
+
 
 class LearnerWorker:
     """Holds this rank's `MegatronLearner` and its `WeightSync`; every rank gets the same calls in the same order."""
@@ -59,7 +62,8 @@ class LearnerWorker:
         self.ranks = ranks()
         self.rank = rank
         self._handle: Any = None
-        self._last_report: dict[str, float] = {"sync/seconds": 0.0, "sync/bytes": 0.0}
+        self._reports: dict[int, dict[str, Any]] = {}
+        """Version -> this rank's report of its publish, the latest KEPT_REPORTS finished (`sync_metrics`)."""
         self.lr_scale = 1.0
         """The learning-rate schedule's scale (a rollback or a resumed run's `lr` sets it)."""
 
@@ -113,13 +117,17 @@ class LearnerWorker:
 
     def _collect(self) -> None:
         if self._handle is not None and self._handle.done():
-            self._last_report = self._handle.wait().metrics()
+            report = self._handle.wait()
+            self._reports[report.version] = report.metrics()
+            for version in sorted(self._reports)[:-KEPT_REPORTS]:
+                del self._reports[version]
             self._handle = None
 
-    def sync_metrics(self) -> dict[str, float]:
-        """`sync/seconds`, `sync/bytes` of the latest finished sync on this rank."""
+    def sync_metrics(self) -> dict[int, dict[str, Any]]:
+        """Version -> this rank's `sync/*` report, for its latest finished publishes (the driver combines the
+        newest version every rank has finished: `sync_metrics.newest_common_version`)."""
         self._collect()
-        return dict(self._last_report)
+        return dict(self._reports)
 
     def save_run_state(self, directory: str) -> None:
         """This rank's part of a run checkpoint (weights, optimizer, learning rate, KL reference, RNG); a

@@ -39,6 +39,15 @@ def experts_unchanged(held: Sequence[dict[int, int]], changed: Sequence[dict[int
     return sum(bin(bitmap & ~changed_all.get(layer, 0)).count("1") for layer, bitmap in held_all.items())
 
 
+def newest_common_version(ranks: Sequence[dict[int, dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Each rank's report of the newest version every rank has finished publishing (`ranks`: per rank, version ->
+    its `SyncReport.metrics()`, the few latest), or [] before that. Background publishes end at different times on
+    different ranks: adding up each rank's latest would mix versions (a whole one on one rank, an adapter-only one
+    on another)."""
+    common = set.intersection(*(set(r) for r in ranks)) if ranks else set()
+    return [r[max(common)] for r in ranks] if common else []
+
+
 def combine_sync_metrics(ranks: list[dict[str, Any]]) -> dict[str, float]:
     """The run record's `sync/*` keys from every learner rank's `SyncReport.metrics()`: bytes added up (each
     element is sent by one rank), the slowest rank's seconds, the changed fraction over all elements, the experts
