@@ -157,6 +157,7 @@ def load_published(engine: VllmEngine, slot: str, plan: Any, version: int, *, so
     except Exception as e:
         dead = None if engine.closing else engine._dead_pid()
         if dead is not None:  # nothing to roll back on: a restart brings back the version served
+            engine.broken = f"vLLM process {dead} died while it loaded version {version}; restart the engine"
             if isinstance(e, EngineError):  # `_call` named the process
                 raise
             raise EngineError(f"engine {engine.engine_id}: vLLM process {dead} died during the load of version "

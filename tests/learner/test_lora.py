@@ -222,13 +222,18 @@ def test_a_lora_step_is_layout_invariant(layout_reference, name):
     assert max_abs_diff(out["after"], ref["after"]) < 1e-4
     assert max_abs_diff(ref["after"], ref["before"]) > 1e-3  # the step moved the policy
     assert set(out["adapter"]) == set(ref["adapter"])
-    worst = max(float((out["adapter"][k] - ref["adapter"][k]).abs().max()) for k in ref["adapter"])
-    # Adam's first step moves each entry by about lr (1e-2) whatever its gradient's size, so entries whose gradient
-    # is near zero carry the summation-order noise of the reductions into the update: 1e-4 is 1% of a step.
+    diffs = torch.cat([(out["adapter"][k] - ref["adapter"][k]).abs().flatten() for k in ref["adapter"]])
+    worst, off = float(diffs.max()), float((diffs > 1e-4).float().mean())
+    # Adam's first step moves each entry by lr * g / (|g| + eps) (lr 1e-2, eps 1e-8): about lr whatever the
+    # gradient's size, and for an entry whose gradient is near eps the summation-order noise of the reductions
+    # (float32, ~1e-7 of the gradient) is amplified by up to lr / (4 eps). So nearly every entry agrees within 1%
+    # of a step, and the few near-eps ones within 10% (worst seen: 1.35e-4, TP=2+SP, 2026-11-27; it was under
+    # 1e-4 in every run before). A layout bug (a wrong shard, a missing reduction) moves many entries by ~lr.
     print(f"{name}: loss diff {abs(m1['loss'] - m2['loss']):.2e}, grad-norm rel diff "
           f"{abs(m1['grad_norm'] - m2['grad_norm']) / m1['grad_norm']:.2e}, log-prob diff after "
-          f"{max_abs_diff(out['after'], ref['after']):.2e}, adapter diff {worst:.2e}")
-    assert worst < 1e-4, f"updated adapters differ from the single-process step by {worst}"
+          f"{max_abs_diff(out['after'], ref['after']):.2e}, adapter diff {worst:.2e} ({off:.1e} of entries > 1e-4)")
+    assert off < 1e-3, f"{off:.1e} of the updated adapter entries differ from the single-process step by > 1e-4"
+    assert worst < 1e-3, f"updated adapters differ from the single-process step by {worst}"
 
 
 # --------------------------------------------------------------------------- formats users have: HF base + PEFT adapter

@@ -89,7 +89,8 @@ def test_a_load_the_dead_worker_failed_names_it_and_rolls_nothing_back(engine, m
     with pytest.raises(EngineError, match=rf"vLLM process {pid} died during load of version 7") as raised:
         engine_weights.load_published(engine, "slot", "plan", 7, sources=None, only=None, timeout_s=5.0)
     assert applied == [7], "a rollback was sent to an engine whose worker is dead"
-    assert "restoring" not in str(raised.value) and engine.broken is None
+    assert "restoring" not in str(raised.value)
+    assert engine.broken and f"vLLM process {pid} died" in engine.broken, "it would take requests until restarted"
 
 
 def test_a_load_sent_to_an_engine_already_dead_names_the_process(engine):
