@@ -1,9 +1,12 @@
 """The driver on real parts (Ray actors, Megatron learner, vLLM engine): schedules, staleness, the run record."""
 
+import glob
 import json
 import math
 import os
+import re
 import sys
+import time
 
 import pytest
 
@@ -162,8 +165,53 @@ def assert_repeats(want, got, steps, sampled=SAMPLED):
             assert g[key] == pytest.approx(w[key], rel=1e-4, abs=1e-5), (step, key, g[key], w[key])
 
 
+@pytest.fixture(scope="module")
+def resumed_run(sync_run, tmp_path_factory, session_ray_address, on_session_ray):
+    """The sync run, killed after step 2's checkpoint, resumed at EP=2 and extended to `steps=7` (the test below),
+    on the session's Ray cluster, which this process had joined before `train` (as a notebook or a sweep driver
+    has): what the joined cluster looked like after the run is read while this process is still connected
+    (`joined`, for test_a_run_on_a_joined_cluster_releases_its_actors_and_leaves_the_callers_ray_connected)."""
+    import ray
+    import ray_session
+
+    from moe_grpo.orchestrator.pools import join_ray
+    from moe_grpo.orchestrator.process_record import left_behind
+    from moe_grpo.orchestrator.training_run import train
+
+    run_dir = tmp_path_factory.mktemp("resumed")
+    resume_from_step_2(sync_run, run_dir)
+    cut = (run_dir / "metrics.jsonl").read_text()
+    resumed = {**SYNC, "steps": 7, "resume": True, "parallel.expert_parallel": 2, "cluster.learner_cpus": 0.5}
+    with pytest.raises(ValueError) as refused:
+        train(small_run(**resumed), run_dir)
+    refusal = {"message": str(refused.value), "record_kept": (run_dir / "metrics.jsonl").read_text() == cut}
+    join_ray(session_ray_address)
+    try:
+        total = ray.cluster_resources()["CPU"]
+        summary = train(on_session_ray(small_run(**resumed, **{"learner.lr_decay_steps": 5})), run_dir)
+        joined = {"connected": ray.is_initialized(), "groups": ray.util.placement_group_table(), "cpus": total}
+        deadline = time.monotonic() + 30  # Ray hands a removed group's CPUs back a moment later (seen under load)
+        while ray.available_resources().get("CPU") != total and time.monotonic() < deadline:
+            time.sleep(0.5)
+        joined["cpus_free"] = ray.available_resources().get("CPU")
+        record = json.loads((run_dir / "processes.json").read_text())
+        deadline = time.monotonic() + 30  # Ray reaps a killed actor's process a little after it is marked dead
+        while (left := left_behind(record)) != {"processes": [], "shm": []} and time.monotonic() < deadline:
+            time.sleep(1)
+        joined["left"], joined["record"] = left, record
+        logs = os.path.join(os.path.dirname(ray_session.current().log_path), "ray_logs")
+        pids = [*record["learners"], *record["engines"].values()]
+        joined["crashed"] = [path for pid in pids for path in glob.glob(os.path.join(logs, f"*-{pid}.err"))
+                             if "Check failed" in open(path, errors="replace").read()]
+        joined["rpc_base"] = ray.get(ray.remote(lambda: os.environ.get("VLLM_RPC_BASE_PATH")).remote(), timeout=60)
+        joined["private_dir"] = ray_session.current().private_dir
+    finally:
+        ray.shutdown()
+    return run_dir, summary, refusal, joined
+
+
 def test_a_killed_run_resumes_at_another_layout_repeats_the_uninterrupted_one_and_extending_it_is_a_choice(
-        sync_run, tmp_path, on_session_ray):
+        sync_run, resumed_run):
     """Killed after step 2's checkpoint (a half-written later checkpoint and a record cut mid-line left behind),
     saved at EP=1 and resumed at EP=2 (two learner ranks): Megatron reshards the weights and the Adam state, and
     steps 3-5 repeat the uninterrupted run. The layouts add the same numbers in another order, which the tolerance
@@ -177,16 +225,11 @@ def test_a_killed_run_resumes_at_another_layout_repeats_the_uninterrupted_one_an
     (stretching the schedule over the new steps, from a state whose learning rate reached 0) is checked on the
     learner in tests/learner/test_run_state.py and the refusal's warning in tests/orchestrator/test_run_checkpoint.py.
     (Until issue 30 this extension was a run of its own, from the finished run's step-5 checkpoint, stretched.)"""
-    from moe_grpo.orchestrator.training_run import train
-
-    resume_from_step_2(sync_run, tmp_path)
-    cut = (tmp_path / "metrics.jsonl").read_text()
-    resumed = {**SYNC, "steps": 7, "resume": True, "parallel.expert_parallel": 2, "cluster.learner_cpus": 0.5}
-    with pytest.raises(ValueError, match=r"learner.lr_decay_steps=5 keeps .* learner.lr_decay_steps=7 stretches"):
-        train(small_run(**resumed), tmp_path)
-    assert (tmp_path / "metrics.jsonl").read_text() == cut, "refused before anything starts"
-    summary = train(on_session_ray(small_run(**resumed, **{"learner.lr_decay_steps": 5})), tmp_path)
-    want, got = rows_of(sync_run[0]), rows_of(tmp_path)
+    run_dir, summary, refusal, _ = resumed_run
+    assert re.search(r"learner.lr_decay_steps=5 keeps .* learner.lr_decay_steps=7 stretches", refusal["message"]), \
+        refusal["message"]
+    assert refusal["record_kept"], "refused before anything starts"
+    want, got = rows_of(sync_run[0]), rows_of(run_dir)
     assert [r["step"] for r in got] == [1, 2, 3, 4, 5, 6, 7] and summary["steps"] == 7, "each step recorded once"
     assert [r["resume/from_step"] for r in got] == [-1, -1, 2, 2, 2, 2, 2]
     # Step 5 is no longer the last, so it has no evaluation of its own: its row carries step 4's.
@@ -198,6 +241,29 @@ def test_a_killed_run_resumes_at_another_layout_repeats_the_uninterrupted_one_an
     assert want[4]["learner/lr"] == pytest.approx(0.0, abs=1e-12), "the first run's cosine ended at min_lr=0"
     assert [r["learner/lr"] for r in got[4:]] == pytest.approx([0.0] * 3, abs=1e-12), "the saved schedule, kept"
     check_clean_sync_rows(got[2:])
+
+
+def test_a_run_on_a_joined_cluster_releases_its_actors_and_leaves_the_callers_ray_connected(resumed_run):
+    """The resumed run joined the session's cluster (tests/ray_session.py), to which this process was connected
+    before `train` (`cluster.ray_address`). Would have caught: the run's end calling `ray.shutdown()` on a connection
+    it did not make (the caller's, here; the cluster itself when the caller started it), and its engine and learner
+    actors and their placement group left on the cluster it joined (its CPUs held: the next run there cannot reserve
+    them; the engine's and learner's processes alive), which only the end of the caller's job would have ended.
+    (Until 2026-11-27 a one-step run of its own, tests/orchestrator/test_joined_cluster.py: issue 30.)"""
+    joined = resumed_run[3]
+    assert joined["connected"], "train ended the caller's connection to Ray"
+    groups = joined["groups"]
+    assert groups and {g["state"] for g in groups.values()} == {"REMOVED"}, groups
+    assert joined["cpus_free"] == joined["cpus"], joined
+    record = joined["record"]
+    assert record["learners"] and record["engines"], record
+    assert joined["left"] == {"processes": [], "shm": []}, joined["left"]
+    # Ended quietly: no learner or engine worker aborted on a failed Ray check as it was killed (a call sent to an
+    # actor being killed did that, printing a C++ stack trace at the end of every run on a joined cluster).
+    assert not joined["crashed"], joined["crashed"]
+    # The cluster serves the caller still, and a job that joined it by address gets the cluster's private directory
+    # for vLLM's sockets (not the shared temp dir): what the run's engines got.
+    assert joined["rpc_base"] == os.path.join(joined["private_dir"], "vllm"), joined
 
 
 def test_resume_never_records_a_step_twice(sync_run, tmp_path):
