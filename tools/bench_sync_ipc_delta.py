@@ -19,6 +19,7 @@ Exactness: after each version, both versions read back from the device buffers (
 per tensor; `delta_tensor_mismatches` counts tensors whose hash differs (over every rate and version).
 
     python3 tools/bench_sync_ipc_delta.py [--model deepseek_moe_128e] [--no-large] [--lrs 1e-6,1e-5] [--steps 3] [--cpu]
+                                          [--profile]
 
 Progress on stderr; one JSON line per rate on stdout as it finishes, then a last line with every rate's medians
 (versions after the first): `changed_fraction_lr1e-6`, `delta_bytes_ratio_lr1e-6`,
@@ -52,9 +53,23 @@ def _digests(tensors: dict) -> dict[str, str]:
             for n, t in tensors.items()}
 
 
-def one_rate(spec: Any, lr: float, steps: int, root: str, cpu: bool = False) -> dict[str, Any]:
+def _profiled(way: str, version: int, call: Any) -> Any:
+    """`call()` under torch.profiler; its busiest ops (self CPU time, with the device's time beside) on stderr."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities) as prof:
+        out = call()
+    log(f"profile of the {way} version {version}:\n"
+        + prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=22, max_name_column_width=48))
+    return out
+
+
+def one_rate(spec: Any, lr: float, steps: int, root: str, cpu: bool = False, profile: bool = False) -> dict[str, Any]:
     """Train and publish `steps` + 1 versions at `lr` both ways (`cpu`: three, see the module's docstring);
-    returns the per-version figures."""
+    returns the per-version figures. `profile`: the last version of each way under torch.profiler (stderr; its
+    seconds then include the profiler's cost)."""
     import torch
 
     from moe_grpo.learner.megatron_learner import LearnerConfig, MegatronLearner
@@ -88,7 +103,10 @@ def one_rate(spec: Any, lr: float, steps: int, root: str, cpu: bool = False) -> 
                 if not cpu:
                     torch.cuda.synchronize()
                 t1 = time.perf_counter()
-                report = syncs[way].sync(version).wait()
+                if profile and version == steps + 1:
+                    report = _profiled(way, version, lambda: syncs[way].sync(version).wait())
+                else:
+                    report = syncs[way].sync(version).wait()
                 row[f"{way}_seconds"] = time.perf_counter() - t1
                 row[way] = combine_sync_metrics([report.metrics()])
             want = _digests(transports["full"].read_version(version, 30))
@@ -111,7 +129,7 @@ def one_rate(spec: Any, lr: float, steps: int, root: str, cpu: bool = False) -> 
     finally:
         for t in transports.values():
             t.close()
-    later = versions[1:]
+    later = versions[1:-1] if profile and len(versions) > 2 else versions[1:]  # not the profiled version
     med = lambda f: statistics.median(f(r) for r in later)  # noqa: E731
     out = {"lr": lr, "versions": len(versions), "tensors": len(want), "full_bytes": versions[0]["full"]["sync/bytes"],
            "changed_fraction": med(lambda r: r["delta"]["sync/changed_fraction"]),
@@ -137,6 +155,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3, help="optimizer steps (versions after the first) per rate")
     ap.add_argument("--cpu", action="store_true", help="on CPU: shared memory for cuda_ipc, the device path's torch "
                                                        "ops on CPU tensors beside the numpy path")
+    ap.add_argument("--profile", action="store_true", help="the last version of each way under torch.profiler: "
+                                                           "its busiest ops on stderr (left out of the medians)")
     args = ap.parse_args()
     import warnings
 
@@ -157,7 +177,7 @@ def main() -> None:
     mismatches = 0
     for lr in [float(x) for x in args.lrs.split(",")]:
         with tempfile.TemporaryDirectory(prefix="bench_ipc_delta_", dir="/dev/shm") as root:
-            row = one_rate(spec, lr, args.steps, root, args.cpu)
+            row = one_rate(spec, lr, args.steps, root, args.cpu, args.profile)
         print(json.dumps({"bench": "sync_ipc_delta_rate", **row}), flush=True)
         tag = f"lr{lr:.0e}".replace("e-0", "e-")
         for k in ("changed_fraction", "delta_bytes_ratio", "delta_seconds_ratio_ipc", "delta_ms", "full_ms",
