@@ -6,6 +6,8 @@ import warnings
 
 import pytest
 
+from ci_env import in_ci
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tests", "learner"))
 sys.path.insert(0, os.path.join(ROOT, "tests", "checkpoint"))  # test_convert.load_dir
@@ -35,11 +37,6 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
         if item.get_closest_marker("slow") is None and any(item.get_closest_marker(m) for m in SLOW_BY_MARKER):
             item.add_marker(pytest.mark.slow)
-
-
-def in_ci() -> bool:
-    """Whether the suite runs as CI (`CI` set to true, as GitHub Actions, GitLab and .ci/run's callers do)."""
-    return os.environ.get("CI", "").strip().lower() in ("true", "1", "yes")
 
 
 @functools.lru_cache(maxsize=1)

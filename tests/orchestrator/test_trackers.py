@@ -6,7 +6,6 @@ import glob
 import json
 import logging
 import math
-import os
 import struct
 import time
 
@@ -53,10 +52,11 @@ def write_record(tmp_path, run, status="FINISHED", resume=None, steps=(1, 2, 3))
 
 
 def require(module):
-    """The extras are part of `.[test]`: without them these tests skip, except under CI, where they fail. (CI as
-    tests/conftest.py's `in_ci` reads it; that module cannot be imported by name here: in a whole-suite run
-    `conftest` is whichever folder's conftest.py was loaded last.)"""
-    if os.environ.get("CI", "").strip().lower() in ("true", "1", "yes"):
+    """The extras are part of `.[test]`: without them these tests skip, except under CI (tests/ci_env.py), where
+    they fail."""
+    from ci_env import in_ci
+
+    if in_ci():
         __import__(module)
     else:
         pytest.importorskip(module, reason=f"pip install -e .[{module}]")
