@@ -384,8 +384,7 @@ class Driver:
             busy += max(0.0, stats["busy_seconds"] - self.busy_last.get(name, 0.0))
             self.busy_last[name] = stats["busy_seconds"]
             abort_resubmits += stats.get("resubmitted", 0.0)
-        sync = combine_sync_metrics(newest_common_version(self.learners.call("sync_metrics",
-                                                                             what="reading sync metrics")))
+        sync = combine_sync_metrics(newest_common_version(self.learners.call("sync_metrics", what="sync metrics")))
         self.advance_probe()
         row = step_row(self.state, metrics, self.train_batch, trained_version=self.state.step - 1,
                        interval=interval, train_seconds=metrics["train_seconds"],
