@@ -209,9 +209,12 @@ def check_back_on_version(tp: OnVersion) -> None:
     engine = tp.engine
     assert engine.policy_version == SERVED
     assert len(engine._model_pids) == 3 and not set(engine._model_pids) & set(tp.old)
-    again = engine.score(tp.seqs)
-    assert max(float(np.abs(a - b).max()) for a, b in zip(again, tp.served)) == 0.0
     assert engine.weight_digests() == tp.digests, f"a worker does not hold version {SERVED} after the restart"
+    # The same weights bit for bit (above); their scores may differ by a float32 ulp or two: vLLM batches the
+    # requests as they arrive, and another batch shape sums in another order (4.8e-7 seen once, 2026-11-27; 0.0 in
+    # every run before); the digests above are the bit-for-bit check of what the restart brought back.
+    again = engine.score(tp.seqs)
+    assert max(float(np.abs(a - b).max()) for a, b in zip(again, tp.served)) <= 2e-6
     done = engine.generate([tp.seqs[1][:10]], SamplingSettings(n=1, max_tokens=8, temperature=0.0))
     assert done[0][0].routing is not None and (done[0][0].versions == SERVED).all()
 
