@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Awaitable, Collection
 
 from moe_grpo.checkpoint.hf_io import SafetensorsDir
 from moe_grpo.models.hf_names import hf_names
-from moe_grpo.rollout import engine_adapters
+from moe_grpo.rollout import engine_adapters, engine_requests
 from moe_grpo.rollout.engine_error import EngineError
 from moe_grpo.rollout.export import weight_buckets
 from moe_grpo.rollout.lora_merge import is_adapter_name
@@ -160,8 +160,7 @@ def load_published(engine: VllmEngine, slot: str, plan: Any, version: int, *, so
             engine.broken = f"vLLM process {dead} died while it loaded version {version}; restart the engine"
             if isinstance(e, EngineError):  # `_call` named the process
                 raise
-            raise EngineError(f"engine {engine.engine_id}: vLLM process {dead} died during the load of version "
-                              f"{version} ({type(e).__name__})") from e
+            raise engine_requests.failure(engine, e, f"load of version {version}") from e
         if engine._served is not None and not engine.closing:  # nothing served changed: no rollback
             raise EngineError(f"engine {engine.engine_id}: loading version {version} failed ({e}); still serving "
                               f"version {engine.policy_version}") from e

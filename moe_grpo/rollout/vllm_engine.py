@@ -203,11 +203,9 @@ class VllmEngine:
                 raise
             except Exception as e:
                 # vLLM says only "EngineCore encountered an issue" when a worker dies mid-call: name the process
-                dead = None if self.closing else self._dead_pid()  # closing: its processes are ours to end
-                if dead is None:
+                if self.closing or self._dead_pid() is None:  # closing: its processes are ours to end
                     raise
-                raise EngineError(f"engine {self.engine_id}: vLLM process {dead} died during {what} "
-                                  f"({type(e).__name__})") from e
+                raise engine_requests.failure(self, e, what) from e
             pid = self._dead_pid()
             if pid is not None:
                 future.cancel()

@@ -95,7 +95,7 @@ class SyncReport:
     def metrics(self) -> dict[str, Any]:
         """This rank's part of the run record's `sync/*` keys (docs/reference/metrics.md); the driver adds up
         every rank's (`sync_metrics.combine_sync_metrics`)."""
-        out: dict[str, Any] = {"sync/version": float(self.version), "sync/seconds": self.seconds, "sync/bytes": float(self.bytes_written),
+        out: dict[str, Any] = {"sync/seconds": self.seconds, "sync/bytes": float(self.bytes_written),
                                "sync/full_bytes": float(self.full_bytes), "sync/delta": float(self.delta)}
         if self.changed >= 0:
             out.update({"sync/changed": float(self.changed), "sync/elements": float(self.elements),

@@ -12,7 +12,7 @@ from moe_grpo.sync.sync_metrics import combine_sync_metrics, newest_common_versi
 
 
 def _report(version: int, sent: float, seconds: float = 0.1) -> dict[str, float]:
-    return {"sync/version": float(version), "sync/seconds": seconds, "sync/bytes": sent, "sync/full_bytes": sent,
+    return {"sync/seconds": seconds, "sync/bytes": sent, "sync/full_bytes": sent,
             "sync/delta": 0.0}
 
 
