@@ -96,6 +96,7 @@ def main() -> int:
     parser.add_argument("overrides", nargs="*", help="Hydra overrides of `python -m moe_grpo.train`")
     args = parser.parse_args()
     out = args.out or tempfile.mkdtemp(prefix="two_node_run-")
+    os.makedirs(out, exist_ok=True)
     run_dir = os.path.join(out, "run")
     roots = [os.path.join(out, f"shm_node{i}") for i in range(2)]
     nodes = [{"num_cpus": args.head_cpus, "env": {**slurm_env(0, 2), "MOE_GRPO_SYNC_ROOT": roots[0]}},
