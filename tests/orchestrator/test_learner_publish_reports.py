@@ -12,7 +12,6 @@ from moe_grpo.orchestrator.learner_actor import KEPT_REPORTS, LearnerWorker
 @dataclasses.dataclass
 class Report:
     version: int
-    fail: bool = False
 
     def metrics(self) -> dict:
         return {"sync/bytes": 100 * self.version}
