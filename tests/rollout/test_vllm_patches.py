@@ -166,18 +166,15 @@ def test_on_cpu_the_sampler_patch_is_installed_before_the_model_is_built():
     assert GPUModelRunner._bookkeeping_sync.__module__ == vllm_patches.__name__
 
 
-def _gather_logprobs_compiles() -> tuple[int, torch.Tensor]:
-    """Frames Dynamo compiled while vLLM's sampler gathered the log-probs of a sampled batch (what every rollout
-    request asks for), and the ranks it gave."""
+def _gather_logprobs_compiles(logprobs: torch.Tensor, tokens: torch.Tensor) -> tuple[int, torch.Tensor]:
+    """Frames Dynamo compiled while vLLM's sampler gathered the log-probs of `tokens` (what every rollout request
+    asks for), and the ranks it gave."""
     from torch._dynamo.utils import counters
     from vllm.v1.sample.sampler import Sampler
 
-    torch.manual_seed(0)
-    logprobs = torch.randn(5, 512).log_softmax(-1)
-    tokens = torch.randint(0, 512, (5,))
-    before = counters["frames"]["ok"] + counters["frames"]["total"]
+    before = counters["frames"]["total"]
     ranks = Sampler.gather_logprobs(logprobs, 0, tokens).selected_token_ranks
-    return counters["frames"]["ok"] + counters["frames"]["total"] - before, ranks
+    return counters["frames"]["total"] - before, ranks
 
 
 def test_cpu_sampler_counts_token_ranks_without_compiling():
@@ -186,13 +183,13 @@ def test_cpu_sampler_counts_token_ranks_without_compiling():
     and the ranks are the count vLLM's compiled expression makes."""
     from moe_grpo.rollout import vllm_patches
 
+    torch.manual_seed(0)
+    logprobs = torch.randn(5, 512).log_softmax(-1)
+    tokens = torch.randint(0, 512, (5,))
     installed = vllm_patches.apply_cpu_eager_token_ranks()  # the worker extension's import installs it in a worker
     try:
-        compiled, ranks = _gather_logprobs_compiles()
+        compiled, ranks = _gather_logprobs_compiles(logprobs, tokens)
         assert compiled == 0, f"Dynamo compiled {compiled} frame(s) for the sampler's token ranks"
-        torch.manual_seed(0)
-        logprobs = torch.randn(5, 512).log_softmax(-1)
-        tokens = torch.randint(0, 512, (5,))
         assert torch.equal(ranks, (logprobs >= logprobs.gather(-1, tokens[:, None])).sum(-1))
     finally:
         if installed:
