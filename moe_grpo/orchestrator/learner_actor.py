@@ -106,11 +106,9 @@ class LearnerWorker:
         keep a copy of these weights for the mismatch probe of this version (rounded to the version's dtype)."""
         if snapshot:
             self.learner.snapshot_weights(version, self.sync.plan.torch_dtype)  # as the engines hold them
-        if self._handle is not None:
-            # WeightSync.sync waits for the publish in flight anyway; waiting here keeps its report (and raises its
-            # error before the next publish starts)
-            self._keep(self._handle.wait())
-            self._handle = None
+        # WeightSync.sync waits for the publish in flight anyway; waiting here keeps its report (and raises its
+        # error before the next publish starts)
+        self._collect(wait=True)
         self._handle = self.sync.sync(version, background=background)
         if not background:
             self._collect()
@@ -119,15 +117,14 @@ class LearnerWorker:
         """The engine-vs-learner gap on `version`'s weights (MegatronLearner.probe); a collective."""
         return self.learner.probe(list(seqs), version)
 
-    def _collect(self) -> None:
-        if self._handle is not None and self._handle.done():
-            self._keep(self._handle.wait())
+    def _collect(self, wait: bool = False) -> None:
+        """Keep the report of the publish in flight if it is done (`wait`: once it is done)."""
+        if self._handle is not None and (wait or self._handle.done()):
+            report = self._handle.wait()
+            self._reports[report.version] = report.metrics()
+            for version in sorted(self._reports)[:-KEPT_REPORTS]:
+                del self._reports[version]
             self._handle = None
-
-    def _keep(self, report: Any) -> None:
-        self._reports[report.version] = report.metrics()
-        for version in sorted(self._reports)[:-KEPT_REPORTS]:
-            del self._reports[version]
 
     def sync_metrics(self) -> dict[int, dict[str, Any]]:
         """Version -> this rank's `sync/*` report, for its latest finished publishes (the driver combines the
