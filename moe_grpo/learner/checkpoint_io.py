@@ -19,7 +19,7 @@ import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 
-from moe_grpo.learner import megatron_write_digests
+from moe_grpo.learner import megatron_sync_save, megatron_write_digests
 from moe_grpo.learner.checkpoint_files import (RUN_STATE_DIST, RUN_STATE_FORMAT, RUN_STATE_META,
                                                IncompleteCheckpointError, check_dist_checkpoint_files, check_file,
                                                on_every_rank, read_run_state_meta, why)
@@ -40,7 +40,8 @@ def write_dist(sharded: Any, directory: str, spec: MoEModelSpec) -> None:
         shutil.rmtree(directory, ignore_errors=True)
         os.makedirs(directory)
     torch.distributed.barrier()
-    dist_checkpointing.save(sharded, directory)
+    with megatron_sync_save.in_process_results():  # no spawned Manager process for a synchronous save
+        dist_checkpointing.save(sharded, directory)
     torch.distributed.barrier()
     if rank == 0:
         write_spec(spec, directory)
