@@ -27,6 +27,7 @@ from moe_grpo.orchestrator.logs import quiet_vllm
 from moe_grpo.orchestrator.run_prompts import held_out_source
 from moe_grpo.reward.functions import Rewards
 from moe_grpo.reward.scoring import held_out_rewards, score_group
+from moe_grpo.rollout import engine_core_start
 from moe_grpo.rollout.context import context_length
 from moe_grpo.rollout.types import SamplingSettings
 
@@ -42,6 +43,9 @@ def evaluate(cfg: EvaluateConfig, out_dir: str | Path, *, progress: bool = True)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     quiet_vllm(out)  # before vLLM is imported: its log goes to out_dir/engine.log, the console keeps the bar
+    # The engine core's process server imports vLLM's engine core beside this process's own import of vLLM (two
+    # ~11 s imports on two cores), not after it, when the engine starts (rollout/engine_core_start.py).
+    engine_core_start.start_server_on_cpu()
     from moe_grpo.rollout.vllm_engine import VllmEngine
 
     t0 = time.perf_counter()
