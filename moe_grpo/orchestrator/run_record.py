@@ -100,11 +100,19 @@ class RunRecord:
                 f"tok/s {row['throughput/rollout_tokens_per_s']:.0f} stale {row['staleness/mean']:.2f}", refresh=False)
 
     def close(self) -> Path | None:
+        """Close the files and draw the PNG; its path (None without rows)."""
+        self.close_files()
+        return self.draw()
+
+    def close_files(self) -> None:
         self._file.close()
         if self._bar is not None:
             self._bar.close()
         if self._tb is not None:
             self._tb.close()
+
+    def draw(self) -> Path | None:
+        """The PNG of the rows (`plot`); its path, None without rows."""
         self._plotting.join()
         return plot(self.rows, self.dir / "metrics.png") if self.rows else None
 

@@ -18,6 +18,7 @@ import logging
 import shutil
 import signal
 import time
+from concurrent import futures
 from typing import TYPE_CHECKING, Any, Callable
 
 from moe_grpo.orchestrator import pools as pool_setup  # the module: tests stand in for its start_ray
@@ -165,6 +166,8 @@ class RunSession:
         self.pools: Pools | None = None
         self.driver: Driver | None = None
         self.record: RunRecord | None = None
+        self._drawing: futures.Future | None = None
+        """The record's PNG being drawn (`_close_record`)."""
         self.sync_report: dict[str, Any] = {}
         """What each sync host under the relay received, filled in by `close` (the run's summary)."""
         self.outcome = "FAILED"
@@ -209,7 +212,7 @@ class RunSession:
         """Each step runs whatever the ones before did, with signals held: a second SIGTERM cannot cut it short."""
         teardown = Teardown(self.signals, after_each=lambda: self.processes.update(full=True))
         teardown.add("the reward workers", self.rewards.close)
-        teardown.add("the run record", self._close_record)
+        teardown.add("the run record", self._close_record)  # its PNG drawn beside the steps below
         teardown.add("the trackers", lambda: close_trackers(self.trackers, self.outcome))
         teardown.add("the sync hosts", self._stop_sync_hosts)
         teardown.add("the pools", lambda: pool_setup.stop_pools(
@@ -217,11 +220,21 @@ class RunSession:
             release=not self.ray_own, disconnect=not self.ray_was_up))
         teardown.add("the private directory", lambda: release_private_dir(self.private_dir, self.run_dir))
         teardown.add("the weight slots", lambda: shutil.rmtree(self.sync_root, ignore_errors=True))
+        teardown.add("the plot", self._plotted)
         teardown.run()
 
     def _close_record(self) -> None:
+        """The record's files closed, its PNG drawn on a thread (~1 s of matplotlib on 2 cores, done while the
+        steps after this one mostly wait on Ray's and vLLM's processes to end); `_plotted` waits for it."""
         if self.record is not None:
-            png = self.record.close()
+            self.record.close_files()
+            drawer = futures.ThreadPoolExecutor(1, thread_name_prefix="moe_grpo-plot")
+            self._drawing = drawer.submit(self.record.draw)
+            drawer.shutdown(wait=False)  # its thread ends once the PNG is drawn
+
+    def _plotted(self) -> None:
+        if self._drawing is not None:
+            png = self._drawing.result()
             if png:
                 log.info("plots: %s", png)
 

@@ -56,9 +56,12 @@ REWARD_ONLY_STEPS = 4  # phase 1: the hanging reward alone
 PROMPTS_PER_STEP = 8
 MAX_STALENESS = 1  # the default
 REWARD_TIMEOUT_S = 2
-REQUEST_TIMEOUT_S = 20  # rollout.request_timeout_s: a SIGSTOPped engine is named hung within this. Phase 4 waits it
-# out once (~20 of the run's ~150 s), but it is not a free margin: the run's first requests take ~10 s on the suite's
-# 2-core machine (step 1: 10.2 s), and with 10 s the healthy engine was named hung at step 1 (2026-11-27, issue 30)
+REQUEST_TIMEOUT_S = 10  # rollout.request_timeout_s: a SIGSTOPped engine is named hung within this. Phase 4 waits it
+# out once. Not a free margin: a healthy engine's slowest request must stay well inside it. Until vLLM's sampler
+# stopped compiling at an engine's first sampled token (vllm_patches.cpu_eager_token_ranks), the run's first requests
+# took ~10 s on the suite's 2-core machine (step 1: 10.2 s) and 10 s named the healthy engine hung; since, step 1
+# takes 0.8 s and the slowest step between faults 2.9 s (2026-11-27), so 10 s keeps a margin of 3x on a machine
+# twice as slow (20 s until then)
 TAG_ENV = "MOE_GRPO_OWNER"  # moe_grpo.process_ties.TAG_ENV: read from the engine core's environment, as a user would
 
 
