@@ -101,7 +101,15 @@ class BucketPlan:
 
     @property
     def total_bytes(self) -> int:
+        """Bytes of the version's buffers: its tensors plus the padding that starts each on an `ALIGN` boundary."""
         return sum(b.nbytes for b in self.buckets)
+
+    @property
+    def tensor_bytes(self) -> int:
+        """Bytes of the version's tensors alone: what the learner ranks write of a full version together (the
+        padding is never written), so what `sync/bytes` adds up to for one."""
+        item = self.torch_dtype.itemsize
+        return sum(e.numel * item for b in self.buckets for e in b.entries)
 
     def shapes(self) -> dict[str, tuple[int, ...]]:
         return {e.name: e.shape for b in self.buckets for e in b.entries}

@@ -51,6 +51,7 @@ def test_a_bf16_version_holds_the_fp32_weights_cast_to_bf16_in_half_the_bytes(tm
     assert sum(rank["fp32"].bytes_written for rank in out) == 4 * elements
     fp32_bytes, bf16_bytes = out[0]["fp32"].version_bytes, out[0]["bf16"].version_bytes
     assert bf16_bytes == plan.total_bytes
+    assert plan.tensor_bytes == 2 * elements  # the buffers' padding is not sent
     # `sync/bytes`: what each rank wrote, added up over the ranks by the driver.
     assert sum(rank["bf16"].metrics()["sync/bytes"] for rank in out) == 2 * elements
     # Half, up to each tensor's padding to a 64-byte boundary in the buckets.

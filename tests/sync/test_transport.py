@@ -1,5 +1,6 @@
 """The bucket plan and the shared-memory transport on their own (no learner, no engine)."""
 
+import math
 import os
 import stat
 import subprocess
@@ -8,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from layout_scenarios import tiny_spec
+from layout_scenarios import tiny_spec, tiny_v3_spec
 from moe_grpo.models.hf_names import hf_shapes
 from moe_grpo.sync.plan import ALIGN, BucketPlan, check_plan, plan_buckets
 from moe_grpo.sync.transport import SharedMemoryTransport, SyncError, UnsafeRootError
@@ -30,6 +31,15 @@ def test_plan_covers_every_tensor_once_in_aligned_byte_bounded_buckets_of_whole_
                 owner.setdefault(e.name.split(".")[2], set()).add(b.index)
     assert all(len(v) == 1 for v in owner.values())  # no layer is split across buckets
     assert BucketPlan.from_json(plan.to_json()) == plan
+
+
+def test_a_plans_tensor_bytes_leave_out_the_alignment_padding_that_its_buffers_hold():
+    """`sync/bytes` of a full version adds up to `tensor_bytes` (ranks write tensors, never padding); a test that
+    expected `total_bytes` failed whenever a run's row showed a full version of a model with unaligned tensors."""
+    spec = tiny_v3_spec()  # its expert bias, 8 experts x 2 bytes, ends off a 64-byte boundary
+    plan = plan_buckets(spec, torch.bfloat16)
+    assert plan.tensor_bytes == sum(math.prod(s) * 2 for s in hf_shapes(spec).values())
+    assert plan.tensor_bytes < plan.total_bytes <= plan.tensor_bytes + (ALIGN - 1) * len(hf_shapes(spec))
 
 
 def test_plan_errors_name_the_bad_value():
