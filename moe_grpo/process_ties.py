@@ -213,11 +213,14 @@ class LeftoverProcessesError(RuntimeError):
     """Processes of an earlier holder of an owner were still there at the timeout; names them."""
 
 
-def wait_until_gone(owner: str, what: str, timeout_s: float, kill_after_s: float | None = None) -> list[Leftover]:
+def wait_until_gone(owner: str, what: str, timeout_s: float, kill_after_s: float | None = None, *,
+                    since: float | None = None) -> list[Leftover]:
     """Return once no process of an earlier holder of `owner` is left on this host (at once if none is); returns
     those there were. `kill_after_s`: SIGKILL after that many seconds those whose holder is dead (nothing else
-    will end them: the tie did not reach them). Raises LeftoverProcessesError naming `what` and the pids left."""
-    t0 = time.monotonic()
+    will end them: the tie did not reach them). `since`: the `time.monotonic()` both count from (default: now; a
+    caller that did other work first, beside the leftovers, counts from its own start). Raises
+    LeftoverProcessesError naming `what` and the pids left."""
+    t0 = time.monotonic() if since is None else since
     first = left = leftovers(owner)
     killed: set[int] = set()
     while left:

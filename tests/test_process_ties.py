@@ -161,8 +161,12 @@ def test_a_new_holder_finds_the_previous_ones_processes_and_waits_for_them():
             wait_until_gone(owner, "engine0", timeout_s=3.0)  # the other one stays
         threading_kill.wait()
         assert time.monotonic() - t0 >= 3.0
-        # ...or SIGKILLed after `kill_after_s`, and then it returns what it found.
-        assert [p.pid for p in wait_until_gone(owner, "engine0", timeout_s=10.0, kill_after_s=0.2)] == kids[1:]
+        # ...or SIGKILLed after `kill_after_s`, and then it returns what it found. Both limits count from `since`
+        # (an engine actor's start, its imports done beside the leftovers): 30 s of it passed, the kill is at once.
+        t0 = time.monotonic()
+        assert [p.pid for p in wait_until_gone(owner, "engine0", timeout_s=40.0, kill_after_s=30.0,
+                                               since=t0 - 30.0)] == kids[1:]
+        assert time.monotonic() - t0 < 5.0, "the kill waited its limit again from the call"
         assert leftovers(owner) == [] and _alive_after(kids, 1.0) == []
     finally:
         holder.kill()

@@ -24,12 +24,13 @@ if TYPE_CHECKING:  # annotations only: importing sync brings in torch (see the m
     from moe_grpo.sync.layout import SyncLayout
 
 LEFTOVER_TIMEOUT_S = 60.0
-"""Seconds a new engine actor waits for the processes of the engine's previous actor on its host to go before it
-gives up (an error naming them): vLLM's engine core and workers die with their actor (process_ties), so they are
+"""Seconds from a new engine actor's start to giving up on the processes of the engine's previous actor on its host
+(an error naming them): vLLM's engine core and workers die with their actor (process_ties), so they are
 normally gone before the new actor's process has even started."""
 
 LEFTOVER_KILL_AFTER_S = 10.0
-"""Seconds after which the processes of a dead previous actor that are still there are SIGKILLed by the new one."""
+"""Seconds from a new engine actor's start after which the processes of a dead previous actor that are still there
+are SIGKILLed by it."""
 
 
 class EngineWorker:
@@ -59,6 +60,7 @@ class EngineWorker:
         # first, before anything here imports torch or vLLM: its imports (vLLM's engine core, ~12 s of a core) are
         # the longest part of an engine's start, and run beside this process's own. It starts no engine core and
         # takes no memory an engine needs until `start`; restarts reuse it (rollout/engine_core_start.py).
+        started = time.monotonic()
         self.owner = owner_key(os.path.realpath(run_dir), name)
         tag_processes(self.owner)
         quiet_vllm(run_dir)
@@ -67,16 +69,20 @@ class EngineWorker:
 
         from moe_grpo.sync.transports import make_receiver  # brings in torch: see the module's docstring
 
-        # The engine's previous actor (killed, or dead) may have left processes holding memory this one needs (GPU
-        # memory, /dev/shm ring buffers): start the engine only once they are gone, and remove the ring buffers they
-        # left (nothing of a SIGKILLed actor does).
         self.transport = make_receiver(sync, host_agents, _ray_node() if host_agents else None)
         self.record_dir = str(self.transport.root)
         """Where this host keeps the engine's record of its /dev/shm entries: the run's weight slots on this host,
         which the run removes at its end."""
+        import vllm.v1.engine.async_llm  # noqa: F401 - the slow import, done before the model directory is needed
+
+        # The engine's previous actor (killed, or dead) may have left processes holding memory this one needs (GPU
+        # memory, /dev/shm ring buffers): the engine starts only once they are gone, and the ring buffers they left
+        # are removed (nothing of a SIGKILLed actor does). The imports above take none of that memory (vLLM forks
+        # its workers from processes that imported it: its import leaves CUDA uninitialised); they ran beside the
+        # leftovers' end, and the limits count from this actor's start.
         t0 = time.monotonic()
         self.previous_processes = [p.pid for p in wait_until_gone(
-            self.owner, f"engine {name}", LEFTOVER_TIMEOUT_S, kill_after_s=LEFTOVER_KILL_AFTER_S)]
+            self.owner, f"engine {name}", LEFTOVER_TIMEOUT_S, kill_after_s=LEFTOVER_KILL_AFTER_S, since=started)]
         """Processes of the previous actor still there when this one started (it waited until they were gone)."""
         self.previous_shm = remove_previous_shm(self.owner, self.record_dir)
         """/dev/shm entries of the previous actor's engine this one removed before starting."""
@@ -89,7 +95,6 @@ class EngineWorker:
                 "engine %s: waited %.1f s for %d process(es) of its previous actor (%s) to go before starting; "
                 "removed what its engine left in /dev/shm (%s)", name, self.waited_s, len(self.previous_processes),
                 ", ".join(map(str, self.previous_processes)) or "none left", ", ".join(self.previous_shm) or "nothing")
-        import vllm.v1.engine.async_llm  # noqa: F401 - the slow import, done before the model directory is needed
 
         self.name, self.rollout = name, rollout
         self._engine_args = (spec, rollout, seed, lora, lora_apply, tensor_parallel, pipeline_parallel, expert_parallel,
