@@ -15,18 +15,7 @@ import torch.nn.functional as F
 from moe_grpo.models.options import MegatronOptions
 from moe_grpo.models.spec import MoEModelSpec
 
-__all__ = ["MegatronOptions", "build_gpt_model", "layer_spec", "transformer_config", "use_transformer_engine"]
-
-
-def use_transformer_engine() -> bool:
-    """Transformer Engine spec when TE imports and CUDA is present, local spec otherwise."""
-    if not torch.cuda.is_available():
-        return False
-    try:
-        import transformer_engine  # noqa: F401
-    except Exception:
-        return False
-    return True
+__all__ = ["MegatronOptions", "build_gpt_model", "layer_spec", "transformer_config"]
 
 
 def transformer_config(
@@ -123,11 +112,15 @@ def _local_mla_core_attention() -> type:
     return LocalMLADotProductAttention
 
 
-def layer_spec(spec: MoEModelSpec, config: Any, *, te: bool | None = None, pp_rank: int | None = None) -> Any:
-    """Megatron decoder block spec: dense layers first, MoE after, TE or local modules."""
+def layer_spec(spec: MoEModelSpec, config: Any, *, te: bool = False, pp_rank: int | None = None) -> Any:
+    """Megatron decoder block spec: dense layers first, MoE after, Megatron's local modules.
+
+    Not chosen by whether Transformer Engine imports (NGC containers ship it): TE's modules fuse each input norm into
+    the QKV / fc1 linear (`...linear_qkv.layer_norm_weight`), names the HF map (`models/hf_names.py`) does not know,
+    so the weight sync and checkpoint conversion would refuse the model; the TE spec is unchecked (docs/guides/gpu.md)
+    and `te=True` is for trying it."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
-    te = use_transformer_engine() if te is None else te
     block = get_gpt_decoder_block_spec(config, use_transformer_engine=te, normalization="RMSNorm", pp_rank=pp_rank)
     if spec.uses_mla and not te:
         core = _local_mla_core_attention()
