@@ -244,5 +244,6 @@ def read_spec(megatron_dir: str | Path) -> MoEModelSpec:
     """The model described in `megatron_dir/SPEC_FILE`; FileNotFoundError naming the directory when it has none."""
     path = Path(megatron_dir) / SPEC_FILE
     if not path.is_file():
-        raise FileNotFoundError(f"{megatron_dir} has no {SPEC_FILE}; pass the model with --model")
+        raise FileNotFoundError(f"{megatron_dir} has no {SPEC_FILE}: expected a Megatron checkpoint written by moe_grpo "
+                                "(a conversion, a learner checkpoint, or a run checkpoint's learner/dist)")
     return spec_from_mapping(json.loads(path.read_text()))
