@@ -85,7 +85,8 @@ def test_an_async_lora_run_sends_the_base_once_and_engines_match_the_learner(che
           [(r["step"], r["sync/bytes"], round(r["sync/seconds"], 4), r["mismatch/kl"], r["mismatch/probe_version"],
             r["train/rollout_kl"]) for r in rows])
     assert [r["step"] for r in rows] == list(range(1, run.steps + 1)), "each step logged once"
-    # A row carries the newest finished sync of rank 0 (in async mode the step's own publish may still be running)
+    # A row carries the newest version every rank finished publishing (in async mode the step's own publish may
+    # still be running: the first row shows the base version or version 1)
     first = plan_buckets(run.model, "float32", lora=run.lora).tensor_bytes
     assert [r["sync/bytes"] for r in rows][1:] == [adapter_bytes] * (run.steps - 1)
     assert rows[0]["sync/bytes"] in (adapter_bytes, first)
