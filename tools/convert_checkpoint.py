@@ -27,6 +27,7 @@ import argparse
 import json
 import sys
 import time
+from pathlib import Path
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -46,6 +47,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--merge-adapter", metavar="DIR", help="hf -> hf: fold this PEFT LoRA adapter into --src")
     ap.add_argument("--quiet", action="store_true", help="no progress lines")
     args = ap.parse_args(argv)
+    # Checked before torch and megatron-core are imported (seconds): a mistyped path fails at once, without a traceback.
+    src = Path(args.src)
+    if not src.is_dir():
+        ap.error(f"--src {args.src}: no such directory")
+    if args.src_format == "hf" and not (src / "config.json").is_file():
+        ap.error(f"--src {args.src}: no config.json (expected a Hugging Face checkpoint directory)")
+    if Path(args.dst).exists():
+        ap.error(f"--dst {args.dst} exists; remove it or choose another")
 
     import warnings
 

@@ -175,9 +175,30 @@ def test_command_line_converts_and_verifies(converted, tmp_path):
     assert report["verify"]["tp"] == 2 and report["verify"]["ep"] == 2
     assert report["verify"]["token_dispatcher"] == "allgather" and report["verify"]["max_abs_logprob_diff"] < 1e-5
     assert "[convert] HF -> Megatron tensors" in out.stderr  # progress is shown
-    bad = subprocess.run([sys.executable, tool, "--from", "hf", "--to", "megatron", "--src", str(tmp_path / "nope"),
-                          "--dst", str(tmp_path / "mg2")], capture_output=True, text=True, timeout=600)
-    assert bad.returncode != 0 and "no config.json" in bad.stderr
+
+
+def test_command_line_names_a_bad_path_at_once(tmp_path):
+    """A wrong --src or an existing --dst fails before torch is imported, naming the path, without a traceback."""
+    import subprocess
+    import sys
+
+    tool = os.path.join(os.path.dirname(__file__), "..", "..", "tools", "convert_checkpoint.py")
+    (tmp_path / "empty").mkdir()
+    cases = {("--src", str(tmp_path / "nope")): "no such directory",
+             ("--src", str(tmp_path / "empty")): "no config.json",
+             ("--dst", str(tmp_path / "empty")): "exists; remove it or choose another"}
+    for (flag, path), message in cases.items():
+        paths = {"--src": str(tmp_path / "empty"), "--dst": str(tmp_path / "new"), flag: path}
+        if flag == "--dst":
+            (tmp_path / "src").mkdir(exist_ok=True)
+            (tmp_path / "src" / "config.json").write_text("{}")
+            paths["--src"] = str(tmp_path / "src")
+        bad = subprocess.run([sys.executable, "-X", "importtime", tool, "--from", "hf", "--to", "megatron",
+                              "--src", paths["--src"], "--dst", paths["--dst"]],
+                             capture_output=True, text=True, timeout=120)
+        assert bad.returncode == 2 and f"{flag} {path}" in bad.stderr and message in bad.stderr, bad.stderr[-2000:]
+        assert "Traceback" not in bad.stderr and "| torch" not in bad.stderr, "failed before importing torch"
+    assert not (tmp_path / "new").exists()
 
 
 def test_hf_shapes_from_the_spec_match_transformers_checkpoints(converted):
