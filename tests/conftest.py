@@ -148,3 +148,14 @@ def on_session_ray():
     import ray_session
 
     return ray_session.joining
+
+
+@pytest.fixture(scope="session")
+def hf_checkpoints(tmp_path_factory):
+    """({family: checkpoint directory}, root): one small transformers-written checkpoint per family, its Megatron
+    conversion cached under `root / "cache"` for every run from it (test_hf_runs, test_lora_runs), as a user's second
+    run from a checkpoint reuses the first one's: the first run to start from a family converts it."""
+    from hf_fixtures import make_checkpoint
+
+    root = tmp_path_factory.mktemp("hf")
+    return {kind: make_checkpoint(kind, root / kind) for kind in ("qwen3_moe", "deepseek_v3")}, root

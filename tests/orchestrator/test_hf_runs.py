@@ -42,14 +42,6 @@ def write_gsm8k(path):
     return [lines.index(b) + 1 for b in bad]
 
 
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory):
-    from hf_fixtures import make_checkpoint
-
-    root = tmp_path_factory.mktemp("hf")
-    return {kind: make_checkpoint(kind, root / kind) for kind in ("qwen3_moe", "deepseek_v3")}, root
-
-
 def hf_run(hf, cache, layout, **extra):
     tp, ep = (2, 1) if layout == "TP=2" else (1, 2)
     tree = {"steps": 3, "warm_start_steps": 0, "eval_every": 0, "mode": "sync",
@@ -65,11 +57,11 @@ def hf_run(hf, cache, layout, **extra):
 # a sync from that layout in tests/rollout/test_families.py.
 @pytest.mark.parametrize("kind,layout", [("qwen3_moe", "EP=2"), ("deepseek_v3", "TP=2")])
 def test_run_from_a_transformers_checkpoint_trains_exports_and_vllm_serves_the_export(
-        checkpoints, kind, layout, tmp_path, caplog, monkeypatch, on_session_ray):
+        hf_checkpoints, kind, layout, tmp_path, caplog, monkeypatch, on_session_ray):
     from export_check import served_vs_learner
     from moe_grpo.orchestrator.training_run import train
 
-    paths, root = checkpoints
+    paths, root = hf_checkpoints  # tests/conftest.py: shared with test_lora_runs, one conversion per family
     gsm8k = kind == "qwen3_moe" and layout == "EP=2"
     extra = {}
     if gsm8k:

@@ -34,14 +34,6 @@ MAX_PROBE_KL = 1e-8
 log-prob gap, so 1e-8 is a typical gap of ~1.4e-4 (an engine without the adapters: > 1e-3)."""
 
 
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory):
-    from hf_fixtures import make_checkpoint
-
-    root = tmp_path_factory.mktemp("hf_lora")
-    return {kind: make_checkpoint(kind, root / kind) for kind in ("qwen3_moe", "deepseek_v3")}, root
-
-
 def lora_run(hf, cache, layout, on_update, adapter=None, targets=None, lora_apply="merge"):
     steps = 3  # the final version is probed at the run's end (Driver.finish_probes)
     tp, ep = (2, 1) if layout == "TP=2" else (1, 2)
@@ -58,14 +50,14 @@ def lora_run(hf, cache, layout, on_update, adapter=None, targets=None, lora_appl
 @pytest.mark.parametrize("kind,layout,on_update,lora_apply", [("qwen3_moe", "EP=2", "keep", "merge"),
                                                               ("deepseek_v3", "TP=2", "abort", "merge"),
                                                               ("deepseek_v3", "TP=2", "keep", "serve")])
-def test_an_async_lora_run_sends_the_base_once_and_engines_match_the_learner(checkpoints, kind, layout, on_update,
+def test_an_async_lora_run_sends_the_base_once_and_engines_match_the_learner(hf_checkpoints, kind, layout, on_update,
                                                                             lora_apply, tmp_path, on_session_ray):
     import lora_scenarios as L
     from moe_grpo.checkpoint.peft import write_peft_adapter
     from moe_grpo.orchestrator.training_run import train
     from moe_grpo.sync.plan import plan_buckets
 
-    paths, root = checkpoints
+    paths, root = hf_checkpoints  # tests/conftest.py: shared with test_hf_runs, one conversion per family
     # DeepSeek-V3's MLA attention adapters need TP=1 in the learner (learner/lora.py)
     targets = ("dense_mlp", "experts", "shared_experts") if kind == "deepseek_v3" and layout == "TP=2" else None
     if lora_apply == "serve":
