@@ -11,19 +11,22 @@ unless `init.cache_dir` says otherwise), one directory per checkpoint
 fingerprint (config.json, and each weight file's name, size and mtime), so a
 later run from the same checkpoint reuses it and a changed checkpoint gets a
 new one. Conversion happens once, in a child process, under a file lock, into
-a staging directory renamed into place.
+a staging directory renamed into place, while the run's pools start
+(`LearnerStartCheckpoint`): the learner ranks load it once they are up.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import contextlib
 import fcntl
 import hashlib
 import json
 import logging
 import os
 import shutil
+import threading
 import time
+from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -103,8 +106,10 @@ def _convert(hf_dir: str, out_dir: str) -> str:
     return out_dir
 
 
-def cached_megatron(hf_dir: str | Path, cache_root: str | Path, *, timeout_s: float = 3600.0) -> Path:
-    """The Megatron checkpoint converted from `hf_dir`: reused from `cache_root` or converted there now."""
+def cached_megatron(hf_dir: str | Path, cache_root: str | Path, *, timeout_s: float = 3600.0,
+                    stop: threading.Event | None = None) -> Path:
+    """The Megatron checkpoint converted from `hf_dir`: reused from `cache_root` or converted there now.
+    `stop` (set from another thread) ends a conversion under way: its process is killed, nothing enters the cache."""
     root = Path(cache_root)
     root.mkdir(parents=True, exist_ok=True)
     target = root / f"{Path(hf_dir).resolve().name}-{fingerprint(hf_dir)}"
@@ -118,7 +123,7 @@ def cached_megatron(hf_dir: str | Path, cache_root: str | Path, *, timeout_s: fl
         shutil.rmtree(target, ignore_errors=True)
         t0 = time.perf_counter()
         # A child process: conversion initialises torch.distributed and megatron, which the driver keeps out of.
-        run_distributed(_convert, 1, str(hf_dir), str(staging), timeout_s=timeout_s, start_method="spawn")
+        run_distributed(_convert, 1, str(hf_dir), str(staging), timeout_s=timeout_s, start_method="spawn", stop=stop)
         (staging / ".complete").write_text(json.dumps({"hf": str(Path(hf_dir).resolve()), "time": time.time()}))
         os.replace(staging, target)
         log.info("init: converted %s to a Megatron checkpoint in %.1fs: %s", hf_dir, time.perf_counter() - t0, target)
@@ -147,14 +152,41 @@ def engine_dir(hf_dir: str | Path, spec: MoEModelSpec, out_dir: str | Path) -> P
     return out
 
 
-def prepare(run: RunConfig, run_dir: str | Path) -> RunConfig:
-    """`run` with `init.megatron` filled in (converted or reused from the cache); unchanged without `init.hf`."""
-    init = run.init
-    if not init.hf or init.megatron:
-        return run
-    cache = Path(init.cache_dir) if init.cache_dir else Path(run_dir).resolve().parent / "megatron_cache"
-    path = cached_megatron(init.hf, cache)
-    return dataclasses.replace(run, init=dataclasses.replace(init, megatron=str(path)))
+class LearnerStartCheckpoint:
+    """The Megatron checkpoint the learner ranks load before the first step: `init.megatron`, or `init.hf`
+    converted (or found in the cache) on a thread while Ray, the engines' actors and the learner ranks start, none of
+    which needs it; the ranks load it once they are up (`InitialWeights`). A run from a checkpoint converted on the
+    run's first start waited for the whole conversion before anything else started (~10 s of a tiny model's start
+    on 2 cores; a large checkpoint's conversion takes minutes)."""
+
+    def __init__(self, init: InitConfig, run_dir: str | Path) -> None:
+        self._given = init.megatron
+        self._stop = threading.Event()
+        self._conversion: futures.Future[Path] | None = None
+        if init.hf and not init.megatron:
+            cache = Path(init.cache_dir) if init.cache_dir else Path(run_dir).resolve().parent / "megatron_cache"
+            converter = futures.ThreadPoolExecutor(1, thread_name_prefix="moe_grpo-convert")
+            self._conversion = converter.submit(cached_megatron, init.hf, cache, stop=self._stop)
+            converter.shutdown(wait=False)  # its thread ends with the conversion
+
+    def path(self) -> str | None:
+        """The checkpoint's directory once it exists (waits for the conversion; raises what it raised); None without
+        `init.hf`."""
+        if self._conversion is None:
+            return self._given
+        t0 = time.perf_counter()
+        done = self._conversion.done()
+        path = self._conversion.result()
+        if not done:
+            log.info("init: the learner ranks were up %.1f s before the conversion finished", time.perf_counter() - t0)
+        return str(path)
+
+    def close(self) -> None:
+        """A conversion still running (the run ended during its start) is stopped, its process killed."""
+        if self._conversion is not None and not self._conversion.done():
+            self._stop.set()
+            with contextlib.suppress(Exception):  # what it raised was the start's to report; the run is ending
+                self._conversion.result(timeout=60)
 
 
 def copy_tokenizer(hf_dir: str | Path, out_dir: str | Path) -> list[str]:

@@ -20,6 +20,7 @@ import pickle
 import secrets
 import socket
 import tempfile
+import threading
 import time
 import traceback
 from typing import Any, Callable
@@ -98,10 +99,14 @@ class DistributedRunError(RuntimeError):
 
 
 def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 600.0,
-                    env: dict[str, str] | None = None, start_method: str = "forkserver") -> list[Any]:
+                    env: dict[str, str] | None = None, start_method: str = "forkserver",
+                    stop: threading.Event | None = None) -> list[Any]:
     """`fn(*args)` on ranks 0..world_size-1; returns their results in rank order. `start_method` 'spawn' for a
     one-off group in a long-lived process (a run's driver converting its checkpoint): its first forkserver group
-    costs as much as a spawned one, and the server (torch and megatron-core in memory) would stay beside it."""
+    costs as much as a spawned one, and the server (torch and megatron-core in memory) would stay beside it.
+
+    `stop`: set from another thread, it kills the ranks at once and raises `DistributedRunError` (a run that ends
+    while its checkpoint converts on a thread; its ranks are not daemons, so the interpreter's exit would wait)."""
     ctx = _context(start_method)
     port = free_port()
     secret = secrets.token_hex(32)  # this group's rendezvous secret (parallel.init_distributed)
@@ -114,12 +119,15 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
 
         deadline = time.monotonic() + timeout_s
         for p in procs:
-            p.join(max(0.0, deadline - time.monotonic()))
+            while p.is_alive() and time.monotonic() < deadline and not (stop is not None and stop.is_set()):
+                p.join(min(0.2 if stop is not None else timeout_s, max(0.0, deadline - time.monotonic())))
         hung = [r for r, p in enumerate(procs) if p.is_alive()]
         for p in procs:
             if p.is_alive():
                 p.kill()
                 p.join()
+        if hung and stop is not None and stop.is_set():
+            raise DistributedRunError(f"{fn.__name__} on {world_size} processes stopped before it finished")
         results, errors = [], []
         for r in range(world_size):
             path = os.path.join(out_dir, f"rank{r}.pkl")

@@ -52,9 +52,15 @@ class InitialWeights:
     source: Any
     state: RunState
     resume_from: Path | None = None
+    start_checkpoint: hf_init.LearnerStartCheckpoint | None = None
+    """The Megatron checkpoint of `init.hf` (converted while the ranks started); None: `init.megatron` or none."""
 
     def __call__(self, learners: LearnerGroup) -> str:
         t0 = time.perf_counter()
+        megatron = self.start_checkpoint.path() if self.start_checkpoint is not None else self.run.init.megatron
+        if megatron or self.run.init.adapter:
+            learners.call("load_start_weights", megatron, self.run.init.adapter,
+                          what=f"loading the initial weights ({megatron or self.run.init.adapter})")
         if self.resume_from is not None:
             lr = self.run.learner.lr * self.state.lr_scale
             learners.call("load_run_state", str(self.resume_from / "learner"), lr,

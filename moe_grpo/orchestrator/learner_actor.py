@@ -43,7 +43,6 @@ class LearnerWorker:
         if cpus:
             os.sched_setaffinity(0, cpus)
         torch.set_num_threads(max(1, len(cpus) if cpus else int(run.cluster.learner_cpus)))
-        from moe_grpo.checkpoint.peft import load_learner_adapter
         from moe_grpo.learner.megatron_learner import MegatronLearner
         from moe_grpo.sync.transports import make_publisher
         from moe_grpo.sync.weight_sync import DeltaOptions, WeightSync
@@ -51,10 +50,6 @@ class LearnerWorker:
         self.run = run
         self.learner = MegatronLearner(run.model, run.parallel, run.learner, run.megatron,
                                        temperature=run.rollout.temperature, lora=run.lora)
-        if run.init.megatron:  # init.hf, converted (checkpoint/hf_init.py); Megatron reshards it to this layout
-            self.learner.load_checkpoint(run.init.megatron)
-        if run.init.adapter:  # a PEFT adapter; every rank takes its shard
-            load_learner_adapter(self.learner, run.init.adapter)
         # Versions travel in the engines' dtype; this rank casts its shards as it writes them.
         self.sync = WeightSync(self.learner, make_publisher(sync, rank),
                                dtype=version_dtype(run.rollout.dtype, run.lora), delta=DeltaOptions.of(run.sync))
@@ -70,6 +65,17 @@ class LearnerWorker:
     def info(self) -> dict[str, Any]:
         return {**self.ranks, "parameters": sum(p.numel() for p in self.learner.module.parameters()), "pid": os.getpid(),
                 "host": socket.gethostname()}
+
+    def load_start_weights(self, megatron_dir: str | None, adapter_dir: str | None) -> None:
+        """Before the warm start or a resume: the run's initial weights (`init.megatron`, or `init.hf` converted,
+        saved at any layout: Megatron reshards it to this one), then `init.adapter` (a PEFT adapter; every rank
+        takes its shard)."""
+        from moe_grpo.checkpoint.peft import load_learner_adapter
+
+        if megatron_dir:
+            self.learner.load_checkpoint(megatron_dir)
+        if adapter_dir:
+            load_learner_adapter(self.learner, adapter_dir)
 
     def warm_start(self, batches: Sequence[Sequence[Any]]) -> list[float]:
         """Supervised steps (advantage 1, no rollout log-probs: the ratio is 1, the gradient is the NLL's).

@@ -51,14 +51,15 @@ def train(run: RunConfig, run_dir: str | Path, *, learner_cls: type | None = Non
     state = RunState(bad_rows=source.bad_rows)
     resume_from, saved = resume_point(run, run_dir, state)
     rewards = run_rewards(run)
-    run = hf_init.prepare(run, run_dir)  # init.hf: the learner's converted checkpoint (cached next to the run)
     session = RunSession(run, run_dir, rewards, since=started_at)
+    # init.hf: the learners' Megatron checkpoint, converted (or found in the cache) while Ray and the pools start
+    start_checkpoint = hf_init.LearnerStartCheckpoint(run.init, run_dir)
     stopped = None
     try:
         session.open_trackers(state)
         session.start_ray()
-        pools = session.start_pools(InitialWeights(run, run_dir, tokenizer, source, state, resume_from), learner_cls,
-                                    plan)
+        pools = session.start_pools(InitialWeights(run, run_dir, tokenizer, source, state, resume_from,
+                                                   start_checkpoint), learner_cls, plan)
         driver = Driver(run, run_dir, pools, tokenizer, source, rewards, state)
         session.attach(driver)
         start_schedule(driver, saved, resume_from, session.processes)
@@ -74,6 +75,7 @@ def train(run: RunConfig, run_dir: str | Path, *, learner_cls: type | None = Non
         hint = session.driver._checkpoint_hint() if session.driver else "no run checkpoint was written"
         raise EngineFailedError(f"{e}; {hint}") from e
     finally:
+        start_checkpoint.close()  # a conversion still running when the start failed or was stopped
         session.close()
     return RunSummary.of(state, driver.engines, driver.last_checkpoint, run_dir=run_dir,
                          seconds=time.perf_counter() - t_start, stopped=stopped, sync=session.sync_report,

@@ -67,3 +67,35 @@ def test_init_options_fail_by_name(tmp_path):
         InitConfig(hf=str(tmp_path))
     with pytest.raises(ValueError, match="init.megatron=.*without init.hf"):
         InitConfig(megatron=str(tmp_path))
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_the_learners_checkpoint_converts_while_the_run_starts_and_a_stopped_start_stops_it(v3, tmp_path):
+    """`train` used to convert init.hf before Ray and the pools started; now the conversion runs on a thread while
+    they start (the ranks load it once up): asking for it returns at once. A start that fails or is stopped during
+    the conversion stops it: its process killed, nothing in the cache."""
+    import time
+
+    import psutil
+
+    from moe_grpo.checkpoint.hf_init import LearnerStartCheckpoint
+
+    t0 = time.perf_counter()
+    start = LearnerStartCheckpoint(InitConfig(hf=v3, cache_dir=str(tmp_path / "cache")), tmp_path / "run")
+    assert time.perf_counter() - t0 < 1.0, "the conversion (seconds: a spawned process) must not hold up the start"
+    path = start.path()
+    assert os.path.isfile(os.path.join(path, ".complete")) and path.startswith(str(tmp_path / "cache"))
+    again = LearnerStartCheckpoint(InitConfig(hf=v3, cache_dir=str(tmp_path / "cache")), tmp_path / "run")
+    assert again.path() == path, "a later run reuses the cache"
+
+    before = {p.pid for p in psutil.Process().children()}  # process servers earlier tests started
+    stopped = LearnerStartCheckpoint(InitConfig(hf=v3, cache_dir=str(tmp_path / "other")), tmp_path / "run")
+    time.sleep(1.0)  # the conversion's process is starting (it takes seconds to import torch and megatron-core)
+    t0 = time.perf_counter()
+    stopped.close()
+    assert time.perf_counter() - t0 < 30
+    assert not [d for d in os.listdir(tmp_path / "other") if not d.startswith(".")], "nothing entered the cache"
+    assert not [p for p in psutil.Process().children() if p.pid not in before and p.status() != psutil.STATUS_ZOMBIE]
+    given = LearnerStartCheckpoint(InitConfig(hf=v3, megatron=path), tmp_path / "run")
+    assert given.path() == path and LearnerStartCheckpoint(InitConfig(), tmp_path / "run").path() is None

@@ -60,3 +60,27 @@ def test_ranks_see_the_callers_environment_as_it_is_when_they_start(monkeypatch)
 def test_a_rank_that_exits_is_named_with_its_exit_code():
     with pytest.raises(DistributedRunError, match=r"rank 0: died \(exit code 3\)"):
         run_distributed(_exit_hard, 1, 3)
+
+
+def _sleep(seconds: float) -> None:
+    import time
+
+    time.sleep(seconds)
+
+
+def test_a_group_stopped_from_another_thread_is_killed_at_once():
+    """A run that ends while its checkpoint converts on a thread (checkpoint/hf_init.py) sets `stop`: the ranks
+    are killed and the call raises, instead of the interpreter's exit waiting for non-daemon ranks to finish."""
+    import threading
+    import time
+
+    import psutil
+
+    before = {p.pid for p in psutil.Process().children()}  # process servers earlier tests started
+    stop = threading.Event()
+    threading.Timer(0.5, stop.set).start()
+    t0 = time.monotonic()
+    with pytest.raises(DistributedRunError, match="_sleep on 1 processes stopped before it finished"):
+        run_distributed(_sleep, 1, 120.0, stop=stop)
+    assert time.monotonic() - t0 < 30
+    assert not [p for p in psutil.Process().children() if p.pid not in before and p.status() != psutil.STATUS_ZOMBIE]

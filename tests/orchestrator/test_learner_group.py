@@ -125,12 +125,13 @@ def test_the_start_up_publish_of_a_hung_rank_stops_the_run_naming_it(local_ray):
     """`InitialWeights` (warm start or load, then the initial publish and export, before the engines start) waited
     on raw `ray.get` with no limit: a rank hung in the initial publish held the run's start-up forever. Now it is
     named after `cluster.learner_timeout_s`."""
+    from moe_grpo.checkpoint.hf_init import InitConfig
     from moe_grpo.orchestrator.initial_weights import InitialWeights
     from moe_grpo.orchestrator.state import RunState
 
     group = start("ok", "hang", timeout_s=2.0)
     run = SimpleNamespace(warm_start_steps=0, routing=SimpleNamespace(probe_prompts=0, probe_every=1),
-                          algo=SimpleNamespace(sync_every=1))
+                          algo=SimpleNamespace(sync_every=1), init=InitConfig())
     with pytest.raises(LearnerFailedError, match=r"learner rank\(s\) \[1\] did not finish publishing 0 within "
                                                  r"cluster.learner_timeout_s=2 s"):
         InitialWeights(run, "/nonexistent", None, None, RunState())(group)
