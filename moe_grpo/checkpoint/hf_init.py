@@ -17,7 +17,6 @@ a staging directory renamed into place, while the run's pools start
 
 from __future__ import annotations
 
-import contextlib
 import fcntl
 import hashlib
 import json
@@ -105,6 +104,25 @@ def _convert(hf_dir: str, out_dir: str) -> str:
     return out_dir
 
 
+class ConversionStopped(RuntimeError):
+    """`cached_megatron`'s `stop` was set before the conversion began."""
+
+
+def _lock(lock: Any, stop: threading.Event | None) -> None:
+    """The cache's lock, waited for (another run may be converting the same checkpoint: minutes); `stop` ends the
+    wait, so a run stopped meanwhile does not wait for the other run's conversion to end."""
+    if stop is None:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return
+    while True:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if stop.wait(0.2):
+                raise ConversionStopped("stopped while another process held the conversion cache's lock") from None
+
+
 def cached_megatron(hf_dir: str | Path, cache_root: str | Path, *, timeout_s: float = 3600.0,
                     stop: threading.Event | None = None) -> Path:
     """The Megatron checkpoint converted from `hf_dir`: reused from `cache_root` or converted there now.
@@ -113,13 +131,15 @@ def cached_megatron(hf_dir: str | Path, cache_root: str | Path, *, timeout_s: fl
     root.mkdir(parents=True, exist_ok=True)
     target = root / f"{Path(hf_dir).resolve().name}-{fingerprint(hf_dir)}"
     with open(root / ".lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # two runs starting from the same checkpoint convert it once
+        _lock(lock, stop)  # two runs starting from the same checkpoint convert it once
         if (target / ".complete").is_file():
             log.info("init: reusing the Megatron checkpoint %s (converted from %s)", target, hf_dir)
             return target
         staging = root / f".{target.name}.converting"
         shutil.rmtree(staging, ignore_errors=True)
         shutil.rmtree(target, ignore_errors=True)
+        if stop is not None and stop.is_set():
+            raise ConversionStopped(f"conversion of {hf_dir} stopped before it started")
         t0 = time.perf_counter()
         # A child process: conversion initialises torch.distributed and megatron, which the driver keeps out of.
         run_distributed(_convert, 1, str(hf_dir), str(staging), timeout_s=timeout_s, start_method="spawn", stop=stop)
@@ -184,8 +204,12 @@ class LearnerStartCheckpoint:
         """A conversion still running (the run ended during its start) is stopped, its process killed."""
         if self._conversion is not None and not self._conversion.done():
             self._stop.set()
-            with contextlib.suppress(Exception):  # what it raised was the start's to report; the run is ending
+            try:
                 self._conversion.result(timeout=60)
+            except futures.TimeoutError:
+                log.warning("init: the conversion did not stop within 60 s; the process exits once it has")
+            except Exception:  # noqa: BLE001 - what it raised was the start's to report; the run is ending
+                pass
 
 
 def copy_tokenizer(hf_dir: str | Path, out_dir: str | Path) -> list[str]:

@@ -32,6 +32,7 @@ from moe_grpo.orchestrator.trackers import close_trackers, open_trackers
 from moe_grpo.reward.functions import Rewards
 
 if TYPE_CHECKING:  # the run's config composes the orchestrator's: it is a layer above (pyproject.toml)
+    from moe_grpo.checkpoint.hf_init import LearnerStartCheckpoint
     from moe_grpo.config import RunConfig
     from moe_grpo.orchestrator.driver import Driver
 
@@ -163,6 +164,8 @@ class RunSession:
         self.trackers: list[Any] = []
         self.ray_was_up, self.ray_own = True, False  # until start_ray: nothing of Ray is the run's to end
         self.private_dir: str | None = None
+        self.start_checkpoint: LearnerStartCheckpoint | None = None
+        """init.hf's conversion for the learner ranks (`start_conversion`), stopped by `close` if still running."""
         self.pools: Pools | None = None
         self.driver: Driver | None = None
         self.record: RunRecord | None = None
@@ -180,6 +183,14 @@ class RunSession:
         self.trackers = open_trackers(self.run.logger, self.run_dir, dataclasses.asdict(self.run),
                                       resume=state.tracker_runs)
         state.tracker_runs = {t.key: t.run_id for t in self.trackers}
+
+    def start_conversion(self) -> LearnerStartCheckpoint:
+        """The learner ranks' initial checkpoint: init.hf converted (or found in the cache) on a thread while Ray and
+        the pools start (checkpoint/hf_init.py)."""
+        from moe_grpo.checkpoint.hf_init import LearnerStartCheckpoint
+
+        self.start_checkpoint = LearnerStartCheckpoint(self.run.init, self.run_dir)
+        return self.start_checkpoint
 
     def start_ray(self) -> None:
         import ray
@@ -211,6 +222,8 @@ class RunSession:
     def close(self) -> None:
         """Each step runs whatever the ones before did, with signals held: a second SIGTERM cannot cut it short."""
         teardown = Teardown(self.signals, after_each=lambda: self.processes.update(full=True))
+        if self.start_checkpoint is not None:  # a conversion still running when the start failed or was stopped
+            teardown.add("the checkpoint conversion", self.start_checkpoint.close)
         teardown.add("the reward workers", self.rewards.close)
         teardown.add("the run record", self._close_record)  # its PNG drawn beside the steps below
         teardown.add("the trackers", lambda: close_trackers(self.trackers, self.outcome))

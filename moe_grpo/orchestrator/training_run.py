@@ -13,7 +13,6 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from moe_grpo.checkpoint import hf_init
 from moe_grpo.data.tokenizer import load_tokenizer
 from moe_grpo.orchestrator import run_checkpoint
 from moe_grpo.orchestrator.driver import Driver, Stopped
@@ -52,10 +51,9 @@ def train(run: RunConfig, run_dir: str | Path, *, learner_cls: type | None = Non
     resume_from, saved = resume_point(run, run_dir, state)
     rewards = run_rewards(run)
     session = RunSession(run, run_dir, rewards, since=started_at)
-    # init.hf: the learners' Megatron checkpoint, converted (or found in the cache) while Ray and the pools start
-    start_checkpoint = hf_init.LearnerStartCheckpoint(run.init, run_dir)
     stopped = None
     try:
+        start_checkpoint = session.start_conversion()  # init.hf: converted while Ray and the pools start
         session.open_trackers(state)
         session.start_ray()
         pools = session.start_pools(InitialWeights(run, run_dir, tokenizer, source, state, resume_from,
@@ -75,7 +73,6 @@ def train(run: RunConfig, run_dir: str | Path, *, learner_cls: type | None = Non
         hint = session.driver._checkpoint_hint() if session.driver else "no run checkpoint was written"
         raise EngineFailedError(f"{e}; {hint}") from e
     finally:
-        start_checkpoint.close()  # a conversion still running when the start failed or was stopped
         session.close()
     return RunSummary.of(state, driver.engines, driver.last_checkpoint, run_dir=run_dir,
                          seconds=time.perf_counter() - t_start, stopped=stopped, sync=session.sync_report,

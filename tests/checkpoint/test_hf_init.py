@@ -97,5 +97,17 @@ def test_the_learners_checkpoint_converts_while_the_run_starts_and_a_stopped_sta
     assert time.perf_counter() - t0 < 30
     assert not [d for d in os.listdir(tmp_path / "other") if not d.startswith(".")], "nothing entered the cache"
     assert not [p for p in psutil.Process().children() if p.pid not in before and p.status() != psutil.STATUS_ZOMBIE]
+    # Another run holds the cache's lock (converting the same checkpoint): a stopped start does not wait for it.
+    import fcntl
+
+    (tmp_path / "held").mkdir()
+    with open(tmp_path / "held" / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        waiting = LearnerStartCheckpoint(InitConfig(hf=v3, cache_dir=str(tmp_path / "held")), tmp_path / "run")
+        time.sleep(0.5)
+        t0 = time.perf_counter()
+        waiting.close()
+        assert time.perf_counter() - t0 < 5, "the stop ends the wait for the lock"
+    assert sorted(os.listdir(tmp_path / "held")) == [".lock"]
     given = LearnerStartCheckpoint(InitConfig(hf=v3, megatron=path), tmp_path / "run")
     assert given.path() == path and LearnerStartCheckpoint(InitConfig(), tmp_path / "run").path() is None

@@ -76,7 +76,8 @@ def test_a_group_stopped_from_another_thread_is_killed_at_once():
 
     import psutil
 
-    before = {p.pid for p in psutil.Process().children()}  # process servers earlier tests started
+    run_distributed(_sleep, 1, 0.0)  # the process server (and its resource tracker) up, as they stay
+    before = {p.pid for p in psutil.Process().children()}
     stop = threading.Event()
     threading.Timer(0.5, stop.set).start()
     t0 = time.monotonic()
