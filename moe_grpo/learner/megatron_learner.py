@@ -342,6 +342,9 @@ class MegatronLearner:
         state, without_adapters = checkpoint_io.read_weights(self.module, directory, has_adapters=bool(self.adapters))
         self._wait_for_readers()
         checkpoint_io.set_weights(self.module, state, without_adapters=without_adapters, directory=directory)
+        # bf16 weights or the distributed optimizer keep fp32 main copies, written back over the weights at each
+        # step: they must take the loaded values (megatron-core's rule for weights changed outside the optimizer).
+        self.optimizer.reload_model_params()
 
     def save_run_state(self, directory: str) -> None:
         """Collective: everything this learner needs to continue (weights, optimizer state, RNG states, the KL
@@ -389,3 +392,4 @@ class MegatronLearner:
             raise ValueError("this learner has no adapters (lora.rank=0)")
         self._wait_for_readers()
         load_adapter_state(self.adapters, state, self.spec, self.lora)
+        self.optimizer.reload_model_params()  # the adapters' fp32 main copies, as in `load_checkpoint`

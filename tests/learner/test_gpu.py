@@ -72,3 +72,26 @@ def test_bf16_distributed_optimizer_packed_recompute_replay_on_cuda():
     changed = [n for n, p in learner.module.named_parameters() if not torch.equal(before[n], p)]
     assert len(changed) > len(before) // 2, f"only {len(changed)} of {len(before)} tensors changed"
     torch.cuda.synchronize()
+
+
+def test_a_loaded_checkpoint_survives_the_first_step_with_fp32_main_weights(tmp_path):
+    """bf16 weights with the distributed optimizer keep fp32 main copies that every step writes back over the
+    weights: `load_checkpoint` (init.hf's converted checkpoint) must refresh them, or the first step puts the random
+    initial weights back (megatron-core: `reload_model_params` whenever weights change outside the optimizer)."""
+    import torch
+
+    from layout_scenarios import make_sequences, tiny_spec
+    from moe_grpo.learner.megatron_learner import LearnerConfig, MegatronLearner
+    from moe_grpo.models.options import MegatronOptions
+
+    options = MegatronOptions(params_dtype="bfloat16", distributed_optimizer=True)
+    source = MegatronLearner(tiny_spec(), config=LearnerConfig(micro_batch_size=2, seed=1), options=options)
+    source.save_checkpoint(str(tmp_path / "ckpt"))
+    saved = {n: p.detach().clone() for n, p in source.module.named_parameters()}
+    learner = MegatronLearner(tiny_spec(), config=LearnerConfig(micro_batch_size=2, seed=0), options=options)
+    assert any(not torch.equal(saved[n], p) for n, p in learner.module.named_parameters()), "seeds differ"
+    learner.load_checkpoint(str(tmp_path / "ckpt"))
+    learner.set_lr(0.0)  # the step changes nothing of its own: what it writes back is the main copies
+    learner.train_step(make_sequences(tiny_spec(), n=4), replay=True)
+    reverted = [n for n, p in learner.module.named_parameters() if not torch.equal(saved[n], p)]
+    assert not reverted, f"{len(reverted)} tensors lost the loaded weights at the first step: {reverted[:3]}"
