@@ -97,7 +97,8 @@ class AlgoConfig:
     """Upper ratio bound of tis/mis/icepop (slime tis_clip, verl rollout_is_threshold); null = the preset
     (2.0 for tis and mis, 5.0 for icepop)."""
     kl_coef: float = 0.0
-    """Weight of a KL penalty to a frozen reference policy (the weights after the warm start); 0 = off.
+    """Weight of a KL penalty to a frozen reference policy (the weights after the warm start, or the initial ones
+    without a warm start); 0 = off.
     On: the learner keeps a copy of its weights and runs one more forward per step."""
     kl_estimator: str = "k3"
     """KL penalty estimator per token: k1 = log pi - log pi_ref, k3 = r - 1 - log r with r = pi_ref / pi."""

@@ -74,6 +74,8 @@ class InitialWeights:
             if warm:
                 log.info("warm start: %d supervised steps in %.1fs, answer NLL %.3f -> %.3f", len(warm),
                          time.perf_counter() - t0, warm[0], warm[-1])
+            if self.run.algo.kl_coef > 0:  # a resumed run restores its reference with the run state
+                learners.call("set_reference", what="keeping the KL penalty's reference weights")
         # The first half of `Driver.push_version` (the driver and its engines come once this returns).
         self.state.published = version
         learners.publish(version, background=False, snapshot=probe_due(self.run, version))

@@ -81,16 +81,18 @@ class LearnerWorker:
         """Supervised steps (advantage 1, no rollout log-probs: the ratio is 1, the gradient is the NLL's).
 
         Returns each step's mean NLL of the answer tokens. With a KL penalty (`algo.kl_coef > 0`) the weights
-        after the warm start become the frozen reference policy."""
+        after the warm start become the frozen reference policy (`set_reference`, called by `InitialWeights`)."""
         from moe_grpo.learner.megatron_learner import SUPERVISED_LOSS
 
         losses = []
         for seqs in batches:
             metrics = self.learner.train_step(list(seqs), replay="off", loss_fn=SUPERVISED_LOSS)
             losses.append(float(metrics["nll"]))
-        if self.run.algo.kl_coef > 0:
-            self.learner.set_reference()
         return losses
+
+    def set_reference(self) -> None:
+        """The KL penalty's frozen reference policy: this rank's weights now (a fresh run's, after the warm start)."""
+        self.learner.set_reference()
 
     def train(self, seqs: Sequence[Any], policy_version: int, replay: str) -> dict[str, float]:
         """`algo.mini_batches` optimizer steps on this data-parallel rank's share of the batch (`replay`: r3, r2 or off)."""

@@ -75,7 +75,10 @@ def test_run_from_a_transformers_checkpoint_trains_exports_and_vllm_serves_the_e
         data = tmp_path / "train.jsonl"
         data.write_text("".join(json.dumps({"prompt": f"What is {a} + {b}?", "answer": f"#### {a + b}"}) + "\n"
                                 for a, b in QA))
-        extra = {"task": {"name": "gsm8k"}, "data": {"train_path": str(data), "prompt_key": "prompt"}}
+        # A KL penalty without a warm start (the usual set-up from a checkpoint): the reference is the checkpoint's
+        # weights (before, no reference was set without a warm start and the first step raised).
+        extra = {"task": {"name": "gsm8k"}, "data": {"train_path": str(data), "prompt_key": "prompt"},
+                 "algo": {"prompts_per_step": 4, "group_size": 4, "kl_coef": 0.05}}
     run, tp, ep = hf_run(paths[kind], root / "cache", layout, **extra)
     assert run.model.architecture == {"qwen3_moe": "Qwen3MoeForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}[kind]
     run_dir = tmp_path / "run"
@@ -89,6 +92,9 @@ def test_run_from_a_transformers_checkpoint_trains_exports_and_vllm_serves_the_e
     # the learner started from the checkpoint's weights (converted once per checkpoint, then reused)
     assert "converted" in caplog.text or "reusing the Megatron checkpoint" in caplog.text
     assert len([d for d in os.listdir(root / "cache") if d.startswith(kind)]) == 1
+    if not gsm8k:  # the penalty was computed each step (NaN without a reference); the first step's weights are it
+        kl = [r["kl/reference"] for r in rows]
+        assert all(k >= 0 for k in kl) and abs(kl[0]) < 1e-6, kl  # NaN fails k >= 0
     if gsm8k:
         assert "data: 6 training rows" in caplog.text
         assert summary["bad_rows"] == 4 and all(r["data/bad_rows"] == 4 for r in rows)
