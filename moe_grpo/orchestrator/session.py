@@ -21,6 +21,7 @@ import time
 from concurrent import futures
 from typing import TYPE_CHECKING, Any, Callable
 
+from moe_grpo.checkpoint.hf_init import LearnerStartCheckpoint
 from moe_grpo.orchestrator import pools as pool_setup  # the module: tests stand in for its start_ray
 from moe_grpo.orchestrator.placement_plan import Plan, PlanRefused, build_plan, not_runnable_yet
 from moe_grpo.orchestrator.pools import Pools
@@ -32,7 +33,6 @@ from moe_grpo.orchestrator.trackers import close_trackers, open_trackers
 from moe_grpo.reward.functions import Rewards
 
 if TYPE_CHECKING:  # the run's config composes the orchestrator's: it is a layer above (pyproject.toml)
-    from moe_grpo.checkpoint.hf_init import LearnerStartCheckpoint
     from moe_grpo.config import RunConfig
     from moe_grpo.orchestrator.driver import Driver
 
@@ -187,8 +187,6 @@ class RunSession:
     def start_conversion(self) -> LearnerStartCheckpoint:
         """The learner ranks' initial checkpoint: init.hf converted (or found in the cache) on a thread while Ray and
         the pools start (checkpoint/hf_init.py)."""
-        from moe_grpo.checkpoint.hf_init import LearnerStartCheckpoint
-
         self.start_checkpoint = LearnerStartCheckpoint(self.run.init, self.run_dir)
         return self.start_checkpoint
 
