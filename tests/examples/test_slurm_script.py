@@ -52,6 +52,10 @@ class Job:
         assert self.proc is not None
         try:
             out, err = self.proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired as e:  # what the job had done, for a failure nobody can rerun
+            alive = [p for p in (self.state / "pids").iterdir()] if (self.state / "pids").is_dir() else []
+            raise AssertionError(f"the job did not end within {timeout} s; driver.log: {self.read('driver.log')!r}; "
+                                 f"its stderr so far: {e.stderr!r}; pid files: {[p.name for p in alive]}") from e
         finally:
             self.kill()
         self.seconds = time.monotonic() - self.t0
