@@ -9,9 +9,40 @@ import shutil
 import sys
 import tempfile
 
+from hydra import compose, initialize_config_dir
 from hydra.core.override_parser.overrides_parser import OverridesParser
 
+from moe_grpo.config import CONF_DIR, from_hydra, unknown_key
 from moe_grpo.orchestrator.run_dirs import RunDirTaken, check_run_dir
+
+
+def refuse_bad_config(argv: list[str]) -> None:
+    """Exit (code 2, one line `[moe_grpo] config error: ...`) when an override names a key no section has (with the
+    nearest known one) or a value its field refuses. The config is composed and converted here as `main` will,
+    before Hydra creates the run directory: a mistyped command leaves nothing under outputs/. Needs the defaults
+    stored in Hydra's ConfigStore. Command lines with flags (--help, --cfg, -m) and what Hydra itself cannot
+    compose (a model=<name> that does not exist, a malformed override) are left to Hydra, which names them."""
+    if any(a.startswith("-") for a in argv):
+        return
+    try:
+        overrides = OverridesParser.create().parse_overrides(list(argv))
+    except Exception:  # noqa: BLE001
+        return
+    try:
+        for o in overrides:
+            if not (o.is_hydra_override() or o.is_add() or o.is_delete()):
+                problem = unknown_key(o.key_or_group)
+                if problem:
+                    raise ValueError(problem)
+        try:
+            with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+                cfg = compose(config_name="config", overrides=list(argv))
+        except Exception:  # noqa: BLE001  (Hydra's own errors: its message, from hydra.main)
+            return
+        from_hydra(cfg)
+    except ValueError as e:  # a value the user wrote: the message names the key, a traceback would only bury it
+        print(f"[moe_grpo] config error: {e}", file=sys.stderr)
+        sys.exit(2)  # usage error, as argparse reports one
 
 
 def refuse_taken_run_dir(argv: list[str]) -> None:

@@ -18,7 +18,7 @@ from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from moe_grpo.command_line import dry_run_dir, refuse_taken_run_dir
+from moe_grpo.command_line import dry_run_dir, refuse_bad_config, refuse_taken_run_dir
 from moe_grpo.config import defaults_tree, from_hydra
 from moe_grpo.orchestrator.training_run import train
 from moe_grpo.orchestrator.logs import quiet_libraries
@@ -34,7 +34,7 @@ def main(cfg: DictConfig) -> None:
     global _exit_code
     try:
         run = from_hydra(cfg)
-    except ValueError as e:  # a value the user wrote: the message names the key, a traceback would only bury it
+    except ValueError as e:  # refuse_bad_config saw it first, unless the command line had flags (--cfg, -m)
         _exit_code = 2  # usage error, as argparse reports one
         print(f"[moe_grpo] config error: {e}", file=sys.stderr)
         return
@@ -79,6 +79,7 @@ def cli() -> None:
     quiet_libraries()
     OmegaConf.register_new_resolver("unique", lambda: RUN_ID, replace=True)
     ConfigStore.instance().store(name="moe_grpo_defaults", node=defaults_tree())
+    refuse_bad_config(sys.argv[1:])
     main()
     sys.exit(_exit_code)
 

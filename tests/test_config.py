@@ -2,11 +2,13 @@
 
 import subprocess
 import sys
+from dataclasses import fields
 from pathlib import Path
 
 import pytest
 
-from moe_grpo.config import CONF_DIR, defaults_tree, from_hydra
+from moe_grpo.config import CONF_DIR, defaults_tree, from_hydra, unknown_key
+from moe_grpo.orchestrator.config import RolloutConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -146,13 +148,30 @@ def test_whole_numbers_written_as_floats_are_integers():
 @pytest.mark.parametrize("override, message", [
     ("steps=abc", "steps='abc': expected an integer"),
     ("rollout.request_timeout_s=-1", "rollout.request_timeout_s=-1.0: expected a number > 0"),
+    ("algo.grup_size=16", "unknown key algo.grup_size (did you mean algo.group_size?); algo's keys: "),
 ])
-def test_the_command_line_refuses_a_bad_value_at_once_naming_it(override, message):
-    """One line naming the key, exit status 2 (a usage error), no traceback to read through."""
-    out = subprocess.run([sys.executable, "-m", "moe_grpo.train", "model=deepseek_moe", override], cwd=ROOT,
-                         capture_output=True, text=True, timeout=120)
+def test_the_command_line_refuses_a_bad_value_at_once_naming_it(override, message, tmp_path):
+    """One line naming the key, exit status 2 (a usage error), no traceback to read through, and no run directory
+    left behind.
+
+    Would have caught: a mistyped key answered by Hydra's several-line 'Could not override' with exit status 1, and
+    a bad value's refusal leaving the run directory Hydra had made (`.hydra/`, an empty train.log)."""
+    run_dir = tmp_path / "run"
+    out = subprocess.run([sys.executable, "-m", "moe_grpo.train", "model=deepseek_moe", override,
+                          f"hydra.run.dir={run_dir}"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 2, out.stderr
-    assert out.stderr.strip() == f"[moe_grpo] config error: {message}"
+    assert out.stderr.strip().startswith(f"[moe_grpo] config error: {message}") and len(out.stderr.splitlines()) == 1
+    assert not run_dir.exists()
+
+
+def test_a_mistyped_key_is_named_with_the_nearest_known_one():
+    assert unknown_key("algo.group_size") is None and unknown_key("steps") is None and unknown_key("task") is None
+    assert unknown_key("model.extra_hf_config.rope_scaling") is None, "below a field: the conversion's to judge"
+    assert unknown_key("stepz").startswith("unknown key stepz (did you mean steps?)")
+    assert unknown_key("model.top_kk").startswith("unknown key model.top_kk (did you mean model.top_k?)")
+    assert unknown_key("rollout.zzz") == ("unknown key rollout.zzz; rollout's keys: " + ", ".join(
+        sorted(f.name for f in fields(RolloutConfig))))
+    assert unknown_key("replay").startswith("replay= was replaced by routing.replay")
 
 
 def test_a_refused_resume_is_one_line_exit_2_before_anything_starts(tmp_path):
@@ -179,3 +198,4 @@ def test_delta_versions_are_refused_where_they_would_mean_nothing(overrides, mes
     with pytest.raises(ValueError, match=message):
         from_hydra(compose(overrides))
     assert from_hydra(compose(["sync.delta=true"])).sync.delta is True
+
