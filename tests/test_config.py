@@ -199,3 +199,10 @@ def test_delta_versions_are_refused_where_they_would_mean_nothing(overrides, mes
         from_hydra(compose(overrides))
     assert from_hydra(compose(["sync.delta=true"])).sync.delta is True
 
+
+def test_the_gsm8k_preset_gives_completions_room_and_the_command_line_still_wins():
+    """Would have caught: `task=gsm8k` sampling completions of at most 16 tokens (the built-in toy tasks' length),
+    every worked answer cut before its `#### N`."""
+    assert compose(["task=gsm8k"]).rollout.max_tokens == 1024 and compose(["task=gsm8k"]).task.name == "gsm8k"
+    assert compose(["task=gsm8k", "rollout.max_tokens=512"]).rollout.max_tokens == 512
+    assert compose([]).rollout.max_tokens == 16 and compose(["task=sort"]).rollout.max_tokens == 16
