@@ -24,6 +24,15 @@ def test_the_scripts_parse(script):
     assert out.returncode == 0, out.stderr
 
 
+def _signals_as_slurm_leaves_them() -> None:
+    """SIGINT and SIGQUIT at their defaults in the job's shell, as slurmstepd starts a batch script. A suite started
+    in the background from a script (`pytest ... &`: bash ignores both in background commands) would otherwise pass
+    them on ignored, and bash can neither trap nor reset a signal ignored on entry: the SIGINT test then timed out
+    (twice in whole-suite pairs started that way, never in the foreground)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGQUIT, signal.SIG_DFL)
+
+
 class Job:
     """One run of train.sbatch on the fake cluster, in its own process group (killed whole at the end)."""
 
@@ -45,7 +54,8 @@ class Job:
     def start(self, *args: str) -> "Job":
         self.t0 = time.monotonic()
         self.proc = subprocess.Popen(["bash", str(SBATCH), *args], env=self.env, stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, text=True, start_new_session=True)
+                                     stderr=subprocess.PIPE, text=True, start_new_session=True,
+                                     preexec_fn=_signals_as_slurm_leaves_them)
         return self
 
     def finish(self, timeout: float = 60) -> tuple[int, str, str]:
