@@ -4,7 +4,8 @@
 vLLM's engine core and its workers, recorded when they start, are SIGKILLed (a SIGSTOPped process never acts on
 vLLM's SIGTERM; a worker whose engine core died is orphaned, no longer below it). What they mapped in /dev/shm is
 removed: a killed vLLM 0.32 engine leaves its message queues' ring buffers (`psm_*`, hundreds of MiB) and its
-executor's lock (`sem.mp-*`) there until this process exits. And when the process that owns the engine dies
+executor's lock (`sem.mp-*`) there until this process exits, and any engine of TP or PP > 1 on CPU its workers'
+all-reduce buffers (`vllm_dist_*`) for good. And when the process that owns the engine dies
 without a shutdown (a SIGKILLed engine actor), the kernel kills vLLM's processes with it: each is started with
 PR_SET_PDEATHSIG (`moe_grpo/process_ties.py`).
 """
@@ -24,12 +25,15 @@ import psutil
 from moe_grpo.processes import (SHM_DIR, STOPPED_STATES, process_alive, process_state, process_tree, shm_entries_held,
                                 start_ticks)
 
-SHM_KINDS = ("psm_", "sem.mp-")
+SHM_KINDS = ("psm_", "sem.mp-", "vllm_dist_")
 """What a vLLM 0.32 engine leaves in /dev/shm when its processes are killed: the ring buffers of the message
 queues between engine core and workers (multiprocessing SharedMemory, `psm_<8 hex>`: about 240 and 160 MiB on
 CPU) and, where vLLM spawns its workers, the lock the executor shares with them (a multiprocessing semaphore,
-`sem.mp-<8 chars>`; forked workers, rollout/worker_start.py, share one unlinked as it is made). Their
-names are random, so an engine's own are found by what its processes map (`mapped_shm`)."""
+`sem.mp-<8 chars>`; forked workers, rollout/worker_start.py, share one unlinked as it is made). On CPU an
+engine of TP or PP > 1 also leaves, even after an orderly shutdown, one 4 MiB file per worker of the CPU
+all-reduce's shared memory (`vllm_dist_<hex>-tp:0-[0-1]-cpushm_<rank>`, `_CPUSHMDistributed` in vLLM's
+cpu_communicator.py: its C++ manager never unlinks it). Their names are random, so an engine's own are found by
+what its processes map (`mapped_shm`)."""
 
 
 def descendants(roots: Sequence[int]) -> dict[int, int]:

@@ -254,6 +254,12 @@ def _wait_for(predicate, what: str, timeout_s: float = 60.0) -> None:
         time.sleep(0.05)
 
 
+def _cpu_all_reduce_shm(engine) -> set[str]:
+    """The engine's /dev/shm files of vLLM's CPU all-reduce (`vllm_dist_*-cpushm_<rank>`), which vLLM never
+    removes: `VllmEngine.shutdown` and `restart` must."""
+    return {name for name in engine.shm_inodes() if name.startswith("vllm_dist_")}
+
+
 def _stopped(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -269,6 +275,8 @@ def test_a_killed_second_worker_fails_the_engine_and_a_restart_brings_both_back(
 
     tp = _on_version(serving)
     engine, seqs = tp.engine, tp.seqs
+    all_reduce_shm = _cpu_all_reduce_shm(engine)
+    assert len(all_reduce_shm) == 2, f"one CPU all-reduce buffer per worker expected: {all_reduce_shm}"
     request = engine.submit(seqs[0][:10], SamplingSettings(n=1, max_tokens=200, temperature=1.0, seed=3))
     _wait_for(lambda: engine.num_routing_buffers() >= 1 or request.done(), "the request generating")
     assert not request.done(), "the request ended before its worker was killed"
@@ -282,6 +290,9 @@ def test_a_killed_second_worker_fails_the_engine_and_a_restart_brings_both_back(
     out = engine.restart(timeout_s=120)
     assert out["policy_version"] == SERVED
     assert not any(process_alive(p) for p in tp.old), [p for p in tp.old if process_alive(p)]
+    left = [n for n in all_reduce_shm if os.path.exists(f"/dev/shm/{n}")]
+    assert left == [], "the killed engine's CPU all-reduce buffers are removed with it (4 MiB a worker, each restart)"
+    assert len(_cpu_all_reduce_shm(engine)) == 2 and not _cpu_all_reduce_shm(engine) & all_reduce_shm
     check_back_on_version(tp)
 
 
