@@ -1,4 +1,4 @@
-"""What `python -m moe_grpo.train` checks on its command line before Hydra composes anything (Hydra writes
+"""What `python -m moe_grpo.train` (and `moe_grpo.evaluate`) checks on its command line before Hydra composes anything (Hydra writes
 `.hydra/` into the run directory before `main` runs, so these checks must come first to leave nothing behind)."""
 
 from __future__ import annotations
@@ -8,20 +8,24 @@ import os
 import shutil
 import sys
 import tempfile
+from typing import Any, Callable
 
 from hydra import compose, initialize_config_dir
 from hydra.core.override_parser.overrides_parser import OverridesParser
 
-from moe_grpo.config import CONF_DIR, from_hydra, unknown_key
+from moe_grpo import config
 from moe_grpo.orchestrator.run_dirs import RunDirTaken, check_run_dir
 
 
-def refuse_bad_config(argv: list[str]) -> None:
-    """Exit (code 2, one line `[moe_grpo] config error: ...`) when an override names a key no section has (with the
-    nearest known one) or a value its field refuses. The config is composed and converted here as `main` will,
-    before Hydra creates the run directory: a mistyped command leaves nothing under outputs/. Needs the defaults
-    stored in Hydra's ConfigStore. Command lines with flags (--help, --cfg, -m) and what Hydra itself cannot
-    compose (a model=<name> that does not exist, a malformed override) are left to Hydra, which names them."""
+def refuse_bad_config(argv: list[str], config_name: str = "config",
+                      unknown_key: Callable[[str], str | None] = config.unknown_key,
+                      convert: Callable[[Any], Any] = config.from_hydra) -> None:
+    """Exit (code 2, one line `[moe_grpo] config error: ...`) when an override names a key nothing reads (with the
+    nearest known one: `unknown_key`) or a value its field refuses. The config (conf/<config_name>.yaml) is composed
+    and converted (`convert`) here as the entry point's main will, before Hydra creates the run directory: a
+    mistyped command leaves nothing under outputs/. Needs the defaults stored in Hydra's ConfigStore. Command lines
+    with flags (--help, --cfg, -m) and what Hydra itself cannot compose (a model=<name> that does not exist, a
+    malformed override) are left to Hydra, which names them."""
     if any(a.startswith("-") for a in argv):
         return
     try:
@@ -35,11 +39,11 @@ def refuse_bad_config(argv: list[str]) -> None:
                 if problem:
                     raise ValueError(problem)
         try:
-            with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-                cfg = compose(config_name="config", overrides=list(argv))
+            with initialize_config_dir(config_dir=str(config.CONF_DIR), version_base="1.3"):
+                cfg = compose(config_name=config_name, overrides=list(argv))
         except Exception:  # noqa: BLE001  (Hydra's own errors: its message, from hydra.main)
             return
-        from_hydra(cfg)
+        convert(cfg)
     except ValueError as e:  # a value the user wrote: the message names the key, a traceback would only bury it
         print(f"[moe_grpo] config error: {e}", file=sys.stderr)
         sys.exit(2)  # usage error, as argparse reports one

@@ -10,7 +10,6 @@ written twice. `from_hydra()` rejects unknown keys and bad values by name.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import math
 import types
 import typing
@@ -34,6 +33,7 @@ from moe_grpo.reward.config import RewardConfig
 from moe_grpo.rollout.lora_serving import max_lora_rank
 from moe_grpo.routing.config import RoutingConfig
 from moe_grpo.sync.config import SyncConfig
+from moe_grpo import validate
 from moe_grpo.validate import at_least
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
@@ -241,28 +241,19 @@ def _checked(key: str, value: Any, hint: Any) -> Any:
     raise ValueError(f"{key}={value!r}: expected {_EXPECTED[hint]}")
 
 
+def command_line_keys() -> dict[str, set[str] | None]:
+    """What a training command line may set: each section's fields (the model's too), and the plain fields."""
+    keys: dict[str, set[str] | None] = {name: {f.name for f in fields(cls)} for name, cls in _SECTIONS.items()}
+    keys["model"] = {f.name for f in fields(MoEModelSpec)} | {"hf_path"}
+    keys.update({f.name: None for f in fields(RunConfig) if f.name not in keys})
+    return keys
+
+
 def unknown_key(key: str) -> str | None:
-    """Why the command line's `key` names nothing a run reads (a message naming it, the nearest known key and the
-    section's keys), or None when it does. Hydra refuses such a key too, before our checks, in a several-line
-    message with exit status 1; this one comes first. Keys of older configs get their replacement (`_RENAMED`);
-    what lies below a field (a list's index, `model.extra_hf_config.<key>`) is left to the conversion."""
-    if key in _RENAMED:
-        return _RENAMED[key]
-    tree: dict[str, Any] = {name: {f.name for f in fields(cls)} for name, cls in _SECTIONS.items()}
-    tree["model"] = {f.name for f in fields(MoEModelSpec)} | {"hf_path"}
-    tree.update({f.name: None for f in fields(RunConfig) if f.name not in tree})
-    top, _, rest = key.partition(".")
-    if top not in tree:
-        return _no_such_key(key, top, "", tree) + "; `python -m moe_grpo.train --help` lists every key"
-    name = rest.partition(".")[0]
-    if rest and tree[top] is not None and name not in tree[top]:
-        return _no_such_key(key, name, f"{top}.", tree[top]) + f"; {top}'s keys: {', '.join(sorted(tree[top]))}"
-    return None
-
-
-def _no_such_key(key: str, name: str, prefix: str, known: Any) -> str:
-    close = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.6)
-    return f"unknown key {key}" + (f" (did you mean {prefix}{close[0]}?)" if close else "")
+    """Why the training command line's `key` names nothing a run reads, or None (validate.unknown_key over
+    `command_line_keys`; keys of older configs get their replacement). Hydra refuses such a key too, after this
+    check, in a several-line message with exit status 1."""
+    return validate.unknown_key(key, command_line_keys(), _RENAMED)
 
 
 def from_hydra(cfg: Any) -> RunConfig:

@@ -14,14 +14,23 @@ from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from moe_grpo.evaluation.config import defaults_tree, from_hydra
+from moe_grpo.command_line import refuse_bad_config
+from moe_grpo.evaluation.config import defaults_tree, from_hydra, unknown_key
 from moe_grpo.evaluation.run import SUMMARY, evaluate
 from moe_grpo.orchestrator.logs import quiet_libraries
+
+_exit_code = 0
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="evaluate")
 def main(cfg: DictConfig) -> None:
-    config = from_hydra(cfg)
+    global _exit_code
+    try:
+        config = from_hydra(cfg)
+    except ValueError as e:  # refuse_bad_config saw it first, unless the command line had flags (--cfg, -m)
+        _exit_code = 2
+        print(f"[moe_grpo] config error: {e}", file=sys.stderr)
+        return
     out_dir = config.output or HydraConfig.get().runtime.output_dir
     summary = evaluate(config, out_dir)
     passes = "".join(f", pass@{k} {summary[f'pass@{k}']:.3f}" for k in config.pass_k if f"pass@{k}" in summary)
@@ -34,7 +43,9 @@ def main(cfg: DictConfig) -> None:
 def cli() -> None:
     quiet_libraries()
     ConfigStore.instance().store(name="evaluate_defaults", node=defaults_tree())
+    refuse_bad_config(sys.argv[1:], "evaluate", unknown_key, from_hydra)
     main()
+    sys.exit(_exit_code)
 
 
 if __name__ == "__main__":

@@ -6,8 +6,9 @@ still refuse NaN and infinity themselves because a dataclass may also be built d
 
 from __future__ import annotations
 
+import difflib
 import math
-from typing import Any
+from typing import Any, Mapping
 
 
 def refuse(key: str, value: Any, expected: str) -> ValueError:
@@ -49,3 +50,25 @@ def between(key: str, value: Any, low: float, high: float, *, low_open: bool = F
                                                                              value <= high)
     if not ok:
         raise refuse(key, value, f"a number {'>' if low_open else '>='} {low:g} and {'<' if high_open else '<='} {high:g}")
+
+
+def unknown_key(key: str, keys: Mapping[str, Any], renamed: Mapping[str, str] | None = None) -> str | None:
+    """Why the command line's dotted `key` names nothing in `keys` (a section's name -> its field names, or None
+    for a plain field), or None when it does: a message naming it, the nearest known key (difflib) and the section's
+    keys. `renamed` maps keys of older configs to what to write instead. Below a section's field (a list's index,
+    `model.extra_hf_config.<key>`) is left to the conversion."""
+    if renamed and key in renamed:
+        return renamed[key]
+    top, _, rest = key.partition(".")
+    if top not in keys:
+        return _no_such_key(key, top, "", keys) + "; `--help` lists every key"
+    name = rest.partition(".")[0]
+    fields_of = keys[top]
+    if rest and fields_of is not None and name not in fields_of:
+        return _no_such_key(key, name, f"{top}.", fields_of) + f"; {top}'s keys: {', '.join(sorted(fields_of))}"
+    return None
+
+
+def _no_such_key(key: str, name: str, prefix: str, known: Any) -> str:
+    close = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.6)
+    return f"unknown key {key}" + (f" (did you mean {prefix}{close[0]}?)" if close else "")

@@ -7,7 +7,7 @@ import pytest
 
 from moe_grpo.learner.config import LearnerConfig
 from moe_grpo.orchestrator.config import ClusterConfig, RolloutConfig
-from moe_grpo.validate import at_least, between, positive
+from moe_grpo.validate import at_least, between, positive, unknown_key
 
 
 @pytest.mark.parametrize("build, message", [
@@ -33,3 +33,14 @@ def test_bounds_are_inclusive_unless_said_open():
     at_least("n", 0, 0)
     with pytest.raises(ValueError, match=r"n=-1: expected an integer >= 0 \(0 = off\)"):
         at_least("n", -1, 0, "(0 = off)")
+
+
+def test_an_unknown_key_is_named_with_the_nearest_one_and_its_sections_keys():
+    keys = {"algo": {"group_size", "kl_coef"}, "steps": None}
+    assert unknown_key("algo.group_size", keys) is None and unknown_key("steps", keys) is None
+    assert unknown_key("algo.grup_size", keys) == ("unknown key algo.grup_size (did you mean algo.group_size?); "
+                                                   "algo's keys: group_size, kl_coef")
+    assert unknown_key("algo.zzz", keys) == "unknown key algo.zzz; algo's keys: group_size, kl_coef"
+    assert unknown_key("stepz", keys) == "unknown key stepz (did you mean steps?); `--help` lists every key"
+    assert unknown_key("steps.x", keys) is None, "below a plain field: the conversion judges it"
+    assert unknown_key("replay", keys, {"replay": "use routing.replay"}) == "use routing.replay"

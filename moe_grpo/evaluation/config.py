@@ -10,7 +10,8 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from moe_grpo.config import _field_defaults, _plain, _section
+from moe_grpo import validate
+from moe_grpo.config import _field_defaults, _plain, _section, checked_types
 from moe_grpo.data.config import DataConfig
 from moe_grpo.data.tasks import DATASET_TASKS, TaskConfig
 from moe_grpo.orchestrator.config import RolloutConfig
@@ -78,6 +79,13 @@ def defaults_tree() -> dict[str, Any]:
     return tree
 
 
+def unknown_key(key: str) -> str | None:
+    """Why the evaluation command line's `key` names nothing `EvaluateConfig` reads, or None."""
+    keys: dict[str, set[str] | None] = {f.name: None for f in fields(EvaluateConfig)}
+    keys.update({name: {f.name for f in fields(cls)} for name, cls in _SECTIONS.items()})
+    return validate.unknown_key(key, keys)
+
+
 def from_hydra(cfg: Any) -> EvaluateConfig:
     """Convert the composed config (or a plain dict) into an `EvaluateConfig`; unknown keys are refused by name."""
     tree = cfg if isinstance(cfg, dict) else _container(cfg)
@@ -86,7 +94,7 @@ def from_hydra(cfg: Any) -> EvaluateConfig:
     if unknown:
         raise ValueError(f"unknown key(s) {unknown}; expected a subset of {sorted(top)}")
     kwargs = {name: _section(cls, name, tree.get(name)) for name, cls in _SECTIONS.items()}
-    kwargs.update({k: v for k, v in tree.items() if k in top and k not in _SECTIONS})
+    kwargs.update(checked_types(EvaluateConfig, {k: v for k, v in tree.items() if k in top and k not in _SECTIONS}))
     return EvaluateConfig(**kwargs)
 
 

@@ -59,3 +59,19 @@ def test_help_lists_the_keys_without_importing_torch():
     imported = {line.rsplit("|", 1)[-1].strip().split(".")[0] for line in out.stderr.splitlines() if "|" in line}
     assert not imported & {"torch", "vllm", "ray", "megatron"}, "heavy imports before the config is read"
     assert time.perf_counter() - t0 < 120
+
+
+@pytest.mark.parametrize("override, message", [
+    ("sampels=3", "unknown key sampels (did you mean samples?)"),
+    ("rollout.max_tokenz=3", "unknown key rollout.max_tokenz (did you mean rollout.max_tokens?); rollout's keys: "),
+    ("samples=abc", "samples='abc': expected an integer"),
+])
+def test_the_command_line_refuses_a_bad_key_or_value_in_one_line_leaving_nothing(policy, tmp_path, override, message):
+    """Would have caught: a mistyped key answered by Hydra's several-line message (exit 1), `samples=abc` ending in
+    a TypeError traceback from inside the config, and both leaving a run directory behind."""
+    run_dir = tmp_path / "run"
+    out = subprocess.run([sys.executable, "-m", "moe_grpo.evaluate", f"policy={policy}", override,
+                          f"hydra.run.dir={run_dir}"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert out.stderr.startswith(f"[moe_grpo] config error: {message}") and len(out.stderr.splitlines()) == 1
+    assert not run_dir.exists()
