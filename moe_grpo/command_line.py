@@ -1,5 +1,6 @@
-"""What `python -m moe_grpo.train` (and `moe_grpo.evaluate`) checks on its command line before Hydra composes anything (Hydra writes
-`.hydra/` into the run directory before `main` runs, so these checks must come first to leave nothing behind)."""
+"""What `python -m moe_grpo.train` (and `moe_grpo.evaluate`) checks on its command line before Hydra composes
+anything (Hydra writes `.hydra/` into the run directory before `main` runs, so these checks must come first to leave
+nothing behind)."""
 
 from __future__ import annotations
 

@@ -19,6 +19,7 @@ from typing import Any, Mapping
 
 import yaml
 
+from moe_grpo import validate
 from moe_grpo.algo.config import AlgoConfig
 from moe_grpo.checkpoint.hf_init import InitConfig
 from moe_grpo.data.config import DataConfig
@@ -33,7 +34,6 @@ from moe_grpo.reward.config import RewardConfig
 from moe_grpo.rollout.lora_serving import max_lora_rank
 from moe_grpo.routing.config import RoutingConfig
 from moe_grpo.sync.config import SyncConfig
-from moe_grpo import validate
 from moe_grpo.validate import at_least
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
