@@ -45,9 +45,15 @@ def refuse_bad_config(argv: list[str], config_name: str = "config",
         except Exception:  # noqa: BLE001  (Hydra's own errors: its message, from hydra.main)
             return
         convert(cfg)
-    except ValueError as e:  # a value the user wrote: the message names the key, a traceback would only bury it
-        print(f"[moe_grpo] config error: {e}", file=sys.stderr)
-        sys.exit(2)  # usage error, as argparse reports one
+    except ValueError as e:
+        sys.exit(config_error(e))
+
+
+def config_error(e: ValueError) -> int:
+    """Report a config the user wrote wrong in one line (the message names the key; a traceback would only bury
+    it) and return the exit status: 2, a usage error, as argparse reports one."""
+    print(f"[moe_grpo] config error: {e}", file=sys.stderr)
+    return 2
 
 
 def refuse_taken_run_dir(argv: list[str]) -> None:

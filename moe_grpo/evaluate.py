@@ -14,7 +14,7 @@ from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from moe_grpo.command_line import refuse_bad_config
+from moe_grpo.command_line import config_error, refuse_bad_config
 from moe_grpo.evaluation.config import defaults_tree, from_hydra, unknown_key
 from moe_grpo.evaluation.run import SUMMARY, evaluate
 from moe_grpo.orchestrator.logs import quiet_libraries
@@ -28,8 +28,7 @@ def main(cfg: DictConfig) -> None:
     try:
         config = from_hydra(cfg)
     except ValueError as e:  # refuse_bad_config saw it first, unless the command line had flags (--cfg, -m)
-        _exit_code = 2
-        print(f"[moe_grpo] config error: {e}", file=sys.stderr)
+        _exit_code = config_error(e)
         return
     out_dir = config.output or HydraConfig.get().runtime.output_dir
     summary = evaluate(config, out_dir)

@@ -18,7 +18,7 @@ from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from moe_grpo.command_line import dry_run_dir, refuse_bad_config, refuse_taken_run_dir
+from moe_grpo.command_line import config_error, dry_run_dir, refuse_bad_config, refuse_taken_run_dir
 from moe_grpo.config import defaults_tree, from_hydra
 from moe_grpo.orchestrator.training_run import train
 from moe_grpo.orchestrator.logs import quiet_libraries
@@ -35,8 +35,7 @@ def main(cfg: DictConfig) -> None:
     try:
         run = from_hydra(cfg)
     except ValueError as e:  # refuse_bad_config saw it first, unless the command line had flags (--cfg, -m)
-        _exit_code = 2  # usage error, as argparse reports one
-        print(f"[moe_grpo] config error: {e}", file=sys.stderr)
+        _exit_code = config_error(e)
         return
     if run.cluster.dry_run:
         _exit_code = dry_run(run)
