@@ -98,10 +98,10 @@ class RunConfig:
         if self.init.adapter is not None and not self.lora.enabled:
             raise ValueError(f"init.adapter={self.init.adapter!r} needs lora.rank > 0 (the adapter's r) and lora.alpha "
                              "(its lora_alpha)")
-        if self.lora.enabled and self.sync.transport in ("relay", "cuda_ipc"):
-            raise ValueError(f"lora.rank={self.lora.rank} with sync.transport={self.sync.transport}: adapter-only "
-                             "versions go through shared memory on one host only (sync.transport=shm or auto on one "
-                             "host); the relay's receivers and the CUDA IPC buffers hold one plan for every version")
+        if self.lora.enabled and self.sync.transport == "cuda_ipc":
+            raise ValueError(f"lora.rank={self.lora.rank} with sync.transport=cuda_ipc: adapter-only versions go "
+                             "through shared memory or the relay (sync.transport=auto, shm or relay); the CUDA IPC "
+                             "buffers hold one plan for every version")
         if self.lora.enabled and self.sync.delta:
             raise ValueError(f"sync.delta=true with lora.rank={self.lora.rank}: a LoRA run's versions after the first "
                              "are its adapters only already; set sync.delta=false")

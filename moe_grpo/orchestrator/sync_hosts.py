@@ -43,10 +43,6 @@ def plan_sync(run: RunConfig, placement_group: Any, run_name: str, engine_groups
     worker_hosts = tuple(_group_hosts(g) for g in engine_groups) if engine_groups else ()
     all_hosts = set(engine_hosts + rank_hosts).union(*map(set, worker_hosts))
     transport = resolve_transport(run.sync.transport, len(all_hosts))
-    if run.lora.enabled and transport != "shm":
-        raise ValueError(f"lora.rank={run.lora.rank}: the run's actors were placed on "
-                         f"{len(set(engine_hosts + rank_hosts))} hosts (sync.transport={run.sync.transport} -> "
-                         f"{transport}), and adapter-only versions are built for shared memory on one host only")
     return SyncLayout(transport, run_name, rank_hosts, engine_hosts, run.sync.root, run.sync.slots,
                       timeout_s=run.sync.relay_timeout_s, engine_worker_hosts=worker_hosts)
 

@@ -85,9 +85,11 @@ class RelayPublisher:
     def writes_locally(self) -> bool:
         return self.local is not None
 
-    def bind(self, plan: BucketPlan, writes: dict[int, list[Any]]) -> None:
-        """The rank's shard writes (fixed for the run): their places are sent once, when the group meets."""
-        self.sender = ShardSender(self.layout.group(self.rank), self.rank, plan, writes)
+    def bind(self, plan: BucketPlan, writes: dict[int, list[Any]], adapter_plan: BucketPlan | None = None,
+             adapter_writes: dict[int, list[Any]] | None = None) -> None:
+        """The rank's shard writes (fixed for the run; with LoRA also those of its adapter-only versions): their
+        places are sent once, when the group meets."""
+        self.sender = ShardSender(self.layout.group(self.rank), self.rank, plan, writes, adapter_plan, adapter_writes)
 
     def claim(self, version: int, plan: BucketPlan, rank: int, world: int, timeout_s: float = 60.0, *,
               changes: bytes | None = None) -> str:
@@ -95,7 +97,7 @@ class RelayPublisher:
         this host's slot for it ("" when this host holds no copy)."""
         if self.sender is None:
             raise RuntimeError("RelayPublisher.bind(plan, writes) must come before the first claim")
-        self.sender.begin(version, changes)
+        self.sender.begin(version, changes, self.sender.kind_of(plan))
         if self.local is None:
             return ""
         return self.local.claim(version, plan, rank, world, timeout_s, claims=self.claims)

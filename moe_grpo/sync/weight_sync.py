@@ -175,11 +175,8 @@ class WeightSync:
         """Versions this WeightSync published (the first one is the base version)."""
         self.rank, self.world = torch.distributed.get_rank(), torch.distributed.get_world_size()
         if hasattr(self.transport, "bind"):  # a relaying transport sends each shard's place once
-            if self.adapter_plan is not None:
-                raise ValueError(f"sync.transport=relay ({type(self.transport).__name__}) with lora.rank > 0: "
-                                 "adapter-only versions over the relay are not built (its receivers hold one "
-                                 "plan); use sync.transport=shm (one host)")
-            self.transport.bind(self.plan, self.writes)
+            self.transport.bind(self.plan, self.writes, self.adapter_plan,
+                                self.adapter_writes if self.adapter_plan is not None else None)
         self._local = getattr(self.transport, "writes_locally", True)
         self._forward = getattr(self.transport, "forward_bucket", None)
         """Whether this rank writes into its host's buffers, and where its shards go besides (transports.py)."""

@@ -70,6 +70,42 @@ def lora_sync(tp: int, ep: int, pp: int, spec_changes: dict, lora_changes: dict,
     return {"base": first, "adapter": second}
 
 
+def lora_publish_versions(tp: int, ep: int, spec_changes: dict, adapter_dir: str, versions: list, where,
+                          roots: list | None = None) -> dict:
+    """At (tp, ep): a LoRA learner with the PEFT adapter of `adapter_dir` publishes `versions` through `where` (a
+    root, or a SyncLayout with `roots[rank]` standing for this rank's host root): the first whole (base and
+    adapters), each after it adapters only, every adapter moved before it. Returns {version: bytes this rank wrote
+    or relayed}."""
+    import os
+
+    from moe_grpo.learner.megatron_learner import LearnerConfig, MegatronLearner
+    from moe_grpo.learner.parallel import ParallelLayout
+    from moe_grpo.sync.config import ROOT_ENV
+    from moe_grpo.sync.transports import make_publisher
+    from moe_grpo.sync.weight_sync import WeightSync
+
+    rank = int(os.environ["RANK"])
+    if roots is not None:
+        os.environ[ROOT_ENV] = roots[rank]  # this rank's "host"
+    learner = MegatronLearner(tiny_spec(**spec_changes), ParallelLayout(tp, ep, 1), LearnerConfig(seed=5),
+                              lora=lora_config())
+    load_learner_adapter(learner, adapter_dir)
+    sync = WeightSync(learner, make_publisher(where, rank), max_bucket_bytes=1 << 14)
+    out = {}
+    for i, version in enumerate(versions):
+        if i:
+            with torch.no_grad():
+                for adapter in learner.adapters.values():
+                    for piece in adapter.pieces:
+                        adapter.A[piece].add_(0.01 * i)
+                        adapter.B[piece].mul_(1.5)
+        out[version] = sync.sync(version).wait().bytes_written
+    if hasattr(sync.transport, "close_relay"):
+        sync.transport.close_relay()
+    torch.distributed.barrier()  # every rank's relay is through before any process leaves
+    return out
+
+
 def lora_start(spec, lora, root):
     """A one-rank LoRA learner with a random non-zero adapter, its WeightSync through shared memory at `root/shm`
     with the base version (0) published, and that version's engine start directory. Returns (learner, sync,
