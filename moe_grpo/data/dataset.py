@@ -67,12 +67,13 @@ def _records(path: Path) -> Any:
         for i, row in enumerate(table.to_pylist(), start=1):
             yield i, row
         return
-    with open(path, encoding="utf-8", errors="replace") as f:
+    # utf-8-sig: a file saved with a byte-order mark (Windows editors) keeps its first row.
+    with open(path, encoding="utf-8-sig", errors="replace") as f:
         for i, line in enumerate(f, start=1):
             if not line.strip():
                 continue  # blank lines (a trailing newline) are not rows
-            try:
-                yield i, json.loads(line)
+            try:  # without its line end: an error at the end of the line is reported at its column, not at 1
+                yield i, json.loads(line.rstrip("\r\n"))
             except json.JSONDecodeError as e:
                 yield i, f"not valid JSON ({e.msg} at column {e.colno})"
 

@@ -60,6 +60,18 @@ def test_gsm8k_jsonl_keeps_good_rows_and_names_each_bad_one_by_line(tmp_path, ca
     assert sorted(taken[:2]) == sorted(taken[2:4]) == sorted(r["question"] for r in GOOD)
 
 
+def test_a_byte_order_mark_keeps_the_first_row_and_a_cut_line_is_named_at_its_end(tmp_path):
+    """A JSONL file a Windows editor saved with a byte-order mark lost its first row as "not valid JSON
+    (Unexpected UTF-8 BOM)"; a line cut short was reported "at column 1" (the parser saw its newline as line 2)."""
+    path = tmp_path / "bom.jsonl"
+    cut = '{"prompt": "1+1=", "answer": "2"'
+    path.write_bytes(b"\xef\xbb\xbf" + (json.dumps({"prompt": "2+2=", "answer": "4"}) + "\n" + cut + "\n").encode())
+    rows = read_rows(path, ["prompt"])
+    assert [r["prompt"] for r in rows.rows] == ["2+2="]
+    assert [(b.line, b.reason) for b in rows.bad] == [(2, f"not valid JSON (Expecting ',' delimiter at column "
+                                                          f"{len(cut) + 1})")]
+
+
 def test_parquet_rows_and_a_user_prompt_key(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
