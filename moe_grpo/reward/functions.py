@@ -401,16 +401,22 @@ def _serve(fd: str, path: str, parent: str, deathsig: str) -> None:
 
 
 def _as_floats(out: Any, n: int) -> list[float]:
-    """The n values as floats; one that is None or not a number is NaN."""
+    """The n values as floats; None is NaN (that sample failed). A value that is no number (a string, even "0.5",
+    an object) fails the whole call, naming it: the function is wrong, not that sample."""
     if isinstance(out, (str, bytes)) or not hasattr(out, "__len__"):
         raise TypeError(f"returned {type(out).__name__}, expected a list of {n} floats")
     if len(out) != n:
         raise ValueError(f"returned {len(out)} values for {n} completions")
     values = []
-    for v in out:
+    for i, v in enumerate(out):
+        if v is None:
+            values.append(math.nan)
+            continue
         try:
-            f = float(v) if v is not None else math.nan
+            if isinstance(v, (str, bytes)):
+                raise TypeError
+            values.append(float(v))
         except (TypeError, ValueError):
-            f = math.nan
-        values.append(f)
+            raise TypeError(f"returned {repr(v)[:40]} ({type(v).__name__}) at position {i}, expected numbers "
+                            "(None marks one sample failed)") from None
     return values

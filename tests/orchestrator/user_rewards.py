@@ -47,4 +47,12 @@ def wrong_length(prompts, completions, **fields):
     return [1.0]
 
 
+def returns_labels(prompts, completions, **fields):
+    return ["good"] * len(completions)
+
+
+def returns_number_strings(prompts, completions, **fields):
+    return ["0.5"] * len(completions)
+
+
 not_a_function = 3

@@ -39,6 +39,12 @@ def test_raise_nan_wrong_length_and_timeouts_mark_samples_failed():
     assert nan.failed.tolist() == [True, False, False] and math.isfinite(nan.rewards[1])
     wrong = Rewards(["user_rewards:wrong_length"], [1.0]).score(["p"] * 2, ["a", "b"])
     assert wrong.failed.all() and "1 values for 2 completions" in wrong.errors[0]
+    # Strings were counted as "not finite (NaN/inf/None)" and "0.5" silently taken as 0.5 (a user's trial,
+    # 2026-11-28): a value that is no number now fails the call, naming it.
+    for fn, shown in (("user_rewards:returns_labels", "'good' (str) at position 0"),
+                      ("user_rewards:returns_number_strings", "'0.5' (str) at position 0")):
+        labels = Rewards([fn], [1.0]).score(["p"] * 2, ["a", "b"])
+        assert labels.failed.all() and shown in labels.errors[0], labels.errors
     for fn in ("user_rewards:sleeps", "user_rewards:async_sleeps"):
         t0 = time.perf_counter()
         slow = Rewards([fn], [1.0], timeout_s=0.3).score(["p"], ["a"])
