@@ -28,6 +28,11 @@ class DataConfig:
     Required in every row only when one of those uses it."""
     eval_size: int | None = None
     """Score at most this many held-out rows (the first ones); None = all of `eval_path`."""
+    max_prompt_tokens: int | None = None
+    """Skip rows whose prompt is longer than this many tokens: counted and listed as bad rows, with their line (as
+    verl's `data.filter_overlong_prompts` with `data.max_prompt_length`). None = keep every prompt: a run whose
+    longest prompt plus `rollout.max_tokens` does not fit the engines' context is then refused at start, naming
+    the prompt's line (rollout/context.py)."""
 
     def __post_init__(self) -> None:
         for name in ("train_path", "eval_path"):
@@ -43,6 +48,7 @@ class DataConfig:
         if not self.answer_key:
             raise ValueError("data.answer_key='', expected a field name")
         optional_at_least("data.eval_size", self.eval_size, 1)
+        optional_at_least("data.max_prompt_tokens", self.max_prompt_tokens, 1)
 
     def resolved_prompt_key(self, task_name: str) -> str:
         if self.prompt_key:

@@ -76,15 +76,29 @@ class DatasetPrompts(PromptSource):
     """Rows of `data.train_path`, a fresh shuffled order every pass; the held-out set from `data.eval_path`."""
 
     def __init__(self, train: Rows, held_out: Rows | None, tokenizer: Any, rng: np.random.Generator,
-                 prompt_key: str, answer_key: str, eval_size: int | None = None) -> None:
+                 prompt_key: str, answer_key: str, eval_size: int | None = None,
+                 max_prompt_tokens: int | None = None) -> None:
+        """`max_prompt_tokens`: rows whose prompt has more tokens are bad rows (`data.max_prompt_tokens`)."""
         self.tokenizer, self.rng, self.prompt_key, self.answer_key = tokenizer, rng, prompt_key, answer_key
-        self.train = [self._example(train, i) for i in range(len(train.rows))]
+        self.max_prompt_tokens = max_prompt_tokens
+        self.bad = train.bad + (held_out.bad if held_out is not None else [])
+        self.train = self._fitting(train, [self._example(train, i) for i in range(len(train.rows))])
         self.held_out = []
         if held_out is not None:
-            count = len(held_out.rows) if eval_size is None else min(eval_size, len(held_out.rows))
-            self.held_out = [self._example(held_out, i) for i in range(count)]
-        self.bad = train.bad + (held_out.bad if held_out is not None else [])
+            examples = self._fitting(held_out, [self._example(held_out, i) for i in range(len(held_out.rows))])
+            self.held_out = examples if eval_size is None else examples[:eval_size]
         self._order: list[int] = []
+
+    def _fitting(self, rows: Rows, examples: list[Example]) -> list[Example]:
+        """`examples` (of `rows`) whose prompt fits `max_prompt_tokens`; the others are counted as bad rows."""
+        limit = self.max_prompt_tokens
+        if limit is None:
+            return examples
+        for line, e in zip(rows.lines, examples):
+            if len(e.prompt_ids) > limit:
+                self.bad.append(BadRow(rows.path, line, f"prompt of {len(e.prompt_ids)} tokens, more than "
+                                                        f"data.max_prompt_tokens={limit}"))
+        return [e for e in examples if len(e.prompt_ids) <= limit]
 
     def _example(self, rows: Rows, i: int) -> Example:
         row = rows.rows[i]

@@ -44,7 +44,11 @@ def prompt_source(run: RunConfig, tokenizer: Any, rng: np.random.Generator, run_
     needed = required_fields(run)
     train = read_rows(run.data.train_path, needed, check)
     held_out = read_rows(run.data.eval_path, needed, check) if run.data.eval_path else None
-    source = DatasetPrompts(train, held_out, tokenizer, rng, needed[0], run.data.answer_key, run.data.eval_size)
+    source = DatasetPrompts(train, held_out, tokenizer, rng, needed[0], run.data.answer_key, run.data.eval_size,
+                            run.data.max_prompt_tokens)
+    if not source.train:
+        raise ValueError(f"data.train_path={run.data.train_path!r}: no prompt of its {len(train.rows)} usable rows "
+                         f"fits data.max_prompt_tokens={run.data.max_prompt_tokens}")
     log.info("data: %d training rows from %s%s; %d bad row(s) skipped", len(source.train), run.data.train_path,
              f", {len(source.held_out)} held-out rows from {run.data.eval_path}" if held_out is not None else "",
              source.bad_rows)
@@ -74,11 +78,12 @@ def held_out_source(run: RunConfig | EvaluateConfig, tokenizer: Any) -> PromptSo
     needed = required_fields(run)
     rows = read_rows(run.data.eval_path, needed, _row_check(run))
     return DatasetPrompts(Rows(run.data.eval_path), rows, tokenizer, np.random.default_rng(0), needed[0],
-                          run.data.answer_key, run.data.eval_size)
+                          run.data.answer_key, run.data.eval_size, run.data.max_prompt_tokens)
 
 
 def engine_context(run: RunConfig, source: PromptSource) -> int:
     """The engines' context (`rollout.max_model_len`, 0 = auto) for this run's prompts; refuses a run whose longest
     prompt plus `rollout.max_tokens` does not fit, naming the numbers (rollout/context.py)."""
     longest, where = source.longest_prompt()
-    return context_length(run.rollout, run.model.max_position_embeddings, longest, where)
+    return context_length(run.rollout, run.model.max_position_embeddings, longest, where,
+                          dataset=bool(run.data.train_path))

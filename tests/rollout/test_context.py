@@ -27,6 +27,18 @@ def test_prompts_plus_max_tokens_that_cannot_fit_are_refused_with_the_numbers():
         context_length(RolloutConfig(max_tokens=100, max_model_len=256), 4096, longest_prompt=200, where="a.jsonl:3")
     assert all(s in str(e.value) for s in ("200 tokens, a.jsonl:3", "rollout.max_tokens=100", "300",
                                              "rollout.max_model_len=256"))
+    # The remedies fit the numbers: a prompt longer than the whole context is not fixed by a smaller max_tokens
+    # (a user's trial, 2026-11-28: "shorten the prompts or lower rollout.max_tokens" for a 603-token prompt in 512).
+    with pytest.raises(ValueError) as e:
+        context_length(RolloutConfig(max_tokens=16), 512, longest_prompt=603, where="long.jsonl:8", dataset=True)
+    assert str(e.value).endswith("skip longer prompts as bad rows with data.max_prompt_tokens=496"), str(e.value)
+    with pytest.raises(ValueError) as e:
+        context_length(RolloutConfig(max_tokens=100, max_model_len=256), 4096, longest_prompt=200, where="a.jsonl:3",
+                       dataset=True)
+    assert str(e.value).endswith("data.max_prompt_tokens=156, or lower rollout.max_tokens to 56, or raise "
+                                 "rollout.max_model_len to 300"), str(e.value)
+    with pytest.raises(ValueError, match="max_tokens=600 needs 607 tokens, .*; lower rollout.max_tokens to 505$"):
+        context_length(RolloutConfig(max_tokens=600), 512, longest_prompt=7, where="task.max_len=5")
     with pytest.raises(ValueError, match=r"rollout.max_model_len=8192 exceeds the model's context "
                                          r"\(max_position_embeddings=4096\)"):
         context_length(RolloutConfig(max_model_len=8192), 4096, longest_prompt=7)
@@ -50,6 +62,38 @@ def test_a_run_is_refused_before_anything_starts(tmp_path):
         engine_context(run, source)
     run = from_hydra({"model": spec, "task": {"max_len": 9}, "rollout": {"max_tokens": 501}})
     assert engine_context(run, source) == 512
+
+
+def test_data_max_prompt_tokens_skips_longer_prompts_as_bad_rows_and_the_run_fits(tmp_path):
+    """Over-long rows refused the whole run; `data.max_prompt_tokens` (verl's filter_overlong_prompts with
+    max_prompt_length) skips them instead, counted and listed with their lines, in training and held-out files."""
+    from moe_grpo.config import from_hydra, load_model_spec
+    from moe_grpo.orchestrator.run_prompts import engine_context, prompt_source
+    from moe_grpo.data.tokenizer import ByteTokenizer
+
+    import dataclasses
+
+    rows = [{"prompt": "ab"}, {"prompt": "x" * 600}, {"prompt": "abcd"}]
+    for name in ("train.jsonl", "eval.jsonl"):
+        (tmp_path / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    spec = dataclasses.asdict(load_model_spec("deepseek_moe"))  # max_position_embeddings 512
+    data = {"train_path": str(tmp_path / "train.jsonl"), "eval_path": str(tmp_path / "eval.jsonl")}
+    tokenizer = ByteTokenizer(512)
+    run = from_hydra({"model": spec, "warm_start_steps": 0, "reward": {"fn": "user_rewards:length_penalty"},
+                      "data": data})
+    with pytest.raises(ValueError, match=r"600 tokens|60\d tokens"):
+        engine_context(run, prompt_source(run, tokenizer, np.random.default_rng(0)))
+    run = from_hydra({"model": spec, "warm_start_steps": 0, "reward": {"fn": "user_rewards:length_penalty"},
+                      "data": {**data, "max_prompt_tokens": 100}})
+    source = prompt_source(run, tokenizer, np.random.default_rng(0), str(tmp_path))
+    assert [e.prompt for e in source.train] == ["ab", "abcd"] and [e.prompt for e in source.held_out] == ["ab", "abcd"]
+    assert [(b.path.rsplit("/", 1)[-1], b.line) for b in source.bad] == [("train.jsonl", 2), ("eval.jsonl", 2)]
+    assert "more than data.max_prompt_tokens=100" in (tmp_path / "bad_rows.txt").read_text()
+    assert engine_context(run, source) == source.longest_prompt()[0] + run.rollout.max_tokens
+    run = from_hydra({"model": spec, "warm_start_steps": 0, "reward": {"fn": "user_rewards:length_penalty"},
+                      "data": {**data, "max_prompt_tokens": 1}})
+    with pytest.raises(ValueError, match="no prompt of its 3 usable rows fits data.max_prompt_tokens=1"):
+        prompt_source(run, tokenizer, np.random.default_rng(0))
 
 
 @pytest.mark.vllm
