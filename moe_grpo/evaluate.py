@@ -18,6 +18,7 @@ from moe_grpo.command_line import config_error, refuse_bad_config
 from moe_grpo.evaluation.config import defaults_tree, from_hydra, unknown_key
 from moe_grpo.evaluation.run import SUMMARY, evaluate
 from moe_grpo.orchestrator.logs import quiet_libraries
+from moe_grpo.validate import InputRefused
 
 _exit_code = 0
 
@@ -31,7 +32,12 @@ def main(cfg: DictConfig) -> None:
         _exit_code = config_error(e)
         return
     out_dir = config.output or HydraConfig.get().runtime.output_dir
-    summary = evaluate(config, out_dir)
+    try:
+        summary = evaluate(config, out_dir)
+    except InputRefused as e:  # the message names the file, the row or the dotted path
+        _exit_code = 2
+        print(f"[moe_grpo] {e}", file=sys.stderr)
+        return
     passes = "".join(f", pass@{k} {summary[f'pass@{k}']:.3f}" for k in config.pass_k if f"pass@{k}" in summary)
     print(f"[moe_grpo] {summary['rows']} prompts of {summary['dataset']}: greedy accuracy "
           f"{summary['greedy']['accuracy']:.3f} (reward mean {summary['greedy']['reward_mean']:.3f})"

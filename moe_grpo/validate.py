@@ -1,4 +1,5 @@
-"""Range checks the config sections share, each raising one message shape: `<key>=<value!r>: expected <what>`.
+"""Range checks the config sections share, each raising one message shape: `<key>=<value!r>: expected <what>`;
+and `InputRefused`, a run's inputs that cannot be used.
 
 Types are checked before a section sees its values (config.py `checked_types`), so these assume numbers; they
 still refuse NaN and infinity themselves because a dataclass may also be built directly in code.
@@ -6,9 +7,28 @@ still refuse NaN and infinity themselves because a dataclass may also be built d
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import math
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
+
+
+class InputRefused(ValueError):
+    """A run's inputs cannot be used: a data file missing, empty or without a usable row, a prompt longer than the
+    engines' context, a reward function's dotted path that does not import. The entry points report it in one line
+    with exit status 2, as a config error, before any process starts."""
+
+
+@contextlib.contextmanager
+def refused_inputs() -> Iterator[None]:
+    """Around reading the data, measuring the prompts and importing the reward functions: what they raise (their
+    messages name the file and row, or the dotted path) becomes `InputRefused`."""
+    try:
+        yield
+    except InputRefused:
+        raise
+    except (OSError, ValueError, ImportError, TypeError) as e:
+        raise InputRefused(str(e)) from e
 
 
 def refuse(key: str, value: Any, expected: str) -> ValueError:

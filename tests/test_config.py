@@ -1,5 +1,6 @@
 """The command line: Hydra composes conf/, one conversion into frozen dataclasses, loud errors."""
 
+import os
 import subprocess
 import sys
 from dataclasses import fields
@@ -188,6 +189,26 @@ def test_a_refused_resume_is_one_line_exit_2_before_anything_starts(tmp_path):
     last = out.stderr.strip().splitlines()[-1]
     assert last.startswith("[moe_grpo] resume=true:") and "records 2 step(s)" in last, last
     assert record.read_text() == '{"step": 1}\n{"step": 2}\n'
+
+
+@pytest.mark.parametrize("override, message", [
+    ("data.train_path={tmp}/missing.jsonl", "dataset {tmp}/missing.jsonl does not exist"),
+    ("reward.fn=user_rewards:no_such_function", "reward.fn='user_rewards:no_such_function': 'user_rewards' has no "
+                                                "'no_such_function'"),
+])
+def test_inputs_that_cannot_be_used_are_one_line_exit_2_before_anything_starts(override, message, tmp_path):
+    """A missing data file or a reward path that does not import: the reason in one line, exit 2, as a bad value.
+
+    Would have caught: each ending in Hydra's ~15-line traceback with exit status 1 (a user's trial, 2026-11-28),
+    while `reward.fn=user_rewards.x` (a malformed path, a config error) got one line and exit 2."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.join(ROOT, "tests", "orchestrator"),
+                                                        os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run([sys.executable, "-m", "moe_grpo.train", "model=deepseek_moe", override.format(tmp=tmp_path),
+                          f"hydra.run.dir={tmp_path}/run"], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                         env=env)
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert "Traceback" not in out.stderr, out.stderr[-3000:]
+    assert out.stderr.strip().splitlines()[-1] == f"[moe_grpo] {message.format(tmp=tmp_path)}", out.stderr[-3000:]
 
 
 @pytest.mark.parametrize("overrides, message", [

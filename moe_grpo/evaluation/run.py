@@ -30,6 +30,7 @@ from moe_grpo.reward.scoring import held_out_rewards, score_group
 from moe_grpo.rollout import engine_core_start
 from moe_grpo.rollout.context import context_length
 from moe_grpo.rollout.types import SamplingSettings
+from moe_grpo.validate import refused_inputs
 
 log = logging.getLogger("moe_grpo")
 
@@ -43,24 +44,26 @@ def evaluate(cfg: EvaluateConfig, out_dir: str | Path, *, progress: bool = True)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     quiet_vllm(out)  # before vLLM is imported: its log goes to out_dir/engine.log, the console keeps the bar
-    # The engine core's process server imports vLLM's engine core beside this process's own import of vLLM (two
-    # ~11 s imports on two cores), not after it, when the engine starts (rollout/engine_core_start.py).
-    engine_core_start.start_server_on_cpu()
-    from moe_grpo.rollout.vllm_engine import VllmEngine
-
     t0 = time.perf_counter()
     spec = InitConfig(hf=cfg.policy).model_spec()
-    tokenizer = policy_tokenizer(spec, cfg.policy)
-    source = held_out_source(cfg, tokenizer)
-    examples = source.held_out
-    if not examples:
-        raise ValueError(f"data.eval_path={cfg.data.eval_path!r} has no usable rows ({source.bad_rows} bad)")
-    context = context_length(cfg.rollout, spec.max_position_embeddings, *source.longest_prompt())
+    with refused_inputs():  # a missing or unusable file, a prompt too long, a reward that does not import
+        tokenizer = policy_tokenizer(spec, cfg.policy)
+        source = held_out_source(cfg, tokenizer)
+        examples = source.held_out
+        if not examples:
+            raise ValueError(f"data.eval_path={cfg.data.eval_path!r} has no usable rows ({source.bad_rows} bad)")
+        context = context_length(cfg.rollout, spec.max_position_embeddings, *source.longest_prompt(),
+                                 dataset=bool(cfg.data.eval_path))
+        rewards = Rewards(*cfg.reward.resolved(cfg.task.name), timeout_s=cfg.reward.timeout_s)
     greedy = sampling_settings(cfg, tokenizer, greedy=True)
-    rewards = Rewards(*cfg.reward.resolved(cfg.task.name), timeout_s=cfg.reward.timeout_s)
     r = cfg.rollout
     engine = None
     try:
+        # The engine core's process server imports vLLM's engine core beside this process's own import of vLLM (two
+        # ~11 s imports on two cores), not after it, when the engine starts (rollout/engine_core_start.py).
+        engine_core_start.start_server_on_cpu()
+        from moe_grpo.rollout.vllm_engine import VllmEngine
+
         # No routing capture: evaluation trains nothing, and the hooks only record what the routers chose.
         engine = VllmEngine(cfg.policy, spec, max_model_len=context, max_num_seqs=r.max_num_seqs,
                             kv_cache_gib=r.kv_cache_gib, dtype=r.dtype, seed=cfg.seed, capture=False,

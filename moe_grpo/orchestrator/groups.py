@@ -20,6 +20,17 @@ if TYPE_CHECKING:  # the run's config composes the orchestrator's: it is a layer
 
 log = logging.getLogger("moe_grpo")
 
+REWARD_FAILURE_PATIENCE = 2
+"""The run stops once this many batches' worth of groups in a row were left by the reward functions with fewer
+than two scored samples: a reward that fails on every sample (a wrong signature, a field the rows lack, a value that
+is no number) would otherwise sample new prompts forever without a step. Random failures do not reach it: at half the
+samples failing, a group of 8 keeps two or more 96% of the time."""
+
+
+class RewardFailedError(RuntimeError):
+    """The reward functions fail on (nearly) every sample: nothing can be trained."""
+
+
 DYNAMIC_SAMPLING_PATIENCE = 10
 """Dynamic sampling drops at most this many batches' worth of all-equal groups in a row; after that it lets them
 through (zero advantage, so they only dilute the step) with a warning, instead of sampling forever once a task is
@@ -88,7 +99,15 @@ def score_group(run: RunConfig, example: Any, completions: list[Any], state: Any
     kept, values, failed = group_scored(rewards, example, scores)
     state.reward_failed += failed
     if len(kept) < 2:  # a group-relative advantage needs at least two samples
+        state.reward_lost_in_a_row += 1
+        limit = REWARD_FAILURE_PATIENCE * run.algo.prompts_per_step
+        if state.reward_lost_in_a_row >= limit:
+            raise RewardFailedError(
+                f"the reward functions ({', '.join(f.name for f in rewards.functions)}) left {limit} groups in a row with fewer than two "
+                f"scored samples ({state.reward_failed} samples failed so far), so no step can train; last error: "
+                f"{'; '.join(scores.errors)[:300] or 'values not finite'}")
         return None
+    state.reward_lost_in_a_row = 0
     adv = group_relative_advantages(values[None, :], normalize_std=run.algo.normalize_std)[0]
     return Group(example, [completions[i] for i in kept], values.astype(np.float32), adv, engine)
 

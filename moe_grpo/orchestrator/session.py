@@ -30,7 +30,7 @@ from moe_grpo.orchestrator.run_dirs import make_sync_root, release_private_dir
 from moe_grpo.orchestrator.run_record import RunRecord
 from moe_grpo.orchestrator.state import RunState
 from moe_grpo.orchestrator.trackers import close_trackers, open_trackers
-from moe_grpo.reward.functions import Rewards
+from moe_grpo.reward.functions import RewardFunction, Rewards
 
 if TYPE_CHECKING:  # the run's config composes the orchestrator's: it is a layer above (pyproject.toml)
     from moe_grpo.config import RunConfig
@@ -270,6 +270,13 @@ def checked_plan(run: RunConfig) -> tuple[RunConfig, Plan]:
     if limits:
         raise PlanRefused("this build cannot run the plan yet: " + "; ".join(limits))
     return dataclasses.replace(run, cluster=plan.cluster_for_run(run.cluster)), plan
+
+
+def check_reward_paths(run: RunConfig) -> None:
+    """Import each reward function (`reward.fn`) and nothing more: a path that does not import, or names no
+    function, fails here by name, before any process starts."""
+    for path in run.reward.resolved(run.task.name)[0]:
+        RewardFunction.load(path)
 
 
 def run_rewards(run: RunConfig) -> Rewards:

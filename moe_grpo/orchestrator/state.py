@@ -22,6 +22,8 @@ class RunState:
     """Admitted groups that will never be trained on (failed, too few rewards, dropped by dynamic sampling)."""
     generated_tokens: int = 0
     reward_failed: int = 0
+    reward_lost_in_a_row: int = 0
+    """Groups in a row the reward functions left with fewer than two scored samples (groups.REWARD_FAILURE_PATIENCE)."""
     bad_rows: int = 0
     requests_lost: int = 0
     """Completions that came back failed (engine-side errors); their group is dropped."""

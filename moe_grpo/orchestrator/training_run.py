@@ -24,9 +24,10 @@ from moe_grpo.orchestrator.resume import resume_point
 from moe_grpo.orchestrator.run_prompts import engine_context, prompt_source
 from moe_grpo.orchestrator.run_record import RunRecord
 from moe_grpo.orchestrator.run_summary import RunSummary
-from moe_grpo.orchestrator.session import RunSession, checked_plan, run_rewards
+from moe_grpo.orchestrator.session import RunSession, check_reward_paths, checked_plan, run_rewards
 from moe_grpo.orchestrator.state import RunState
 from moe_grpo.orchestrator.trackers import check_installed
+from moe_grpo.validate import refused_inputs
 
 if TYPE_CHECKING:  # the run's config composes the orchestrator's: it is a layer above (pyproject.toml)
     from moe_grpo.config import RunConfig
@@ -42,10 +43,13 @@ def train(run: RunConfig, run_dir: str | Path, *, learner_cls: type | None = Non
     check_installed(run.logger)  # a missing tracker package fails now, not after the pools took minutes to start
     t_start, started_at = time.perf_counter(), time.time()  # started_at: the run's processes are those started after
     run_dir = str(Path(run_dir).resolve())
-    tokenizer = load_tokenizer(run.model, run.init.hf)
-    source = prompt_source(run, tokenizer, np.random.default_rng(run.seed), run_dir)  # bad rows reported here
-    # The engines' context, decided once from the prompts (a run that cannot fit them stops here, not mid-run).
-    run = dataclasses.replace(run, rollout=dataclasses.replace(run.rollout, max_model_len=engine_context(run, source)))
+    with refused_inputs():  # a missing or unusable file, a prompt too long, a reward that does not import
+        tokenizer = load_tokenizer(run.model, run.init.hf)
+        source = prompt_source(run, tokenizer, np.random.default_rng(run.seed), run_dir)  # bad rows reported here
+        # The engines' context, decided once from the prompts (a run that cannot fit them stops here, not mid-run).
+        context = engine_context(run, source)
+        check_reward_paths(run)
+    run = dataclasses.replace(run, rollout=dataclasses.replace(run.rollout, max_model_len=context))
     run, plan = checked_plan(run)  # which node runs what, checked and printed before anything starts
     state = RunState(bad_rows=source.bad_rows)
     resume_from, saved = resume_point(run, run_dir, state)

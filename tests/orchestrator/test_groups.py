@@ -3,6 +3,7 @@
 from types import SimpleNamespace
 
 import numpy as np
+import pytest
 
 from moe_grpo.orchestrator.groups import completion_sequence, learner_sequences
 from moe_grpo.routing.trace import RoutingTrace
@@ -33,3 +34,39 @@ def test_every_completion_of_every_group_trains_with_its_own_advantage():
     rows = learner_sequences(groups)
     assert [r.advantage for r in rows] == [1.0, -1.0, 0.5]
     assert [r.routing for r in rows] == [c1.routing, c2.routing, c3.routing]
+
+
+def test_a_reward_failing_on_every_sample_stops_the_run_by_name_and_scattered_failures_do_not():
+    """A reward function that raises on every sample (a signature naming a field the rows lack, say) left every
+    group unscored; the driver freed each lost group's slot and sampled new prompts forever, with no step, no
+    metrics row and no error (a user's trial, 2026-11-28). Now REWARD_FAILURE_PATIENCE batches' worth of such
+    groups in a row stop the run with an error naming the function and what it raised; a group that scores resets
+    the count, so failures scattered between good groups never stop a run."""
+    from test_loop import small_run
+
+    from moe_grpo.data.tasks import Example
+    from moe_grpo.orchestrator.groups import REWARD_FAILURE_PATIENCE, RewardFailedError, score_group
+    from moe_grpo.orchestrator.state import RunState
+    from moe_grpo.reward.functions import Rewards
+
+    run = small_run()  # 4 prompts a step, groups of 4
+    limit = REWARD_FAILURE_PATIENCE * run.algo.prompts_per_step
+    rewards = Rewards(["user_rewards:length_penalty"], [1.0])
+    try:
+        example = Example("p", (1,), "", {}, "train.jsonl:3")
+        completions = [SimpleNamespace(token_ids=[1, 2])] * 4
+        failing = rewards.score(["p"] * 4, ["a"] * 4, {"trap": ["raise"] * 4})
+        good = rewards.score(["p"] * 4, ["a", "bb", "ccc", "d"], {"trap": ["none"] * 4})
+        state = RunState()
+        for _ in range(3):  # scattered: limit - 1 lost groups, then one that scores, again and again
+            for _ in range(limit - 1):
+                assert score_group(run, example, completions, state, "engine0", rewards, failing) is None
+            assert score_group(run, example, completions, state, "engine0", rewards, good) is not None
+        assert state.reward_failed == 3 * (limit - 1) * 4
+        for _ in range(limit - 1):
+            score_group(run, example, completions, state, "engine0", rewards, failing)
+        with pytest.raises(RewardFailedError, match=r"user_rewards:length_penalty\) left 8 groups in a row .*"
+                                                    r"this row's reward raises on purpose"):
+            score_group(run, example, completions, state, "engine0", rewards, failing)
+    finally:
+        rewards.close()
