@@ -4,6 +4,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -56,6 +57,11 @@ def test_help_lists_the_keys_without_importing_torch():
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "pass_k:" in out.stdout and "policy: null" in out.stdout and "max_model_len: 0" in out.stdout
+    # Hydra's default help listed train's groups too (cluster, model), which evaluate refuses (a user's trial,
+    # 2026-11-28): the help names the one group evaluate composes, with every file it has.
+    assert "cluster:" not in out.stdout and "\nmodel:" not in out.stdout, out.stdout[:600]
+    tasks = sorted(p.stem for p in (Path(ROOT) / "conf" / "task").glob("*.yaml"))
+    assert f"task=NAME: a file of conf/task/ ({', '.join(tasks)})" in out.stdout, out.stdout[:600]
     imported = {line.rsplit("|", 1)[-1].strip().split(".")[0] for line in out.stderr.splitlines() if "|" in line}
     assert not imported & {"torch", "vllm", "ray", "megatron"}, "heavy imports before the config is read"
     assert time.perf_counter() - t0 < 120
