@@ -244,8 +244,12 @@ def wait_until_gone(owner: str, what: str, timeout_s: float, kill_after_s: float
 # ---------------------------------------------------------------------- what a holder leaves in /dev/shm
 
 
+RECORD_PREFIX = "moe_grpo-owner-"
+"""A holder's record of its /dev/shm entries: `<directory>/moe_grpo-owner-<owner>.json`."""
+
+
 def _record_path(owner: str, directory: str) -> str:
-    return os.path.join(directory, f"moe_grpo-owner-{owner}.json")
+    return os.path.join(directory, f"{RECORD_PREFIX}{owner}.json")
 
 
 def record_shm(owner: str, directory: str, entries: dict[str, int]) -> None:
@@ -269,7 +273,21 @@ def remove_previous_shm(owner: str, directory: str) -> list[str]:
     """Remove the /dev/shm entries an earlier holder of `owner` recorded (each only if it is still the same inode),
     and the record; returns the names removed. Call it once that holder's processes are gone (`wait_until_gone`):
     nothing maps them any more."""
-    path = _record_path(owner, directory)
+    return _remove_recorded(_record_path(owner, directory))
+
+
+def remove_recorded_shm(directory: str) -> list[str]:
+    """At a run's end, once its engines are stopped: what every holder recorded in `directory` (`record_shm`) and did
+    not remove itself (an engine killed, or restarting when the run ended); returns the names removed."""
+    removed: list[str] = []
+    with contextlib.suppress(OSError):
+        for name in sorted(os.listdir(directory)):
+            if name.startswith(RECORD_PREFIX) and name.endswith(".json"):
+                removed += _remove_recorded(os.path.join(directory, name))
+    return sorted(removed)
+
+
+def _remove_recorded(path: str) -> list[str]:
     try:
         with open(path) as f:
             record = json.load(f)

@@ -21,7 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 from moe_grpo.command_line import config_error, dry_run_dir, refuse_bad_config, refuse_taken_run_dir
 from moe_grpo.config import defaults_tree, from_hydra
 from moe_grpo.orchestrator.groups import RewardFailedError
-from moe_grpo.orchestrator.training_run import train
+from moe_grpo.orchestrator.training_run import SignalledTogether, train
 from moe_grpo.orchestrator.logs import quiet_libraries
 from moe_grpo.orchestrator.placement_plan import PlanRefused, dry_run
 from moe_grpo.orchestrator.run_checkpoint import ResumeRefused
@@ -55,6 +55,10 @@ def main(cfg: DictConfig) -> None:
     except RewardFailedError as e:  # the user's reward function, not the run's machinery: no traceback to read
         _exit_code = 1
         print(f"[moe_grpo] stopped: {e}; the run's log: {run_dir}/train.log", file=sys.stderr)
+        return
+    except SignalledTogether as e:  # what a scheduler's kill looks like: exit as a SIGTERM stop does
+        _exit_code = 128 + 15
+        print(f"[moe_grpo] {e}", file=sys.stderr)
         return
     if summary["stopped"]:
         _exit_code = 128 + 15  # what a shell reports for SIGTERM: schedulers see the run did not finish

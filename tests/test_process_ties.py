@@ -200,3 +200,29 @@ def test_the_next_holder_removes_what_a_killed_one_recorded_in_dev_shm_and_nothi
         for name in names:
             if os.path.exists(f"/dev/shm/{name}"):
                 os.unlink(f"/dev/shm/{name}")
+
+
+def test_at_the_end_of_a_run_every_holders_record_is_acted_on(tmp_path, monkeypatch):
+    """An engine killed, or restarting, when the run ended has no next holder: its record lay in the run's weight
+    slots, which the cleanup removed with the record unread, leaving its ring buffers in /dev/shm (a run whose
+    engine core died as the run stopped, 2026-11-28). `remove_recorded_shm` reads every record there."""
+    from moe_grpo.process_ties import TAG_ENV, record_shm, remove_recorded_shm
+
+    names = [f"psm_moe_grpo_test_{os.getpid()}_end_{i}" for i in range(3)]
+    for name in names:
+        open(f"/dev/shm/{name}", "w").close()
+    try:
+        for i, engine in enumerate(("engine0", "engine1")):
+            owner = owner_key(str(tmp_path), engine)
+            monkeypatch.setenv(TAG_ENV, f"{owner}/1/1")
+            record_shm(owner, str(tmp_path), {names[i]: os.stat(f"/dev/shm/{names[i]}").st_ino})
+        monkeypatch.delenv(TAG_ENV)  # the driver
+        (tmp_path / "bucket_0").write_bytes(b"")  # a weight slot's file: not a record
+        assert remove_recorded_shm(str(tmp_path)) == names[:2]
+        assert [os.path.exists(f"/dev/shm/{n}") for n in names] == [False, False, True]
+        assert os.listdir(tmp_path) == ["bucket_0"]
+        assert remove_recorded_shm(str(tmp_path / "gone")) == [], "a directory already removed: nothing to do"
+    finally:
+        for name in names:
+            if os.path.exists(f"/dev/shm/{name}"):
+                os.unlink(f"/dev/shm/{name}")

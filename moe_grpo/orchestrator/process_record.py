@@ -94,6 +94,25 @@ class ProcessRecord:
         tmp.replace(self.path)
         self._written = text
 
+    def release_shm(self) -> list[str]:
+        """Remove every /dev/shm entry the run created that is still there (the same inode); returns their names.
+
+        The last step of a run's cleanup, once its processes are stopped: an engine whose processes were killed
+        rather than shut down leaves vLLM's ring buffers (`psm_*`, hundreds of MiB each; a SIGTERM to every process
+        of the run, as `scancel` or `timeout` sends, left 400 MiB per run) and nothing else removes them: the engine
+        actor's own record of them (process_ties.record_shm) goes with the run's weight slots. Only entries created
+        after the run began and held by its processes are recorded, so a joined cluster's are never touched."""
+        removed = []
+        for name, inode in sorted(self.shm.items()):
+            path = os.path.join(SHM_DIR, name)
+            try:
+                if os.stat(path, follow_symlinks=False).st_ino == inode:
+                    os.unlink(path)
+                    removed.append(name)
+            except OSError:
+                continue
+        return removed
+
     def update(self, *, full: bool = False) -> None:
         """Sample and write: what the driver calls each step, and (`full`) after each step of its cleanup."""
         self.sample(full=full)

@@ -30,6 +30,7 @@ from moe_grpo.orchestrator.run_dirs import make_sync_root, release_private_dir
 from moe_grpo.orchestrator.run_record import RunRecord
 from moe_grpo.orchestrator.state import RunState
 from moe_grpo.orchestrator.trackers import close_trackers, open_trackers
+from moe_grpo.process_ties import remove_recorded_shm
 from moe_grpo.reward.functions import RewardFunction, Rewards
 
 if TYPE_CHECKING:  # the run's config composes the orchestrator's: it is a layer above (pyproject.toml)
@@ -229,10 +230,18 @@ class RunSession:
         teardown.add("the pools", lambda: pool_setup.stop_pools(
             self.pools, list(self.driver.engines.handles().values()) if self.driver is not None else None,
             release=not self.ray_own, disconnect=not self.ray_was_up))
+        teardown.add("what killed processes left in /dev/shm", self._release_shm)
         teardown.add("the private directory", lambda: release_private_dir(self.private_dir, self.run_dir))
         teardown.add("the weight slots", lambda: shutil.rmtree(self.sync_root, ignore_errors=True))
         teardown.add("the plot", self._plotted)
         teardown.run()
+
+    def _release_shm(self) -> None:
+        """The /dev/shm entries the run's processes created and did not remove (engines killed, not shut down)."""
+        removed = sorted(set(self.processes.release_shm()) | set(remove_recorded_shm(self.sync_root)))
+        if removed:
+            log.warning("cleanup: removed %d /dev/shm entr%s the run's processes left (killed rather than shut "
+                        "down): %s", len(removed), "y" if len(removed) == 1 else "ies", ", ".join(removed))
 
     def _close_record(self) -> None:
         """The record's files closed, its PNG drawn on a thread (~1 s of matplotlib on 2 cores, done while the

@@ -73,9 +73,20 @@ def train(run: RunConfig, run_dir: str | Path, *, learner_cls: type | None = Non
     except KeyboardInterrupt:  # SIGTERM during start-up, Ctrl-C
         session.outcome = "KILLED"
         raise
-    except EngineFailedError as e:
-        hint = session.driver._checkpoint_hint() if session.driver else "no run checkpoint was written"
-        raise EngineFailedError(f"{e}; {hint}") from e
+    except Exception as e:
+        driver = session.driver
+        if driver is not None and driver.stop_after_checkpoint:  # the run's processes died of the same signal
+            session.outcome = "KILLED"
+            hint = "" if driver._checkpoint_hint() in str(e) else f"; {driver._checkpoint_hint()}"
+            raise SignalledTogether(
+                f"stopped by {driver.stop_after_checkpoint}, which reached the run's own processes too and ended them "
+                f"before the checkpoint ({type(e).__name__}: {e}){hint}. Send it to the driver "
+                "alone for a checkpoint first (#SBATCH --signal=B:TERM@120, scancel --batch --signal=TERM, kill "
+                f"{os.getpid()})") from e
+        if isinstance(e, EngineFailedError):
+            hint = driver._checkpoint_hint() if driver else "no run checkpoint was written"
+            raise EngineFailedError(f"{e}; {hint}") from e
+        raise
     finally:
         session.close()
     return RunSummary.of(state, driver.engines, driver.last_checkpoint, run_dir=run_dir,
@@ -100,6 +111,11 @@ def start_schedule(driver: Driver, saved: dict[str, Any] | None, resume_from: Pa
         log.info("no held-out set (data.eval_path is not set): no evaluation")
     if run.eval_every and driver.source.held_out and resume_from is None:
         driver.evaluate()
+
+
+class SignalledTogether(RuntimeError):
+    """A SIGTERM reached the driver and the run's other processes at once (`scancel` without `--batch`, a time limit
+    without `--signal`, `timeout`, a kill of the process group): they died before the driver's checkpoint."""
 
 
 def run_to_end(driver: Driver) -> str | None:

@@ -133,3 +133,31 @@ def test_the_drift_of_stale_tokens_and_the_engine_learner_gap_are_reported_apart
     probed = [r["mismatch/kl"] for r in rows if r["mismatch/kl"] is not None]
     assert probed and max(probed) < 1e-5, probed
     assert max(r["offpolicy/kl"] for r in stale) > 10 * max(probed)
+
+
+def test_a_sigterm_to_every_process_of_the_run_exits_143_in_one_line_and_leaves_nothing(tmp_path):
+    """`scancel` without `--batch`, a time limit without `--signal`, `timeout`: SIGTERM reaches the driver and the
+    run's own processes at once. The learner rank died of it before the driver's checkpoint, the run ended in a
+    traceback with exit status 1, and the killed engine's vLLM ring buffers (psm_*, ~400 MiB) stayed in /dev/shm
+    (a user's trial, 2026-11-28). Now: exit 143 as any SIGTERM stop, the last line says what happened and how to get
+    a checkpoint next time, and the cleanup removes what the killed processes left."""
+    import psutil
+
+    run = Run(tmp_path / "run", "steps=30", "mode=async", own_ray=True)  # Ray's processes too, as on a node
+    try:
+        run.wait_step(2)
+        targets = [run.proc.pid] + [c.pid for c in psutil.Process(run.proc.pid).children(recursive=True)]
+        for pid in targets:
+            try:
+                os.kill(pid, signal.SIGTERM)
+            except ProcessLookupError:
+                continue
+        code = run.finish(300)
+    except BaseException:
+        run.kill()
+        raise
+    assert code == 143, run.output[-4000:]
+    last = run.output.strip().splitlines()[-1]
+    assert last.startswith("[moe_grpo] stopped by SIGTERM"), last  # ", which reached ..." unless the ranks outlived it
+    assert not run.leftovers(), run.leftovers()
+    assert run.shm_left() == [], "the killed engine's ring buffers are removed by the cleanup"

@@ -60,6 +60,33 @@ def test_a_live_leaked_process_and_the_segment_it_holds_are_named(tmp_path):
     assert left_behind(saved) == {"processes": [], "shm": []}
 
 
+def test_release_removes_what_a_killed_process_of_the_run_left_and_nothing_from_before_it(tmp_path):
+    """A SIGTERM to every process of a run (`scancel`, `timeout`) killed its engine's processes; their vLLM ring
+    buffers (psm_*, ~400 MiB a run) stayed in /dev/shm after the run had cleaned up (a user's trial, 2026-11-28).
+    The cleanup's last look removes every entry the run created that is still there; a segment from before the
+    run, held by a process of the same driver, stays."""
+    old = subprocess.Popen([sys.executable, "-c", HOLDER], stdout=subprocess.PIPE, text=True)
+    old_name = old.stdout.readline().strip()
+    time.sleep(1.5)  # past the record's clock slack
+    record = ProcessRecord(tmp_path)
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER], stdout=subprocess.PIPE, text=True)
+    name = holder.stdout.readline().strip()
+    try:
+        record.update(full=True)
+        os.kill(holder.pid, signal.SIGKILL)  # killed, not shut down: its segment stays
+        holder.wait()
+        assert os.path.exists(f"/dev/shm/{name}")
+        assert record.release_shm() == [name] and not os.path.exists(f"/dev/shm/{name}")
+        assert os.path.exists(f"/dev/shm/{old_name}"), "not the run's: created before it began"
+        assert record.release_shm() == [], "each entry once"
+    finally:
+        for p, n in ((holder, name), (old, old_name)):
+            p.kill()
+            p.wait()
+            if os.path.exists(f"/dev/shm/{n}"):
+                os.unlink(f"/dev/shm/{n}")
+
+
 def test_processes_and_entries_from_before_the_run_are_not_its_own(tmp_path):
     """A driver that existed before the run (a test calling `train`) has other children and segments: not the run's."""
     holder = subprocess.Popen([sys.executable, "-c", HOLDER], stdout=subprocess.PIPE, text=True)
