@@ -36,7 +36,7 @@ def main() -> None:
     from moe_grpo.checkpoint.peft import load_learner_adapter, write_peft_adapter
     from moe_grpo.config import load_model_spec
     from moe_grpo.learner.batch import LearnerSequence
-    from moe_grpo.learner.lora import peft_shapes
+    from moe_grpo.models.peft_names import peft_shapes
     from moe_grpo.learner.lora_config import LoraConfig
     from moe_grpo.learner.megatron_learner import LearnerConfig, MegatronLearner
     from moe_grpo.rollout.export import export_lora_version

@@ -293,7 +293,7 @@ def bench_lora(args: argparse.Namespace) -> dict:
     import torch
 
     from moe_grpo.config import load_model_spec
-    from moe_grpo.learner.lora import adapter_sites
+    from moe_grpo.models.peft_names import adapter_sites
     from moe_grpo.learner.lora_config import LoraConfig
     from moe_grpo.learner.megatron_learner import LearnerConfig, MegatronLearner
     from moe_grpo.models.options import MegatronOptions

@@ -7,7 +7,8 @@ A PEFT LoRA adapter directory holds `adapter_config.json` (peft_type LORA, `r`, 
 - **per_expert** (PEFT's module form): one `lora_A` `[r, in]` and one `lora_B` `[out, r]` per adapted HF module,
   named `base_model.model.<HF module>.lora_{A,B}.weight`, routed experts one module each
   (`base_model.model.model.layers.1.mlp.experts.3.gate_proj.lora_A.weight`); `target_modules` names them. This is
-  the learner's own naming (`lora.peft_key`) and the HF checkpoint's on-disk names, and it is what PEFT applies to a
+  the learner's own naming (`models/peft_names.peft_key`) and the HF checkpoint's on-disk names, and it is what PEFT
+  applies to a
   model class that holds each expert as `nn.Linear` modules (transformers 4).
 - **fused** (PEFT's `target_parameters` form): transformers 5.19 holds a Qwen3-MoE / DeepSeek-V2 / DeepSeek-V3
   layer's routed experts as two 3-D parameters, `mlp.experts.gate_up_proj` `[E, 2 ffn, hidden]` (gate rows first,
@@ -60,7 +61,8 @@ from typing import Any, Literal
 import torch
 
 from moe_grpo.checkpoint.hf_io import SafetensorsDir, ShardedSafetensorsWriter
-from moe_grpo.learner.lora import PEFT_PREFIX, adapter_sites, hf_module, merge_into_hf
+from moe_grpo.learner.lora import merge_into_hf
+from moe_grpo.models.peft_names import PEFT_PREFIX, adapter_sites, hf_module
 from moe_grpo.learner.lora_config import LoraConfig
 from moe_grpo.models.spec import MoEModelSpec
 

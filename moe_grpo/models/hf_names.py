@@ -18,11 +18,12 @@ interleave and head layout [nope, rope], so no reordering is needed).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, Sequence
-
-import torch
+from typing import TYPE_CHECKING, Literal, Sequence
 
 from moe_grpo.models.spec import MoEModelSpec
+
+if TYPE_CHECKING:  # the names and shapes need no torch (the placement plan sizes versions with them, torch-free)
+    import torch
 
 Kind = Literal["copy", "gate_up", "qkv"]
 
@@ -93,6 +94,8 @@ def param_mappings(spec: MoEModelSpec) -> list[ParamMapping]:
 
 def to_megatron(mapping: ParamMapping, hf_tensors: Sequence[torch.Tensor], spec: MoEModelSpec) -> torch.Tensor:
     """The Megatron tensor for `mapping` from its HF tensors (in `mapping.hf` order)."""
+    import torch
+
     if len(hf_tensors) != len(mapping.hf):
         raise ValueError(f"{mapping.megatron}: got {len(hf_tensors)} HF tensors, expected {len(mapping.hf)}")
     if mapping.kind == "copy":
@@ -116,6 +119,8 @@ def to_megatron(mapping: ParamMapping, hf_tensors: Sequence[torch.Tensor], spec:
 
 def to_hf(mapping: ParamMapping, tensor: torch.Tensor, spec: MoEModelSpec) -> list[torch.Tensor]:
     """The HF tensors (in `mapping.hf` order) of one Megatron tensor; exact inverse of `to_megatron`."""
+    import torch
+
     if mapping.kind == "copy":
         return [tensor]
     if mapping.kind == "gate_up":

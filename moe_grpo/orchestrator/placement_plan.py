@@ -36,6 +36,7 @@ import numpy as np
 
 from moe_grpo.data.tokenizer import load_tokenizer
 from moe_grpo.models.param_count import param_counts
+from moe_grpo.models.peft_names import peft_shapes
 from moe_grpo.orchestrator.checkpoint_time import CheckpointTime, checkpoint_bytes, measure_write_gbps
 from moe_grpo.orchestrator.cluster_env import (NodeFacts, RunCommand, local_facts, run_command_stdout, signal_warning_s,
                                                slurm_facts)
@@ -156,13 +157,15 @@ class Plan:
     """GPUs each learner rank holds."""
     sync_dtype: str
     sync_bytes: int
-    """Bytes one version carries into each engine host."""
+    """Bytes one version carries into each engine host (with LoRA: the first, base and adapters)."""
     rank_memory: RankMemory | None
     engine_memory: EngineMemory | None
     problems: tuple[str, ...]
     notes: tuple[str, ...] = field(default=())
     checkpoint: CheckpointTime | None = None
     """A run checkpoint's size and write time vs SLURM's warning time (slurm plans)."""
+    adapter_bytes: int | None = None
+    """With LoRA: bytes of each version after the first (the adapters only); None without."""
 
     @property
     def ok(self) -> bool:
@@ -257,9 +260,12 @@ class Plan:
         return "\n".join(lines)
 
     def _sync_line(self) -> str:
-        size = _bytes(self.sync_bytes)
+        size = _bytes(self.sync_bytes if self.adapter_bytes is None else self.adapter_bytes)
         what = (f"weight sync: {size} per version ({_count(self.total_params)} parameters x "
-                f"{DTYPE_BYTES[self.sync_dtype]} bytes, {self.sync_dtype})")
+                f"{DTYPE_BYTES[self.sync_dtype]} bytes, {self.sync_dtype})" if self.adapter_bytes is None else
+                f"weight sync: {_bytes(self.sync_bytes)} for the first version ({_count(self.total_params)} "
+                f"parameters and the adapters x {DTYPE_BYTES[self.sync_dtype]} bytes, {self.sync_dtype}), then {size} "
+                "per version (the LoRA adapters only)")
         learner_hosts = set(self.training_nodes)
         hosts = self.engine_hosts
         if not self.pinned and self.facts.source.startswith("cluster.ray_address"):
@@ -272,7 +278,7 @@ class Plan:
         remote = [h for h in hosts if h not in learner_hosts]
         per_host = ", ".join(f"{h} {size}" + ("" if h in remote else " (shared memory: learner ranks run there)")
                              for h in hosts) or "no engine host"
-        network = (f"{_bytes(self.sync_bytes * len(remote))} per version over the network to "
+        network = (f"{_bytes((self.adapter_bytes or self.sync_bytes) * len(remote))} per version over the network to "
                    f"{_n(len(remote), 'host')} without a learner rank" if remote else "nothing over the network")
         return f"{what} into each engine host: {per_host}; {network}"
 
@@ -375,6 +381,7 @@ def build_plan(run: RunConfig, environ: Mapping[str, str] | None = None, *, seq_
                                     pools.engine_worker_nodes[i] if pools.engine_worker_nodes else ())
                     for i in range(c.num_engines))
     sync_dtype = version_dtype(run.rollout.dtype, run.lora)
+    sync_bytes, adapter_bytes = version_bytes(run, spec, counts.total, sync_dtype)
     checkpoint = None
     if c.launcher == "slurm":
         checkpoint = _checkpoint_time(run, counts.total, environ, write_gbps, measure_write, checkpoint_dir, notes)
@@ -384,9 +391,17 @@ def build_plan(run: RunConfig, environ: Mapping[str, str] | None = None, *, seq_
                 gpu_memory_gib=c.gpu_memory_gib, model=spec.name, total_params=counts.total,
                 routed_params=counts.routed, training_nodes=pools.training, inference_nodes=pools.inference,
                 unused_nodes=pools.unused, engines=engines, ranks=tuple(ranks), world=world, layout=layout,
-                rank_gpus=rank_gpus, sync_dtype=sync_dtype, sync_bytes=counts.total * DTYPE_BYTES[sync_dtype],
+                rank_gpus=rank_gpus, sync_dtype=sync_dtype, sync_bytes=sync_bytes, adapter_bytes=adapter_bytes,
                 rank_memory=rank_mem, engine_memory=eng_mem, problems=tuple(problems), notes=tuple(notes),
                 checkpoint=checkpoint)
+
+
+def version_bytes(run: RunConfig, spec: Any, params: int, dtype: str) -> tuple[int, int | None]:
+    """(bytes of a run's first version, of each version after it with LoRA (the adapters only; None without))."""
+    if not run.lora.enabled:
+        return params * DTYPE_BYTES[dtype], None
+    adapters = sum(math.prod(shape) for shape in peft_shapes(spec, run.lora).values())
+    return (params + adapters) * DTYPE_BYTES[dtype], adapters * DTYPE_BYTES[dtype]
 
 
 def _checkpoint_time(run: RunConfig, total_params: int, environ: Mapping[str, str], write_gbps: float | None,

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from moe_grpo.checkpoint.peft import ADAPTER_WEIGHTS, adapter_scale, read_adapter_config
-from moe_grpo.learner.lora import adapter_sites
+from moe_grpo.models.peft_names import adapter_sites
 from moe_grpo.models.spec import MoEModelSpec
 from moe_grpo.rollout.engine_error import EngineError
 from moe_grpo.rollout.export import START_ADAPTER

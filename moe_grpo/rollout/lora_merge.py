@@ -21,7 +21,7 @@ from typing import Iterator, Mapping
 
 import torch
 
-from moe_grpo.learner.lora import PEFT_PREFIX
+from moe_grpo.models.peft_names import PEFT_PREFIX
 _LAYER = re.compile(r"^(model\.layers\.\d+)\.")
 
 

@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 import torch
 
-from moe_grpo.learner.lora import peft_key, peft_shapes
+from moe_grpo.models.peft_names import peft_key, peft_shapes
 from moe_grpo.sync.gather import ShardPlacementError, ShardWrite
 
 

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from moe_grpo.learner.lora import adapter_sites, peft_key, peft_shapes
+from moe_grpo.models.peft_names import adapter_sites, peft_key, peft_shapes
 from moe_grpo.models.hf_names import hf_shapes, layer_groups, param_mappings
 from moe_grpo.models.spec import MoEModelSpec
 from moe_grpo.sync.dtypes import version_dtype

@@ -19,7 +19,7 @@ def lora_config(**changes):
 
 def random_adapter_state(spec, config, seed: int = 7, b_std: float = 0.05) -> dict:
     """Every adapter tensor of `spec` in PEFT naming, A and B both non-zero (B = 0 would hide A's gradient)."""
-    from moe_grpo.learner.lora import peft_shapes
+    from moe_grpo.models.peft_names import peft_shapes
 
     gen = torch.Generator().manual_seed(seed)
     return {k: torch.randn(shape, generator=gen) * (b_std if k.endswith("lora_B.weight") else 0.3)

@@ -409,6 +409,18 @@ def test_a_version_is_sized_in_the_engines_dtype():
     # LoRA versions stay float32 whatever the engines serve (sync/dtypes.py says why).
     lora = build_plan(run_config(["rollout.dtype=bfloat16", "lora.rank=4"]), {}, seq_len=32)
     assert lora.sync_dtype == "float32"
+    # A LoRA run sends its base once, then the adapters only: the line said "3.49 MB per version" for 0.23 MB
+    # versions (2026-11-28). 233,472 B per adapter version at r = 4 (docs/guides/lora.md, measured by the sync).
+    assert lora.adapter_bytes == 233_472 and lora.sync_bytes == 3_485_184 + 233_472
+    assert ("weight sync: 3.72 MB for the first version (871,296 parameters and the adapters x 4 bytes, float32), "
+            "then 0.23 MB per version (the LoRA adapters only)") in lora.render()
+    slurm = plan_for(["model=qwen3_moe_30b_a3b", *GPU_TRAINING, "cluster.engine_tensor_parallel=2",
+                      "parallel.tensor_parallel=2", "parallel.expert_parallel=4", "routing.probe_prompts=0",
+                      "lora.rank=16", "lora.alpha=32", "lora.targets=[attention]"], slurm_env("gpu[01-02]", 2))
+    per_version = slurm.adapter_bytes
+    assert per_version < slurm.sync_bytes / 100
+    assert f"{per_version / 1e9:.2f} GB per version over the network to 1 host" in slurm.render() or \
+        f"{per_version / 1e6:.2f} MB per version over the network to 1 host" in slurm.render(), slurm.render()
     # An fp32 GPU learner feeding bf16 engines through cuda_ipc keeps sync.slots versions of 2 bytes per parameter.
     ipc = plan_for(["model=qwen3_moe_1b_64e", "cluster=slurm", "rollout.dtype=bfloat16", "sync.transport=cuda_ipc",
                     "cluster.num_engines=2", "routing.probe_prompts=0"], slurm_env("gpu07", 1))

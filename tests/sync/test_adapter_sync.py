@@ -5,7 +5,7 @@ import torch
 
 import lora_scenarios as L
 from layout_scenarios import tiny_spec
-from moe_grpo.learner.lora import peft_shapes
+from moe_grpo.models.peft_names import peft_shapes
 from moe_grpo.models.hf_names import hf_shapes
 from moe_grpo.sync.plan import BucketPlan, check_plan, plan_buckets
 from test_gather import QWEN, V3
