@@ -102,9 +102,10 @@ def score_group(run: RunConfig, example: Any, completions: list[Any], state: Any
         state.reward_lost_in_a_row += 1
         limit = REWARD_FAILURE_PATIENCE * run.algo.prompts_per_step
         if state.reward_lost_in_a_row >= limit:
+            names = ", ".join(f.name for f in rewards.functions)
             raise RewardFailedError(
-                f"the reward functions ({', '.join(f.name for f in rewards.functions)}) left {limit} groups in a row with fewer than two "
-                f"scored samples ({state.reward_failed} samples failed so far), so no step can train; last error: "
+                f"the reward functions ({names}) left {limit} groups in a row with fewer than two scored samples "
+                f"({state.reward_failed} samples failed so far), so no step can train; last error: "
                 f"{'; '.join(scores.errors)[:300] or 'values not finite'}")
         return None
     state.reward_lost_in_a_row = 0

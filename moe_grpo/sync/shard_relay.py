@@ -11,9 +11,9 @@ of that host's agent, orchestrator/sync_hosts.py) receives them and copies
 each shard to its place in the bucket files (the layout of every shard - HF
 name, shape, strides, offset - was sent once when the group met, for each plan
 the rank's versions use: every tensor, and in a LoRA run also the adapters
-only; each version's header names its plan), then marks that rank done there. A version is complete on a host only when every rank is
-marked done on it, exactly as on one host, so engines there apply all of it
-or none. Nothing ever holds the whole model outside the hosts' buffers, and
+only; each version's header names its plan), then marks that rank done
+there. A version is complete on a host only when every rank is marked done
+on it, exactly as on one host, so engines there apply all of it or none. Nothing ever holds the whole model outside the hosts' buffers, and
 each rank's shards cross the network once per receiving host.
 
 Why per-rank broadcasts rather than gathering to a leader and relaying whole
