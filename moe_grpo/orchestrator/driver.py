@@ -492,8 +492,8 @@ class Driver:
 
     # ------------------------------------------------------------------ signals
     def on_signal(self, signum: int) -> None:
-        """SIGUSR1: checkpoint at the next step boundary and go on; SIGTERM: checkpoint there, then stop. (Only
-        flags: a signal handler must not take locks the interrupted code may hold, the log's included.)"""
+        """SIGUSR1: checkpoint at the next step boundary, go on; SIGTERM: then stop. Flags only (a handler takes no lock)."""
         self.due = signal.Signals(signum).name
         if signum == signal.SIGTERM:
             self.stop_after_checkpoint = self.due
+            self.engines.stopping = True

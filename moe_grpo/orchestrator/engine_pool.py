@@ -121,6 +121,11 @@ class EnginePool:
         self.sync_failures = 0
         self.changed = True
         """Set when an engine's process changed (the driver rewrites `processes.json`)."""
+        self.stopping = False
+        """Set when a SIGTERM asked the run to stop (Driver.on_signal): a failed engine is then left stopped, not
+        restarted (the checkpoint the run stops at needs none). A SIGTERM to every process of the run (scancel)
+        kills the engines with Ray's own processes: replacing an actor then waited 60 s on a dead GCS and the driver
+        exited without its cleanup (a user's trial, 2026-11-28)."""
 
     # ------------------------------------------------------------------ state a checkpoint keeps
     def state_dict(self) -> dict[str, Any]:
@@ -264,6 +269,10 @@ class EnginePool:
         while slot.failures and now - slot.failures[0] > self.rollout.restart_window_s:
             slot.failures.popleft()
         slot.last_failure = reason
+        if self.stopping:  # the checkpoint the run stops at needs no engine
+            slot.status, slot.applying, slot.pending = "stopped", None, None
+            log.warning("%s: %s; not restarted: the run is stopping", slot.name, reason)
+            return
         if len(slot.failures) > self.rollout.max_restarts:
             raise EngineFailedError(
                 f"{slot.name} failed {len(slot.failures)} times within {self.rollout.restart_window_s:.0f} s "

@@ -125,6 +125,30 @@ def shm_held_by(pids: Iterable[int], *, created_after: float = 0.0) -> dict[str,
     return shm_entries_held(pids, open_files=True, created_after=created_after)
 
 
+def release_previous(run_dir: str | Path) -> tuple[list[str], list[str]]:
+    """What the previous run in `run_dir` left when it could not clean up (its driver SIGKILLed: a node failure, the
+    OOM killer), read from its `processes.json` before this run writes its own: its /dev/shm entries still there
+    that none of its live processes maps are removed (vLLM's ring buffers, ~400 MiB an engine, which nothing else
+    ever removes). Returns (the names removed, its processes still alive, as `left_behind` names them)."""
+    try:
+        record = json.loads((Path(run_dir) / "processes.json").read_text())
+        left = left_behind(record)
+    except (OSError, ValueError):
+        return [], []
+    alive = [int(line.split()[0]) for line in left["processes"]]
+    held = shm_entries_held(alive, open_files=True) if alive else {}
+    removed = []
+    for name in left["shm"]:
+        if "/" in name or name in held:  # its weight slots (swept by run_dirs), or still mapped by a live process
+            continue
+        try:
+            os.unlink(os.path.join(SHM_DIR, name))
+            removed.append(name)
+        except OSError:
+            continue
+    return removed, left["processes"]
+
+
 def left_behind(record: dict[str, Any]) -> dict[str, list[str]]:
     """What a finished run's `processes.json` (`record`, as read back) names that is still there: its processes alive
     (`processes.process_alive` with the recorded start: a zombie is not, nor a reused pid; nor the process asking,

@@ -72,6 +72,9 @@ class SignalRelay:
         self.holding = False
         self.held: list[str] = []
         """Signals that arrived while the run cleaned up, by name."""
+        self.stopped_start: str | None = None
+        """The signal (SIGTERM) that stopped the start-up, before the schedule ran; None otherwise. Ray turns the
+        KeyboardInterrupt it raises into one of its own, without the message, on the way out."""
 
     def install(self) -> None:
         for signum in self.SIGNALS:
@@ -85,7 +88,8 @@ class SignalRelay:
         elif signum == signal.SIGINT:
             raise KeyboardInterrupt
         elif signum == signal.SIGTERM:
-            raise KeyboardInterrupt(f"{signal.Signals(signum).name} during start-up")
+            self.stopped_start = signal.Signals(signum).name
+            raise KeyboardInterrupt(f"{self.stopped_start} during start-up")
 
     def hold(self) -> None:
         """From now until `restore`, signals are noted and nothing else (installed here too: the run may be ending

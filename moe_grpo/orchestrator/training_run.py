@@ -19,7 +19,7 @@ from moe_grpo.orchestrator.driver import Driver, Stopped
 from moe_grpo.orchestrator.engine_pool import EngineFailedError
 from moe_grpo.orchestrator.initial_weights import InitialWeights
 from moe_grpo.orchestrator.probe import probe_due
-from moe_grpo.orchestrator.process_record import ProcessRecord
+from moe_grpo.orchestrator.process_record import ProcessRecord, release_previous
 from moe_grpo.orchestrator.resume import resume_point
 from moe_grpo.orchestrator.run_prompts import engine_context, prompt_source
 from moe_grpo.orchestrator.run_record import RunRecord
@@ -53,6 +53,7 @@ def train(run: RunConfig, run_dir: str | Path, *, learner_cls: type | None = Non
     run, plan = checked_plan(run)  # which node runs what, checked and printed before anything starts
     state = RunState(bad_rows=source.bad_rows)
     resume_from, saved = resume_point(run, run_dir, state)
+    release_leftovers(run_dir)
     rewards = run_rewards(run)
     session = RunSession(run, run_dir, rewards, since=started_at)
     stopped = None
@@ -72,6 +73,9 @@ def train(run: RunConfig, run_dir: str | Path, *, learner_cls: type | None = Non
         session.outcome = "KILLED" if stopped else "FINISHED"
     except KeyboardInterrupt:  # SIGTERM during start-up, Ctrl-C
         session.outcome = "KILLED"
+        if session.signals.stopped_start:  # a scheduler's stop, not a Ctrl-C: exit as any SIGTERM stop does
+            raise SignalledTogether(f"stopped by {session.signals.stopped_start} during start-up, before step "
+                                    f"{state.step + 1}: nothing new to checkpoint; run the same command again") from None
         raise
     except Exception as e:
         driver = session.driver
@@ -113,9 +117,20 @@ def start_schedule(driver: Driver, saved: dict[str, Any] | None, resume_from: Pa
         driver.evaluate()
 
 
+def release_leftovers(run_dir: str) -> None:
+    """Before this run's record replaces it: what the previous run in this directory left (process_record.py)."""
+    removed, alive = release_previous(run_dir)
+    if removed:
+        log.warning("removed %d /dev/shm entr%s the previous run in this directory left (it was killed before it "
+                    "could clean up): %s", len(removed), "y" if len(removed) == 1 else "ies", ", ".join(removed))
+    if alive:
+        log.warning("processes of the previous run in this directory are still alive: %s", "; ".join(alive))
+
+
 class SignalledTogether(RuntimeError):
-    """A SIGTERM reached the driver and the run's other processes at once (`scancel` without `--batch`, a time limit
-    without `--signal`, `timeout`, a kill of the process group): they died before the driver's checkpoint."""
+    """A SIGTERM stopped the run without its checkpoint: it reached the driver and the run's other processes at once
+    (`scancel` without `--batch`, a time limit without `--signal`, `timeout`, a kill of the process group) and they
+    died before the driver's checkpoint; or it came during the start-up, when there is nothing to checkpoint."""
 
 
 def run_to_end(driver: Driver) -> str | None:

@@ -161,3 +161,21 @@ def test_a_sigterm_to_every_process_of_the_run_exits_143_in_one_line_and_leaves_
     assert last.startswith("[moe_grpo] stopped by SIGTERM"), last  # ", which reached ..." unless the ranks outlived it
     assert not run.leftovers(), run.leftovers()
     assert run.shm_left() == [], "the killed engine's ring buffers are removed by the cleanup"
+
+
+def test_a_sigterm_during_start_up_exits_143_in_one_line(tmp_path):
+    """Before the schedule there is nothing to checkpoint: the start-up stops and cleans up. It exited 130 (what a
+    scheduler reads as a SIGINT) after a ~60-line traceback ending in a bare KeyboardInterrupt (Ray's, whose message
+    had dropped the signal's name; a user's trial, 2026-11-28)."""
+    run = Run(tmp_path / "run", "steps=5")
+    try:
+        run.wait_for("the warm start (the pools are starting)", lambda: "warm start:" in run.output, 300)
+        run.signal(signal.SIGTERM)
+        code = run.finish(300)
+    except BaseException:
+        run.kill()
+        raise
+    assert code == 143, run.output[-4000:]
+    last = run.output.strip().splitlines()[-1]
+    assert last.startswith("[moe_grpo] stopped by SIGTERM during start-up, before step 1"), last
+    assert "cleanup done" in run.output and not run.leftovers(), run.leftovers()

@@ -151,6 +151,25 @@ def test_an_engine_whose_actor_died_is_replaced_in_its_own_bundle():
     assert p.slots["engine1"].handle is not b and p.slots["engine1"].served == 2
 
 
+def test_once_the_run_is_stopping_a_dead_engine_is_left_stopped_not_replaced():
+    """A SIGTERM to every process of a run (scancel) kills the engine actors with Ray's own processes; replacing one
+    then waited 60 s on a dead GCS and the driver exited 1 without its cleanup (a user's trial, 2026-11-28). Once a
+    SIGTERM asked the run to stop, the checkpoint it stops at needs no engine: none is made."""
+    a, b = FakeEngine.remote(), FakeEngine.remote()
+    made = []
+    p = pool(a, b, made=made)
+    p.offer(2)
+    pump(p, lambda out: p.all_current())
+    p.stopping = True  # Driver.on_signal(SIGTERM)
+    ray.kill(b)
+    _wait_until_dead(b)
+    for i in range(4):
+        p.submit(Request("train", example(i)), None)
+    pump(p, lambda out: len(out) == 4 and p.slots["engine1"].status == "stopped")
+    assert made == [] and p.restarts == 0, "no replacement while the run stops"
+    assert [s.name for s in p.up()] == ["engine0"] and not p.all_current()
+
+
 def test_an_engine_that_keeps_failing_stops_the_run_naming_it():
     a = FakeEngine.remote()
     p = pool(a, max_restarts=1)

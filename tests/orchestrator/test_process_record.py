@@ -87,6 +87,38 @@ def test_release_removes_what_a_killed_process_of_the_run_left_and_nothing_from_
                 os.unlink(f"/dev/shm/{n}")
 
 
+def test_the_next_run_in_the_directory_removes_what_a_killed_driver_left(tmp_path):
+    """A driver SIGKILLed (a node failure, the OOM killer) cleans nothing: its engines' ring buffers (~400 MiB)
+    stayed in /dev/shm for good, and `resume=true` in the same directory rewrote processes.json without reading it
+    (a user's trial, 2026-11-28). The next run there removes the entries none of the old run's live processes maps,
+    and names those processes."""
+    from moe_grpo.orchestrator.process_record import release_previous
+
+    dead = subprocess.Popen([sys.executable, "-c", HOLDER], stdout=subprocess.PIPE, text=True)
+    dead_name = dead.stdout.readline().strip()
+    alive = subprocess.Popen([sys.executable, "-c", HOLDER], stdout=subprocess.PIPE, text=True)
+    alive_name = alive.stdout.readline().strip()
+    try:
+        record = ProcessRecord(tmp_path, since=time.time() - 60)
+        record.driver = dead.pid  # the killed run's processes: its driver and a process it left alive
+        record.set_roles([alive.pid], {})
+        record.update(full=True)
+        assert {dead_name, alive_name} <= set(read(record)["shm"])
+        os.kill(dead.pid, signal.SIGKILL)
+        dead.wait()
+        removed, still = release_previous(tmp_path)
+        assert removed == [dead_name] and not os.path.exists(f"/dev/shm/{dead_name}")
+        assert os.path.exists(f"/dev/shm/{alive_name}"), "still mapped by a live process of that run"
+        assert [p.split()[0] for p in still] == [str(alive.pid)]
+        assert release_previous(tmp_path / "no_run_here") == ([], [])
+    finally:
+        for p, n in ((dead, dead_name), (alive, alive_name)):
+            p.kill()
+            p.wait()
+            if os.path.exists(f"/dev/shm/{n}"):
+                os.unlink(f"/dev/shm/{n}")
+
+
 def test_processes_and_entries_from_before_the_run_are_not_its_own(tmp_path):
     """A driver that existed before the run (a test calling `train`) has other children and segments: not the run's."""
     holder = subprocess.Popen([sys.executable, "-c", HOLDER], stdout=subprocess.PIPE, text=True)
