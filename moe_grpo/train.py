@@ -44,10 +44,8 @@ def main(cfg: DictConfig) -> None:
         return
     run_dir = HydraConfig.get().runtime.output_dir
     check_run_dir(run_dir, run.resume)  # again on the resolved directory (set in a YAML file, say)
-    with open(f"{run_dir}/config.yaml", "w") as f:
-        f.write(OmegaConf.to_yaml(cfg, resolve=True))
     try:
-        summary = train(run, run_dir)
+        summary = train(run, run_dir, config_yaml=OmegaConf.to_yaml(cfg, resolve=True))
     except (PlanRefused, ResumeRefused, InputRefused) as e:  # the reasons name the numbers, files, rows or keys
         _exit_code = 2
         print(f"[moe_grpo] {e}", file=sys.stderr)

@@ -179,9 +179,11 @@ def test_a_refused_resume_is_one_line_exit_2_before_anything_starts(tmp_path):
     """`resume=true` in a directory whose record holds steps but no checkpoint: the reason in one line, exit 2 (as
     a bad value), no traceback, the record untouched.
 
-    Would have caught: the refusal (run_checkpoint.resume_point, check_resumable) ending in a traceback, exit 1."""
+    Would have caught: the refusal (run_checkpoint.resume_point, check_resumable) ending in a traceback, exit 1;
+    and the refused command's config written over the run's config.yaml (a user's trial, 2026-11-28)."""
     record = tmp_path / "metrics.jsonl"
     record.write_text('{"step": 1}\n{"step": 2}\n')
+    (tmp_path / "config.yaml").write_text("the run's own config\n")
     out = subprocess.run([sys.executable, "-m", "moe_grpo.train", "model=deepseek_moe", "resume=true",
                           f"hydra.run.dir={tmp_path}"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 2, out.stderr[-3000:]
@@ -189,6 +191,7 @@ def test_a_refused_resume_is_one_line_exit_2_before_anything_starts(tmp_path):
     last = out.stderr.strip().splitlines()[-1]
     assert last.startswith("[moe_grpo] resume=true:") and "records 2 step(s)" in last, last
     assert record.read_text() == '{"step": 1}\n{"step": 2}\n'
+    assert (tmp_path / "config.yaml").read_text() == "the run's own config\n"
 
 
 @pytest.mark.parametrize("override, message", [

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import shutil
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -82,4 +83,21 @@ class InitialWeights:
         if self.run.init.hf and not self.state.warm_start_loss and self.resume_from is None and not self.run.lora.enabled:
             return str(hf_init.engine_dir(self.run.init.hf, self.run.model, os.path.join(self.run_dir, "model_v0")))
         model_dir = os.path.join(self.run_dir, f"model_v{version}")
-        return learners.call("export_version", version, model_dir, what=f"exporting version {version}", ranks=1)[0]
+        exported = learners.call("export_version", version, model_dir, what=f"exporting version {version}", ranks=1)[0]
+        drop_older_exports(self.run_dir, keep=exported)
+        return exported
+
+
+def drop_older_exports(run_dir: str, keep: str) -> list[str]:
+    """Remove the engines' start directories (`model_v<N>/`) of this run's earlier starts: each resume exports the
+    version it resumes at, a whole model, and no engine of this start reads an older one (they stayed, one model's
+    size per preemption: a user's trial, 2026-11-28). Returns the names removed."""
+    removed = []
+    for entry in sorted(Path(run_dir).glob("model_v*")):
+        if entry.is_dir() and not entry.is_symlink() and entry.resolve() != Path(keep).resolve() and \
+                entry.name[len("model_v"):].isdigit():
+            shutil.rmtree(entry, ignore_errors=True)
+            removed.append(entry.name)
+    if removed:
+        log.info("removed the engines' start directories of earlier starts of this run: %s", ", ".join(removed))
+    return removed

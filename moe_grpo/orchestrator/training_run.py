@@ -35,11 +35,14 @@ if TYPE_CHECKING:  # the run's config composes the orchestrator's: it is a layer
 log = logging.getLogger("moe_grpo")
 
 
-def train(run: RunConfig, run_dir: str | Path, *, learner_cls: type | None = None) -> dict[str, Any]:
+def train(run: RunConfig, run_dir: str | Path, *, learner_cls: type | None = None,
+          config_yaml: str | None = None) -> dict[str, Any]:
     """Run `run.steps` optimizer steps (from the newest checkpoint with `run.resume`); returns the run's summary
     (`RunSummary.as_dict()`). What the run creates around the schedule is released however it ends (`RunSession`).
 
-    `learner_cls`: a `LearnerWorker` subclass to run instead (tests inject slow or failing learners)."""
+    `learner_cls`: a `LearnerWorker` subclass to run instead (tests inject slow or failing learners).
+    `config_yaml`: the resolved config, written to `run_dir/config.yaml` once the run is accepted (a refused
+    `resume=true` leaves the file of the run it refused to continue as it was)."""
     check_installed(run.logger)  # a missing tracker package fails now, not after the pools took minutes to start
     t_start, started_at = time.perf_counter(), time.time()  # started_at: the run's processes are those started after
     run_dir = str(Path(run_dir).resolve())
@@ -53,6 +56,8 @@ def train(run: RunConfig, run_dir: str | Path, *, learner_cls: type | None = Non
     run, plan = checked_plan(run)  # which node runs what, checked and printed before anything starts
     state = RunState(bad_rows=source.bad_rows)
     resume_from, saved = resume_point(run, run_dir, state)
+    if config_yaml is not None:
+        Path(run_dir, "config.yaml").write_text(config_yaml)
     release_leftovers(run_dir)
     rewards = run_rewards(run)
     session = RunSession(run, run_dir, rewards, since=started_at)
