@@ -34,12 +34,20 @@ def check_resumable(run: RunConfig, saved_config: dict[str, Any], saved_schedule
         if name:
             a, b = (a or {}).get(name), (b or {}).get(name)
         if a != b:
-            changed.append(key)
+            changed += _differences(key, a, b)
     if changed:
-        raise ResumeRefused(f"resume=true: the config differs from the checkpoint's in {changed}; a resumed run "
-                            f"must keep {list(RESUME_MUST_MATCH)} (steps (see learner.lr_decay_steps), timeouts, "
-                            "cluster and the learner layout may change)")
+        raise ResumeRefused(f"resume=true: the config differs from the checkpoint's in {', '.join(changed)}; a "
+                            f"resumed run must keep {list(RESUME_MUST_MATCH)} (steps (see learner.lr_decay_steps), "
+                            "timeouts, cluster and the learner layout may change)")
     check_schedule(run, saved_schedule if saved_schedule is not None else _schedule_of(saved_config))
+
+
+def _differences(key: str, now: Any, saved: Any) -> list[str]:
+    """`key=<now> (checkpoint: <saved>)` for each leaf that differs below `key` (a section names its keys)."""
+    if isinstance(now, dict) and isinstance(saved, dict):
+        names = [n for n in dict.fromkeys([*now, *saved]) if now.get(n) != saved.get(n)]
+        return [d for n in names for d in _differences(f"{key}.{n}", now.get(n), saved.get(n))]
+    return [f"{key}={now!r} (checkpoint: {saved!r})"]
 
 
 def _schedule_of(saved_config: dict[str, Any]) -> dict[str, Any]:
