@@ -177,7 +177,7 @@ class LearnerGroup:
         except ray.exceptions.RayActorError as e:
             raise self._rank_died(rank, what) from e
         except ray.exceptions.RayTaskError as e:
-            raise LearnerFailedError(f"learner rank {rank} failed during {what}: {str(e).strip().splitlines()[-1]}; "
+            raise LearnerFailedError(f"learner rank {rank} failed during {what}: {failure_line(str(e))}; "
                                      f"{self.hint()}") from e
 
     def _check_alive(self, what: str) -> None:
@@ -193,3 +193,13 @@ class LearnerGroup:
     def _rank_died(self, rank: int, what: str) -> LearnerFailedError:
         pid = self.infos[rank].pid if rank < len(self.infos) and self.infos[rank].pid is not None else "?"
         return LearnerFailedError(f"learner rank {rank} (pid {pid}) died during {what}; {self.hint()}")
+
+
+def failure_line(text: str) -> str:
+    """A rank's error in one line: its last line, and the operating system's error where one lies deeper in the
+    traceback. A full disk under a checkpoint surfaced as torch's "unexpected pos 704 vs 598", with "No space left
+    on device" only in the cleanup's warnings (a user's trial, 2026-11-28)."""
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    last = lines[-1] if lines else text
+    cause = next((line for line in lines if "[Errno" in line or "No space left on device" in line), None)
+    return f"{last} (cause: {cause})" if cause and cause not in last else last

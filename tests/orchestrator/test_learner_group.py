@@ -14,7 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from moe_grpo.orchestrator.learner_group import LearnerFailedError, LearnerGroup, RankInfo
+from moe_grpo.orchestrator.learner_group import LearnerFailedError, LearnerGroup, RankInfo, failure_line
 
 
 def infos(*coords):
@@ -135,3 +135,16 @@ def test_the_start_up_publish_of_a_hung_rank_stops_the_run_naming_it(local_ray):
     with pytest.raises(LearnerFailedError, match=r"learner rank\(s\) \[1\] did not finish publishing 0 within "
                                                  r"cluster.learner_timeout_s=2 s"):
         InitialWeights(run, "/nonexistent", None, None, RunState())(group)
+
+
+def test_a_ranks_error_line_carries_the_operating_systems_cause():
+    """A full disk under a checkpoint: the run's message gave torch's last line ("unexpected pos 704 vs 598") and
+    "No space left on device" appeared only in the cleanup's warnings (a user's trial, 2026-11-28)."""
+    text = ("ray::LearnerWorker.checkpoint() (pid=1, ip=1)\n  File \"x.py\", line 3, in write\n"
+            "OSError: [Errno 28] No space left on device: '/run/checkpoints/step_15.tmp/learner/0_0.distcp'\n\n"
+            "During handling of the above exception, another exception occurred:\n"
+            "RuntimeError: [enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598\n")
+    assert failure_line(text) == ("RuntimeError: [enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598 "
+                                  "(cause: OSError: [Errno 28] No space left on device: "
+                                  "'/run/checkpoints/step_15.tmp/learner/0_0.distcp')")
+    assert failure_line("ValueError: bad value\n") == "ValueError: bad value"
