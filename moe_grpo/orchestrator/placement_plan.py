@@ -37,6 +37,7 @@ import numpy as np
 from moe_grpo.data.tokenizer import load_tokenizer
 from moe_grpo.models.param_count import param_counts
 from moe_grpo.models.peft_names import peft_shapes
+from moe_grpo.models.spec import MoEModelSpec
 from moe_grpo.orchestrator.checkpoint_time import CheckpointTime, checkpoint_bytes, measure_write_gbps
 from moe_grpo.orchestrator.cluster_env import (NodeFacts, RunCommand, local_facts, run_command_stdout, signal_warning_s,
                                                slurm_facts)
@@ -396,7 +397,7 @@ def build_plan(run: RunConfig, environ: Mapping[str, str] | None = None, *, seq_
                 checkpoint=checkpoint)
 
 
-def version_bytes(run: RunConfig, spec: Any, params: int, dtype: str) -> tuple[int, int | None]:
+def version_bytes(run: RunConfig, spec: MoEModelSpec, params: int, dtype: str) -> tuple[int, int | None]:
     """(bytes of a run's first version, of each version after it with LoRA (the adapters only; None without))."""
     if not run.lora.enabled:
         return params * DTYPE_BYTES[dtype], None

@@ -24,6 +24,7 @@ class EndingDriver:
         self.state = RunState()
         self.last_checkpoint = None
         self.due = self.stop_after_checkpoint = None
+        self.engines = SimpleNamespace(stopping=False)  # a SIGTERM tells the pool to restart no engine
         self.signal_after_last = signal_after_last
         self.run_dir = "/nonexistent"
         self.written, self.calls = [], []
@@ -63,6 +64,7 @@ def test_a_sigterm_after_the_last_step_stops_at_the_final_checkpoint():
     driver = EndingDriver(signal_after_last=signal.SIGTERM)
     assert run_to_end(driver) == "SIGTERM"
     assert driver.written == [(STEPS, "end")] and "export_version" not in driver.calls
+    assert driver.engines.stopping, "the SIGTERM also tells the engine pool to restart no engine"
 
 
 def test_a_run_that_finishes_writes_its_checkpoint_and_exports():
