@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from multiprocessing import context
 from typing import Any, Callable, Iterator
 
-from moe_grpo.processes import SHM_DIR, process_alive, start_ticks
+from moe_grpo.processes import process_alive, start_ticks, unlink_same
 
 TAG_ENV = "MOE_GRPO_OWNER"
 """The environment variable that marks the processes of an owner: `<owner>/<owner pid>/<owner start time>`."""
@@ -295,15 +295,7 @@ def _remove_recorded(path: str) -> list[str]:
         return []
     if record.get("holder") and record.get("holder") == os.environ.get(TAG_ENV):
         return []  # this holder's own
-    removed = []
-    for name, inode in dict(record.get("shm", {})).items():
-        entry = os.path.join(SHM_DIR, os.path.basename(name))
-        try:
-            if os.stat(entry, follow_symlinks=False).st_ino == int(inode):
-                os.unlink(entry)
-                removed.append(name)
-        except (OSError, ValueError):
-            continue
+    removed = [name for name, inode in dict(record.get("shm", {})).items() if unlink_same(name, inode)]
     with contextlib.suppress(OSError):
         os.unlink(path)
     return sorted(removed)

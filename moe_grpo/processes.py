@@ -126,3 +126,21 @@ def _shm_open_in(pid: int) -> set[tuple[int, int]]:
         except OSError:
             continue
     return held
+
+
+def unlink_same(name: str, inode: int) -> bool:
+    """Remove /dev/shm entry `name` if it is still the entry of that inode (a name may have been reused by another
+    job's since); whether it was removed."""
+    path = os.path.join(SHM_DIR, os.path.basename(name))
+    try:
+        if os.stat(path, follow_symlinks=False).st_ino != int(inode):
+            return False
+        os.unlink(path)
+        return True
+    except (OSError, ValueError):
+        return False
+
+
+def entries_phrase(names: list[str]) -> str:
+    """'2 /dev/shm entries (a, b)' for a log line."""
+    return f"{len(names)} /dev/shm entr{'y' if len(names) == 1 else 'ies'} ({', '.join(names)})"

@@ -21,13 +21,15 @@ class InputRefused(ValueError):
 
 @contextlib.contextmanager
 def refused_inputs() -> Iterator[None]:
-    """Around reading the data, measuring the prompts and importing the reward functions: what they raise (their
-    messages name the file and row, or the dotted path) becomes `InputRefused`."""
+    """Around reading the data, measuring the prompts and importing the reward functions: what they raise about
+    their inputs (OSError, ValueError, ImportError; their messages name the file and row, or the dotted path)
+    becomes `InputRefused`. Other errors (a TypeError, an AttributeError) are bugs, not inputs: they go on with
+    their traceback."""
     try:
         yield
     except InputRefused:
         raise
-    except (OSError, ValueError, ImportError, TypeError) as e:
+    except (OSError, ValueError, ImportError) as e:
         raise InputRefused(str(e)) from e
 
 

@@ -25,6 +25,7 @@ from moe_grpo.evaluation.pass_at_k import pass_at_k
 from moe_grpo.orchestrator.groups import sampling_settings
 from moe_grpo.orchestrator.logs import quiet_vllm
 from moe_grpo.orchestrator.run_prompts import held_out_source
+from moe_grpo.orchestrator.session import check_reward_paths
 from moe_grpo.reward.functions import Rewards
 from moe_grpo.reward.scoring import held_out_rewards, score_group
 from moe_grpo.rollout import engine_core_start
@@ -54,6 +55,7 @@ def evaluate(cfg: EvaluateConfig, out_dir: str | Path, *, progress: bool = True)
             raise ValueError(f"data.eval_path={cfg.data.eval_path!r} has no usable rows ({source.bad_rows} bad)")
         context = context_length(cfg.rollout, spec.max_position_embeddings, *source.longest_prompt(),
                                  dataset=bool(cfg.data.eval_path))
+        check_reward_paths(cfg)
         rewards = Rewards(*cfg.reward.resolved(cfg.task.name), timeout_s=cfg.reward.timeout_s)
     greedy = sampling_settings(cfg, tokenizer, greedy=True)
     r = cfg.rollout

@@ -272,6 +272,8 @@ class EnginePool:
         if self.stopping:  # the checkpoint the run stops at needs no engine
             slot.status, slot.applying, slot.pending = "stopped", None, None
             log.warning("%s: %s; not restarted: the run is stopping", slot.name, reason)
+            if all(s.status == "stopped" for s in self.slots.values()):  # nothing left to wait on (an evaluation)
+                raise EngineFailedError(f"every engine died while the run was stopping (last: {slot.name}: {reason})")
             return
         if len(slot.failures) > self.rollout.max_restarts:
             raise EngineFailedError(
@@ -392,7 +394,7 @@ class EnginePool:
 
     def all_current(self) -> bool:
         return all(s.status == "up" and s.served >= self.published and s.applying is None
-                   for s in self.slots.values())
+                   for s in self.slots.values() if s.status != "stopped")
 
     def oldest_served(self) -> int:
         return min(s.served for s in self.slots.values())

@@ -21,10 +21,18 @@ if TYPE_CHECKING:  # the run's config composes the orchestrator's: it is a layer
 log = logging.getLogger("moe_grpo")
 
 REWARD_FAILURE_PATIENCE = 2
-"""The run stops once this many batches' worth of groups in a row were left by the reward functions with fewer
-than two scored samples: a reward that fails on every sample (a wrong signature, a field the rows lack, a value that
-is no number) would otherwise sample new prompts forever without a step. Random failures do not reach it: at half the
-samples failing, a group of 8 keeps two or more 96% of the time."""
+"""The run stops once this many batches' worth of groups in a row (and at least `REWARD_FAILURE_MIN_GROUPS`) were
+left by the reward functions with fewer than two scored samples: a reward that fails on every sample (a wrong
+signature, a field the rows lack, a value that is no number) would otherwise sample new prompts forever without a
+step. Scattered failures do not reach it: at half the samples failing, a group of 8 keeps two or more 96% of the
+time, a group of 4 69% (32 lost in a row: about 1 in 10^16). A reward that depends on a service which is down fails
+every group too: a run stopped so resumes with `resume=true` once it is back."""
+REWARD_FAILURE_MIN_GROUPS = 32
+
+
+def reward_failure_limit(run: RunConfig) -> int:
+    """Groups in a row without two scored samples that stop the run (`REWARD_FAILURE_PATIENCE`)."""
+    return max(REWARD_FAILURE_PATIENCE * run.algo.prompts_per_step, REWARD_FAILURE_MIN_GROUPS)
 
 
 class RewardFailedError(RuntimeError):
@@ -100,7 +108,7 @@ def score_group(run: RunConfig, example: Any, completions: list[Any], state: Any
     state.reward_failed += failed
     if len(kept) < 2:  # a group-relative advantage needs at least two samples
         state.reward_lost_in_a_row += 1
-        limit = REWARD_FAILURE_PATIENCE * run.algo.prompts_per_step
+        limit = reward_failure_limit(run)
         if state.reward_lost_in_a_row >= limit:
             names = ", ".join(f.name for f in rewards.functions)
             raise RewardFailedError(

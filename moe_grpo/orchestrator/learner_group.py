@@ -34,6 +34,11 @@ POLL_S = 1.0
 class LearnerFailedError(RuntimeError):
     """A learner rank died, raised, or did not answer in time; names the rank, the call and the last checkpoint."""
 
+    def __init__(self, message: str, *, died: bool = False) -> None:
+        super().__init__(message)
+        self.died = died
+        """Whether the rank's process died (a kill, a signal), rather than raised or hung."""
+
 
 @dataclass(frozen=True)
 class RankInfo:
@@ -192,7 +197,7 @@ class LearnerGroup:
 
     def _rank_died(self, rank: int, what: str) -> LearnerFailedError:
         pid = self.infos[rank].pid if rank < len(self.infos) and self.infos[rank].pid is not None else "?"
-        return LearnerFailedError(f"learner rank {rank} (pid {pid}) died during {what}; {self.hint()}")
+        return LearnerFailedError(f"learner rank {rank} (pid {pid}) died during {what}; {self.hint()}", died=True)
 
 
 def failure_line(text: str) -> str:

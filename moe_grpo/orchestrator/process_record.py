@@ -19,7 +19,7 @@ from typing import Any, Iterable
 
 import psutil
 
-from moe_grpo.processes import SHM_DIR, process_alive, process_tree, shm_entries_held, start_ticks
+from moe_grpo.processes import SHM_DIR, process_alive, process_tree, shm_entries_held, start_ticks, unlink_same
 
 FULL_SCAN_S = 30.0
 """How often every process's /dev/shm entries are looked at again (new processes' are at once)."""
@@ -102,16 +102,9 @@ class ProcessRecord:
         of the run, as `scancel` or `timeout` sends, left 400 MiB per run) and nothing else removes them: the engine
         actor's own record of them (process_ties.record_shm) goes with the run's weight slots. Only entries created
         after the run began and held by its processes are recorded, so a joined cluster's are never touched."""
-        removed = []
-        for name, inode in sorted(self.shm.items()):
-            path = os.path.join(SHM_DIR, name)
-            try:
-                if os.stat(path, follow_symlinks=False).st_ino == inode:
-                    os.unlink(path)
-                    removed.append(name)
-            except OSError:
-                continue
-        return removed
+        live = [pid for pid, started in self.pids.items() if pid != self.driver and process_alive(pid, started)]
+        held = shm_entries_held(live, open_files=True) if live else {}  # a process the cleanup could not stop
+        return [name for name, inode in sorted(self.shm.items()) if name not in held and unlink_same(name, inode)]
 
     def update(self, *, full: bool = False) -> None:
         """Sample and write: what the driver calls each step, and (`full`) after each step of its cleanup."""
@@ -136,16 +129,10 @@ def release_previous(run_dir: str | Path) -> tuple[list[str], list[str]]:
     except (OSError, ValueError):
         return [], []
     alive = [int(line.split()[0]) for line in left["processes"]]
-    held = shm_entries_held(alive, open_files=True) if alive else {}
-    removed = []
-    for name in left["shm"]:
-        if "/" in name or name in held:  # its weight slots (swept by run_dirs), or still mapped by a live process
-            continue
-        try:
-            os.unlink(os.path.join(SHM_DIR, name))
-            removed.append(name)
-        except OSError:
-            continue
+    held = shm_entries_held(alive + [os.getpid()], open_files=True)  # this process: a run in it before (a test's)
+    shm = record.get("shm") or {}
+    # Not its weight slots (a path: swept by run_dirs), nor what a live process still maps.
+    removed = [name for name in left["shm"] if "/" not in name and name not in held and unlink_same(name, shm[name])]
     return removed, left["processes"]
 
 

@@ -31,10 +31,13 @@ from moe_grpo.orchestrator.run_record import RunRecord
 from moe_grpo.orchestrator.state import RunState
 from moe_grpo.orchestrator.trackers import close_trackers, open_trackers
 from moe_grpo.process_ties import remove_recorded_shm
+from moe_grpo.processes import entries_phrase
 from moe_grpo.reward.functions import RewardFunction, Rewards
+from moe_grpo.validate import InputRefused
 
 if TYPE_CHECKING:  # the run's config composes the orchestrator's: it is a layer above (pyproject.toml)
     from moe_grpo.config import RunConfig
+    from moe_grpo.evaluation.config import EvaluateConfig
     from moe_grpo.orchestrator.driver import Driver
 
 log = logging.getLogger("moe_grpo")
@@ -244,8 +247,8 @@ class RunSession:
         """The /dev/shm entries the run's processes created and did not remove (engines killed, not shut down)."""
         removed = sorted(set(self.processes.release_shm()) | set(remove_recorded_shm(self.sync_root)))
         if removed:
-            log.warning("cleanup: removed %d /dev/shm entr%s the run's processes left (killed rather than shut "
-                        "down): %s", len(removed), "y" if len(removed) == 1 else "ies", ", ".join(removed))
+            log.warning("cleanup: removed %s the run's processes left (killed rather than shut down)",
+                        entries_phrase(removed))
 
     def _close_record(self) -> None:
         """The record's files closed, its PNG drawn on a thread (~1 s of matplotlib on 2 cores, done while the
@@ -285,11 +288,14 @@ def checked_plan(run: RunConfig) -> tuple[RunConfig, Plan]:
     return dataclasses.replace(run, cluster=plan.cluster_for_run(run.cluster)), plan
 
 
-def check_reward_paths(run: RunConfig) -> None:
+def check_reward_paths(run: RunConfig | EvaluateConfig) -> None:
     """Import each reward function (`reward.fn`) and nothing more: a path that does not import, or names no
     function, fails here by name, before any process starts."""
     for path in run.reward.resolved(run.task.name)[0]:
-        RewardFunction.load(path)
+        try:
+            RewardFunction.load(path)
+        except TypeError as e:  # the path names something that is no function: an input, not a bug
+            raise InputRefused(str(e)) from e
 
 
 def run_rewards(run: RunConfig) -> Rewards:

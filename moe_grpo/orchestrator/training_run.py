@@ -27,6 +27,7 @@ from moe_grpo.orchestrator.run_summary import RunSummary
 from moe_grpo.orchestrator.session import RunSession, check_reward_paths, checked_plan, run_rewards
 from moe_grpo.orchestrator.state import RunState
 from moe_grpo.orchestrator.trackers import check_installed
+from moe_grpo.processes import entries_phrase
 from moe_grpo.validate import refused_inputs
 
 if TYPE_CHECKING:  # the run's config composes the orchestrator's: it is a layer above (pyproject.toml)
@@ -84,7 +85,8 @@ def train(run: RunConfig, run_dir: str | Path, *, learner_cls: type | None = Non
         raise
     except Exception as e:
         driver = session.driver
-        if driver is not None and driver.stop_after_checkpoint:  # the run's processes died of the same signal
+        died = isinstance(e, EngineFailedError) or getattr(e, "died", False)  # a process, not an error in one
+        if driver is not None and driver.stop_after_checkpoint and died:  # of the same signal, as a rule
             session.outcome = "KILLED"
             hint = "" if driver._checkpoint_hint() in str(e) else f"; {driver._checkpoint_hint()}"
             raise SignalledTogether(
@@ -126,8 +128,8 @@ def release_leftovers(run_dir: str) -> None:
     """Before this run's record replaces it: what the previous run in this directory left (process_record.py)."""
     removed, alive = release_previous(run_dir)
     if removed:
-        log.warning("removed %d /dev/shm entr%s the previous run in this directory left (it was killed before it "
-                    "could clean up): %s", len(removed), "y" if len(removed) == 1 else "ies", ", ".join(removed))
+        log.warning("removed %s the previous run in this directory left (killed before it could clean up)",
+                    entries_phrase(removed))
     if alive:
         log.warning("processes of the previous run in this directory are still alive: %s", "; ".join(alive))
 

@@ -139,8 +139,9 @@ def test_a_sigterm_to_every_process_of_the_run_exits_143_in_one_line_and_leaves_
     """`scancel` without `--batch`, a time limit without `--signal`, `timeout`: SIGTERM reaches the driver and the
     run's own processes at once. The learner rank died of it before the driver's checkpoint, the run ended in a
     traceback with exit status 1, and the killed engine's vLLM ring buffers (psm_*, ~400 MiB) stayed in /dev/shm
-    (a user's trial, 2026-11-28). Now: exit 143 as any SIGTERM stop, the last line says what happened and how to get
-    a checkpoint next time, and the cleanup removes what the killed processes left."""
+    (a user's trial, 2026-11-28). Now: exit 143 as any SIGTERM stop, one last line (`stopped by SIGTERM, which reached
+    the run's own processes too ...` when a rank or engine died of it, as it did each time here; `stopped by SIGTERM
+    after step N` should the checkpoint win the race), and the cleanup removes what the killed processes left."""
     import psutil
 
     run = Run(tmp_path / "run", "steps=30", "mode=async", own_ray=True)  # Ray's processes too, as on a node
@@ -156,8 +157,7 @@ def test_a_sigterm_to_every_process_of_the_run_exits_143_in_one_line_and_leaves_
     except BaseException:
         run.kill()
         raise
-    assert code == 143, run.output[-4000:]
-    last = run.output.strip().splitlines()[-1]
+    last = stopped_line(run, code)
     assert last.startswith("[moe_grpo] stopped by SIGTERM"), last  # ", which reached ..." unless the ranks outlived it
     assert not run.leftovers(), run.leftovers()
     assert run.shm_left() == [], "the killed engine's ring buffers are removed by the cleanup"
@@ -175,7 +175,12 @@ def test_a_sigterm_during_start_up_exits_143_in_one_line(tmp_path):
     except BaseException:
         run.kill()
         raise
-    assert code == 143, run.output[-4000:]
-    last = run.output.strip().splitlines()[-1]
+    last = stopped_line(run, code)
     assert last.startswith("[moe_grpo] stopped by SIGTERM during start-up, before step 1"), last
     assert "cleanup done" in run.output and not run.leftovers(), run.leftovers()
+
+
+def stopped_line(run: Run, code: int) -> str:
+    """The last line of a run that a SIGTERM stopped, which exits 143 whichever way it stops."""
+    assert code == 143, run.output[-4000:]
+    return run.output.strip().splitlines()[-1]

@@ -167,7 +167,13 @@ def test_once_the_run_is_stopping_a_dead_engine_is_left_stopped_not_replaced():
         p.submit(Request("train", example(i)), None)
     pump(p, lambda out: len(out) == 4 and p.slots["engine1"].status == "stopped")
     assert made == [] and p.restarts == 0, "no replacement while the run stops"
-    assert [s.name for s in p.up()] == ["engine0"] and not p.all_current()
+    assert [s.name for s in p.up()] == ["engine0"]
+    assert p.all_current(), "a stopped engine is not waited for (settle would wait its whole timeout)"
+    ray.kill(a)  # the last engine: nothing is left to serve an evaluation, which would wait forever
+    _wait_until_dead(a)
+    p.submit(Request("train", example(9)), None)
+    with pytest.raises(EngineFailedError, match="every engine died while the run was stopping"):
+        pump(p, lambda out: False)
 
 
 def test_an_engine_that_keeps_failing_stops_the_run_naming_it():

@@ -39,18 +39,19 @@ def test_every_completion_of_every_group_trains_with_its_own_advantage():
 def test_a_reward_failing_on_every_sample_stops_the_run_by_name_and_scattered_failures_do_not():
     """A reward function that raises on every sample (a signature naming a field the rows lack, say) left every
     group unscored; the driver freed each lost group's slot and sampled new prompts forever, with no step, no
-    metrics row and no error (a user's trial, 2026-11-28). Now REWARD_FAILURE_PATIENCE batches' worth of such
-    groups in a row stop the run with an error naming the function and what it raised; a group that scores resets
+    metrics row and no error (a user's trial, 2026-11-28). Now `reward_failure_limit` groups in a row (two batches'
+    worth, at least 32) stop the run with an error naming the function and what it raised; a group that scores resets
     the count, so failures scattered between good groups never stop a run."""
     from test_loop import small_run
 
     from moe_grpo.data.tasks import Example
-    from moe_grpo.orchestrator.groups import REWARD_FAILURE_PATIENCE, RewardFailedError, score_group
+    from moe_grpo.orchestrator.groups import RewardFailedError, reward_failure_limit, score_group
     from moe_grpo.orchestrator.state import RunState
     from moe_grpo.reward.functions import Rewards
 
     run = small_run()  # 4 prompts a step, groups of 4
-    limit = REWARD_FAILURE_PATIENCE * run.algo.prompts_per_step
+    limit = reward_failure_limit(run)
+    assert limit == 32, "small batches get the floor: 2 in a row would stop a run at 50% failures every ~10 groups"
     rewards = Rewards(["user_rewards:length_penalty"], [1.0])
     try:
         example = Example("p", (1,), "", {}, "train.jsonl:3")
@@ -65,7 +66,7 @@ def test_a_reward_failing_on_every_sample_stops_the_run_by_name_and_scattered_fa
         assert state.reward_failed == 3 * (limit - 1) * 4
         for _ in range(limit - 1):
             score_group(run, example, completions, state, "engine0", rewards, failing)
-        with pytest.raises(RewardFailedError, match=r"user_rewards:length_penalty\) left 8 groups in a row .*"
+        with pytest.raises(RewardFailedError, match=r"user_rewards:length_penalty\) left 32 groups in a row .*"
                                                     r"this row's reward raises on purpose"):
             score_group(run, example, completions, state, "engine0", rewards, failing)
     finally:
