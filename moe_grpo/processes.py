@@ -128,16 +128,23 @@ def _shm_open_in(pid: int) -> set[tuple[int, int]]:
     return held
 
 
-def unlink_same(name: str, inode: int) -> bool:
-    """Remove /dev/shm entry `name` if it is still the entry of that inode (a name may have been reused by another
-    job's since); whether it was removed."""
-    path = os.path.join(SHM_DIR, os.path.basename(name))
+def same_entry(name: str, inode: int) -> bool:
+    """Whether /dev/shm entry `name` is still there as the entry of that inode (a name may have been reused by
+    another job's since)."""
     try:
-        if os.stat(path, follow_symlinks=False).st_ino != int(inode):
-            return False
-        os.unlink(path)
-        return True
+        return os.stat(os.path.join(SHM_DIR, os.path.basename(name)), follow_symlinks=False).st_ino == int(inode)
     except (OSError, ValueError):
+        return False
+
+
+def unlink_same(name: str, inode: int) -> bool:
+    """Remove /dev/shm entry `name` if it is still the entry of that inode (`same_entry`); whether it was removed."""
+    if not same_entry(name, inode):
+        return False
+    try:
+        os.unlink(os.path.join(SHM_DIR, os.path.basename(name)))
+        return True
+    except OSError:
         return False
 
 

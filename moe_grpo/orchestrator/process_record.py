@@ -19,7 +19,7 @@ from typing import Any, Iterable
 
 import psutil
 
-from moe_grpo.processes import SHM_DIR, process_alive, process_tree, shm_entries_held, start_ticks, unlink_same
+from moe_grpo.processes import process_alive, process_tree, same_entry, shm_entries_held, start_ticks, unlink_same
 
 FULL_SCAN_S = 30.0
 """How often every process's /dev/shm entries are looked at again (new processes' are at once)."""
@@ -153,13 +153,7 @@ def left_behind(record: dict[str, Any]) -> dict[str, list[str]]:
             procs.append(f"{pid} {' '.join(psutil.Process(int(pid)).cmdline())[:120]}")
         except psutil.Error:  # gone since
             continue
-    shm = []
-    for name, inode in (record.get("shm") or {}).items():
-        try:
-            if os.stat(os.path.join(SHM_DIR, name), follow_symlinks=False).st_ino == inode:
-                shm.append(name)
-        except OSError:
-            continue
+    shm = [name for name, inode in (record.get("shm") or {}).items() if same_entry(name, inode)]
     root = record.get("sync_root")
     if root and os.path.exists(root):
         shm.append(root)

@@ -22,8 +22,8 @@ from typing import Any, Callable, Sequence
 
 import psutil
 
-from moe_grpo.processes import (SHM_DIR, STOPPED_STATES, process_alive, process_state, process_tree, shm_entries_held,
-                                start_ticks)
+from moe_grpo.processes import (STOPPED_STATES, process_alive, process_state, process_tree, same_entry,
+                                shm_entries_held, start_ticks, unlink_same)
 
 SHM_KINDS = ("psm_", "sem.mp-", "vllm_dist_")
 """What a vLLM 0.32 engine leaves in /dev/shm when its processes are killed: the ring buffers of the message
@@ -58,12 +58,7 @@ def unlink_shm(entries: dict[str, int]) -> list[str]:
     spawned from here and share it); it is told they are gone, or it would warn of a leak at exit."""
     removed = []
     for name, inode in entries.items():
-        path = os.path.join(SHM_DIR, name)
-        try:
-            if os.stat(path, follow_symlinks=False).st_ino != inode:
-                continue
-            os.unlink(path)
-        except OSError:
+        if not unlink_same(name, inode):
             continue
         removed.append(name)
         if getattr(getattr(resource_tracker, "_resource_tracker", None), "_fd", None) is None:
@@ -147,14 +142,7 @@ class EngineProcesses:
         """The engine's /dev/shm entries (recorded at start and mapped by its live processes) that exist now, with
         each one's inode (what identifies it, as its name may be reused once removed)."""
         known = {**self.shm, **mapped_shm(list(self.alive()))}
-        out = {}
-        for name, inode in known.items():
-            try:
-                if os.stat(os.path.join(SHM_DIR, name), follow_symlinks=False).st_ino == inode:
-                    out[name] = inode
-            except OSError:
-                pass
-        return out
+        return {name: inode for name, inode in known.items() if same_entry(name, inode)}
 
     def wait_gone(self, targets: dict[int, int], limit_s: float) -> None:
         """Until no process of `targets` is alive or `limit_s` passed, reaping the engine core meanwhile (vLLM leaves
