@@ -56,6 +56,13 @@ def config_error(e: ValueError) -> int:
     return 2
 
 
+def refusal(e: ValueError) -> int:
+    """Report a run refused before it started (its inputs, its plan, its resume) in one line and return the exit
+    status: 2, as a config error; the message names the file, row, key or numbers."""
+    print(f"[moe_grpo] {e}", file=sys.stderr)
+    return 2
+
+
 def refuse_taken_run_dir(argv: list[str]) -> None:
     """Exit (code 2) when `hydra.run.dir=` on the command line names a directory holding another run's record and
     `resume=true` is not given. Runs before Hydra, which writes `.hydra/` into the run directory before `main`: a

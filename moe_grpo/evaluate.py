@@ -14,7 +14,7 @@ from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from moe_grpo.command_line import config_error, refuse_bad_config
+from moe_grpo.command_line import config_error, refusal, refuse_bad_config
 from moe_grpo.evaluation.config import defaults_tree, from_hydra, unknown_key
 from moe_grpo.evaluation.run import SUMMARY, evaluate
 from moe_grpo.orchestrator.logs import quiet_libraries
@@ -35,8 +35,7 @@ def main(cfg: DictConfig) -> None:
     try:
         summary = evaluate(config, out_dir)
     except InputRefused as e:  # the message names the file, the row or the dotted path
-        _exit_code = 2
-        print(f"[moe_grpo] {e}", file=sys.stderr)
+        _exit_code = refusal(e)
         return
     passes = "".join(f", pass@{k} {summary[f'pass@{k}']:.3f}" for k in config.pass_k if f"pass@{k}" in summary)
     print(f"[moe_grpo] {summary['rows']} prompts of {summary['dataset']}: greedy accuracy "

@@ -18,7 +18,7 @@ from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from moe_grpo.command_line import config_error, dry_run_dir, refuse_bad_config, refuse_taken_run_dir
+from moe_grpo.command_line import config_error, dry_run_dir, refusal, refuse_bad_config, refuse_taken_run_dir
 from moe_grpo.config import defaults_tree, from_hydra
 from moe_grpo.orchestrator.groups import RewardFailedError
 from moe_grpo.orchestrator.training_run import SignalledTogether, train
@@ -47,8 +47,7 @@ def main(cfg: DictConfig) -> None:
     try:
         summary = train(run, run_dir, config_yaml=OmegaConf.to_yaml(cfg, resolve=True))
     except (PlanRefused, ResumeRefused, InputRefused) as e:  # the reasons name the numbers, files, rows or keys
-        _exit_code = 2
-        print(f"[moe_grpo] {e}", file=sys.stderr)
+        _exit_code = refusal(e)
         return
     except RewardFailedError as e:  # the user's reward function, not the run's machinery: no traceback to read
         _exit_code = 1
