@@ -26,13 +26,6 @@ def _report(conn) -> None:  # noqa: ANN001 - a multiprocessing connection
                "vllm_core_imported": "vllm.v1.engine.core" in sys.modules, "cpus": sorted(os.sched_getaffinity(0))})
 
 
-def _wait_for(predicate, what: str, timeout_s: float = 60.0) -> None:  # noqa: ANN001
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, f"{what} within {timeout_s:.0f} s"
-        time.sleep(0.05)
-
-
 def test_a_process_from_the_engine_core_context_is_forked_from_a_server_with_vllm_and_takes_the_callers_settings():
     """A process started from `ENGINE_CORE_CONTEXT` is a child of this process's server, finds vLLM's engine core
     already imported, and has the environment variables and CPU affinity this process set after the server
@@ -73,14 +66,14 @@ CLIENT = textwrap.dedent("""
 
     engine_core_start.ENGINE_CORE_MODULES = ()  # what the server imports is not what this checks
 
-    def worker():
+    def worker(q):  # reports from its target: its tie (set after the fork, before the target) is in place
+        q.put(os.getpid())
         time.sleep(300)
 
     def core(q):  # vLLM's engine core: forks its worker
         import multiprocessing as mp
-        w = mp.get_context("fork").Process(target=worker, daemon=True)
+        w = mp.get_context("fork").Process(target=worker, args=(q,), daemon=True)
         w.start()
-        q.put(w.pid)
         time.sleep(300)
 
     if __name__ == "__main__":
@@ -106,7 +99,9 @@ def test_a_killed_client_takes_its_server_its_engine_core_and_the_core_s_worker_
     to its parent; the server to the client's starter thread). Would catch a server that only exits on its own
     (seconds of interpreter teardown with vLLM loaded, never when stopped), or an engine core not tied to the server
     (it would outlive its client, holding the engine's memory). Within 5 s: the fault run's bound
-    (tests/faults/test_engine_faults.py)."""
+    (tests/faults/test_engine_faults.py). The worker reports its pid itself, from its target: a worker stopped
+    between its fork and its tie (set in the child) would outlive everything, a case no real run has (its
+    parent's death found at the tie ends it: process_ties._die_with_parent), which failed this test once in CI."""
     script = tmp_path / "client.py"  # a file: the server's children import its functions from it
     script.write_text(CLIENT.format(root=ROOT))
     proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
@@ -121,8 +116,12 @@ def test_a_killed_client_takes_its_server_its_engine_core_and_the_core_s_worker_
             os.kill(pid, signal.SIGSTOP)
         proc.kill()
         proc.wait()
-        _wait_for(lambda: not any(process_alive(p) for p in pids),
-                  f"server {server}, engine core {core} and worker {worker} gone after their client was killed", 5.0)
+        deadline = time.monotonic() + 5.0
+        while any(process_alive(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        left = {p: psutil.Process(p).ppid() for p in pids if process_alive(p)}
+        assert not left, (f"of server {server}, engine core {core} and worker {worker}, still there 5 s after their "
+                          f"client was killed (pid: its parent now): {left}")
     finally:
         proc.kill()
         for pid in pids:
