@@ -276,18 +276,30 @@ def remove_previous_shm(owner: str, directory: str) -> list[str]:
     return _remove_recorded(_record_path(owner, directory))
 
 
-def remove_recorded_shm(directory: str) -> list[str]:
+def remove_recorded_shm(directory: str, *, dead_holders_only: bool = False) -> list[str]:
     """At a run's end, once its engines are stopped: what every holder recorded in `directory` (`record_shm`) and did
-    not remove itself (an engine killed, or restarting when the run ended); returns the names removed."""
+    not remove itself (an engine killed, or restarting, when the run ended); returns the names removed.
+    `dead_holders_only`: only what holders no longer alive recorded (a relay agent's host while that host's engines
+    still run: they remove their own when they stop)."""
     removed: list[str] = []
     with contextlib.suppress(OSError):
         for name in sorted(os.listdir(directory)):
             if name.startswith(RECORD_PREFIX) and name.endswith(".json"):
-                removed += _remove_recorded(os.path.join(directory, name))
+                removed += _remove_recorded(os.path.join(directory, name), dead_holders_only)
     return sorted(removed)
 
 
-def _remove_recorded(path: str) -> list[str]:
+def _holder_alive(tag: str) -> bool:
+    """Whether the holder a `TAG_ENV` value names (`<owner>/<pid>/<start ticks>`) is still there; False when the tag
+    cannot be read (nothing else could remove what it recorded)."""
+    try:
+        _, pid, ticks = tag.rsplit("/", 2)
+        return process_alive(int(pid), int(ticks))
+    except ValueError:
+        return False
+
+
+def _remove_recorded(path: str, dead_holders_only: bool = False) -> list[str]:
     try:
         with open(path) as f:
             record = json.load(f)
@@ -295,6 +307,8 @@ def _remove_recorded(path: str) -> list[str]:
         return []
     if record.get("holder") and record.get("holder") == os.environ.get(TAG_ENV):
         return []  # this holder's own
+    if dead_holders_only and _holder_alive(str(record.get("holder", ""))):
+        return []
     removed = [name for name, inode in dict(record.get("shm", {})).items() if unlink_same(name, inode)]
     with contextlib.suppress(OSError):
         os.unlink(path)

@@ -19,7 +19,7 @@ import pytest
 from moe_grpo.process_ties import TAG_ENV, LeftoverProcessesError, leftovers, owner_key, wait_until_gone
 
 pytestmark = pytest.mark.slow  # each test starts and kills process trees
-from moe_grpo.processes import process_alive
+from moe_grpo.processes import process_alive, start_ticks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -223,6 +223,36 @@ def test_at_the_end_of_a_run_every_holders_record_is_acted_on(tmp_path, monkeypa
         assert os.listdir(tmp_path) == ["bucket_0"]
         assert remove_recorded_shm(str(tmp_path / "gone")) == [], "a directory already removed: nothing to do"
     finally:
+        for name in names:
+            if os.path.exists(f"/dev/shm/{name}"):
+                os.unlink(f"/dev/shm/{name}")
+
+
+def test_a_relay_agent_removes_what_dead_engines_recorded_and_leaves_live_ones(tmp_path, monkeypatch):
+    """On a host other than the driver's, the run's weight buffers (where its engines keep their records) are
+    removed by the relay agent while that host's engines still run: it removes what engines no longer alive
+    recorded (killed as the run ended) and leaves a live engine's entries to that engine's own shutdown. Would
+    have caught: every record there removed unread (the driver's cleanup never sees another host's)."""
+    from moe_grpo.process_ties import TAG_ENV, record_shm, remove_recorded_shm
+
+    names = [f"psm_moe_grpo_test_{os.getpid()}_agent_{i}" for i in range(2)]
+    for name in names:
+        open(f"/dev/shm/{name}", "w").close()
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        holders = {"engine0": f"{owner_key(str(tmp_path), 'engine0')}/1/1",  # killed
+                   "engine1": f"{owner_key(str(tmp_path), 'engine1')}/{live.pid}/{start_ticks(live.pid)}"}
+        for i, (engine, tag) in enumerate(holders.items()):
+            monkeypatch.setenv(TAG_ENV, tag)
+            record_shm(owner_key(str(tmp_path), engine), str(tmp_path), {names[i]: os.stat(f"/dev/shm/{names[i]}").st_ino})
+        monkeypatch.delenv(TAG_ENV)  # the agent
+        assert remove_recorded_shm(str(tmp_path), dead_holders_only=True) == names[:1]
+        assert [os.path.exists(f"/dev/shm/{n}") for n in names] == [False, True]
+        live.kill()
+        live.wait()
+        assert remove_recorded_shm(str(tmp_path), dead_holders_only=True) == names[1:], "once that engine is gone"
+    finally:
+        live.kill()
         for name in names:
             if os.path.exists(f"/dev/shm/{name}"):
                 os.unlink(f"/dev/shm/{name}")

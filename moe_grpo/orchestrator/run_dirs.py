@@ -27,6 +27,8 @@ import tempfile
 import time
 from typing import Callable
 
+from moe_grpo.process_ties import remove_recorded_shm
+
 log = logging.getLogger("moe_grpo")
 
 PRIVATE_PREFIX = "moe_grpo-"
@@ -140,8 +142,9 @@ def owner_alive(path: str) -> bool | None:
     return False
 
 
-def sweep_orphans(base: str, prefix: str) -> list[str]:
-    """Remove this user's directories `base/<prefix>*` whose owner lock nobody holds; returns their names."""
+def sweep_orphans(base: str, prefix: str, before_removal: Callable[[str], object] | None = None) -> list[str]:
+    """Remove this user's directories `base/<prefix>*` whose owner lock nobody holds; returns their names.
+    `before_removal(path)` runs on each first, the lock held."""
     removed, unknown = [], []
     try:
         names = sorted(os.listdir(base))
@@ -160,6 +163,8 @@ def sweep_orphans(base: str, prefix: str) -> list[str]:
             unknown.append(name)
         elif claim is not True:
             try:  # removed while the exclusive lock is held: no owner can appear meanwhile
+                if before_removal is not None:
+                    before_removal(path)
                 shutil.rmtree(path, ignore_errors=True)
             finally:
                 os.close(claim)
@@ -206,10 +211,14 @@ def make_sync_root(root: str) -> tuple[str, str]:
 
 def remove_orphaned_sync_roots(root: str) -> list[str]:
     """Weight slots of runs no live process holds (up to twice a model's size in shared memory each): the driver on
-    its host, a relay agent on the others (sync_hosts.SyncHostAgent). Returns the names removed."""
-    removed = sweep_orphans(root, SYNC_PREFIX)
+    its host, a relay agent on the others (sync_hosts.SyncHostAgent), with the /dev/shm entries their engines
+    recorded there (`process_ties.record_shm`: vLLM's ring buffers of engines killed with their run, ~400 MiB
+    each). Returns the names removed."""
+    shm: list[str] = []
+    removed = sweep_orphans(root, SYNC_PREFIX, lambda path: shm.extend(remove_recorded_shm(path)))
     if removed:
-        log.info("removed the weight slots of %d run(s) nobody holds any more: %s", len(removed), ", ".join(removed))
+        log.info("removed the weight slots of %d run(s) nobody holds any more: %s%s", len(removed), ", ".join(removed),
+                 f", and what their engines left in /dev/shm: {', '.join(shm)}" if shm else "")
     return removed
 
 

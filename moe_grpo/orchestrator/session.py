@@ -266,12 +266,15 @@ class RunSession:
                 log.info("plots: %s", png)
 
     def _stop_sync_hosts(self) -> None:
-        """Each host's buffers under the relay removed; what each received goes into `sync_report`."""
+        """Each host's buffers under the relay removed (with what its dead engines left in /dev/shm); what each
+        received goes into `sync_report`."""
         from moe_grpo.orchestrator.sync_hosts import relay_report, stop_sync_hosts  # brings torch in
 
         if self.pools is not None:
             self.sync_report.update(relay_report(self.pools.sync, self.pools.sync_agents or []))
-            stop_sync_hosts(self.pools.sync_agents or [])
+            removed = stop_sync_hosts(self.pools.sync_agents or [])
+            if removed:
+                log.warning("cleanup: removed %s that engines killed on the sync hosts left", entries_phrase(removed))
 
 
 def checked_plan(run: RunConfig) -> tuple[RunConfig, Plan]:

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from moe_grpo.learner.rendezvous import RunStoreServer
 from moe_grpo.orchestrator.run_dirs import make_owned_dir, release, remove_orphaned_sync_roots
+from moe_grpo.process_ties import remove_recorded_shm
 from moe_grpo.sync.layout import SyncLayout, host_root, resolve_transport
 from moe_grpo.sync.transport import secure_root
 from moe_grpo.sync.transports import make_shard_receiver, shared_memory
@@ -139,11 +140,15 @@ class SyncHostAgent:
         return {"versions": {r: list(rec.received) for r, rec in self.receivers.items()}, "errors": dict(self.errors),
                 "root": str(self.transport.root)}
 
-    def close(self) -> None:
-        """Stop receiving and remove this host's buffers of the run."""
+    def close(self) -> list[str]:
+        """Stop receiving and remove this host's buffers of the run, with what this host's engines that are no longer
+        alive recorded in /dev/shm (their records lie in these buffers: the driver's cleanup never sees them on
+        another host); returns those /dev/shm names."""
         self.stop.set()
+        removed = remove_recorded_shm(str(self.transport.root), dead_holders_only=True)
         shutil.rmtree(self.transport.root, ignore_errors=True)
         release(str(self.transport.root))
+        return removed
 
 
 def start_sync_hosts(layout: SyncLayout) -> tuple[SyncLayout, list[Any]]:
@@ -190,10 +195,18 @@ def relay_report(layout: SyncLayout | None, agents: list[Any]) -> dict[str, Any]
     return out
 
 
-def stop_sync_hosts(agents: list[Any]) -> None:
+def stop_sync_hosts(agents: list[Any]) -> list[str]:
     """Every agent removes its host's buffers of the run (bounded: a dead agent's host keeps them until the next
-    run there sweeps them)."""
+    run there sweeps them); returns the /dev/shm entries of dead engines they removed with them."""
     import ray
 
-    if agents:
-        ray.wait([a.close.remote() for a in agents], num_returns=len(agents), timeout=30)
+    if not agents:
+        return []
+    ready, _ = ray.wait([a.close.remote() for a in agents], num_returns=len(agents), timeout=30)
+    removed: list[str] = []
+    for ref in ready:
+        try:
+            removed += ray.get(ref, timeout=0)
+        except Exception:  # noqa: BLE001 - an agent that died: its host's sweep removes them later
+            pass
+    return sorted(removed)

@@ -79,6 +79,31 @@ def test_a_reused_pid_does_not_keep_a_dead_runs_slots(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["other"]
 
 
+def test_a_dead_runs_slots_go_with_what_its_engines_recorded_in_dev_shm(tmp_path, monkeypatch):
+    """A run SIGKILLed with its engines on a host other than its driver's (or its whole Ray job killed): the next
+    run there sweeps its weight slots, and with them the vLLM ring buffers its engines recorded in them. Would
+    have caught: the sweep removed the records unread, leaving ~400 MiB of /dev/shm per engine for good."""
+    from moe_grpo.process_ties import TAG_ENV, owner_key, record_shm
+
+    orphan = tmp_path / "run-1-1795460000-dead"
+    orphan.mkdir()
+    (orphan / OWNER_LOCK).touch()  # nobody holds it
+    names = [f"psm_moe_grpo_test_{os.getpid()}_sweep_{i}" for i in range(2)]
+    for name in names:
+        open(f"/dev/shm/{name}", "w").close()
+    try:
+        owner = owner_key(str(orphan), "engine0")
+        monkeypatch.setenv(TAG_ENV, f"{owner}/1/1")  # the killed engine actor
+        record_shm(owner, str(orphan), {names[0]: os.stat(f"/dev/shm/{names[0]}").st_ino})
+        monkeypatch.delenv(TAG_ENV)  # the next run's driver or relay agent
+        assert remove_orphaned_sync_roots(str(tmp_path)) == [orphan.name]
+        assert [os.path.exists(f"/dev/shm/{n}") for n in names] == [False, True], "its entry only"
+    finally:
+        for name in names:
+            if os.path.exists(f"/dev/shm/{name}"):
+                os.unlink(f"/dev/shm/{name}")
+
+
 def test_a_runs_own_directory_appears_held_and_another_owner_keeps_it_after_the_first_is_gone(tmp_path, owners):
     """The driver's directory (make_sync_root) is held from the moment it has its name; a relay agent on the same
     host (or on a host sharing the root) holds the same directory; a sweep removes it only once both are gone."""
