@@ -5,6 +5,7 @@ nothing behind)."""
 from __future__ import annotations
 
 import atexit
+import math
 import os
 import shutil
 import sys
@@ -61,6 +62,25 @@ def refusal(e: ValueError) -> int:
     status: 2, as a config error; the message names the file, row, key or numbers."""
     print(f"[moe_grpo] {e}", file=sys.stderr)
     return 2
+
+
+def closing_line(summary: dict[str, Any], mode: str, run_dir: str) -> str:
+    """The last line of a finished run, from `train`'s summary: its steps (a resumed run: how many this process
+    took, and in what time), the held-out reward at its start and end, the faults it survived, where its record is."""
+    steps, resumed = summary["steps"], summary.get("resumed_from")
+    minutes = f"{summary['seconds'] / 60:.1f} min"
+    done = (f"{steps} steps in {minutes}" if resumed is None else
+            f"{steps} steps, {steps - resumed} of them in {minutes} after resuming at step {resumed}")
+    faults = {k: v for k, v in summary["faults"].items() if v}
+    return (f"[moe_grpo] {done} ({mode}); held-out reward {_score(summary['eval_start'])} at step 0 -> "
+            f"{_score(summary['eval_end'])} at the end; "
+            + (f"faults survived: {', '.join(f'{k} {v}' for k, v in faults.items())}; " if faults else "")
+            + f"record in {run_dir}")
+
+
+def _score(value: float | None) -> str:
+    """A held-out reward for the last line; NaN or None when none was measured (eval_every=0, no held-out set)."""
+    return f"{value:.3f}" if isinstance(value, (int, float)) and math.isfinite(value) else "not measured"
 
 
 def refuse_taken_run_dir(argv: list[str]) -> None:

@@ -8,7 +8,6 @@ and config errors answer at once.
 
 from __future__ import annotations
 
-import math
 import os
 import secrets
 import sys
@@ -18,7 +17,8 @@ from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from moe_grpo.command_line import config_error, dry_run_dir, refusal, refuse_bad_config, refuse_taken_run_dir
+from moe_grpo.command_line import (closing_line, config_error, dry_run_dir, refusal, refuse_bad_config,
+                                   refuse_taken_run_dir)
 from moe_grpo.config import defaults_tree, from_hydra
 from moe_grpo.orchestrator.groups import RewardFailedError
 from moe_grpo.orchestrator.training_run import SignalledTogether, train
@@ -63,16 +63,7 @@ def main(cfg: DictConfig) -> None:
               f"{summary['checkpoint']}; continue with the same command and resume=true hydra.run.dir={run_dir}",
               file=sys.stderr)
         return
-    faults = {k: v for k, v in summary["faults"].items() if v}
-    print(f"[moe_grpo] {summary['steps']} steps in {summary['seconds'] / 60:.1f} min ({run.mode}); held-out reward "
-          f"{_score(summary['eval_start'])} at step 0 -> {_score(summary['eval_end'])} at the end; "
-          + (f"faults survived: {', '.join(f'{k} {v}' for k, v in faults.items())}; " if faults else "")
-          + f"record in {run_dir}", file=sys.stderr)
-
-
-def _score(value: float | None) -> str:
-    """A held-out reward for the last line; NaN or None when none was measured (eval_every=0, no held-out set)."""
-    return f"{value:.3f}" if isinstance(value, (int, float)) and math.isfinite(value) else "not measured"
+    print(closing_line(summary, run.mode, run_dir), file=sys.stderr)
 
 
 RUN_ID = f"{os.getpid()}-{secrets.token_hex(3)}"

@@ -36,6 +36,8 @@ class RunSummary:
 
     steps: int
     """Optimizer steps taken (of this run and the ones it resumed)."""
+    resumed_from: int | None
+    """The step of the checkpoint this process resumed from; None for a fresh run."""
     eval_start: float
     """The first held-out reward measured (step 0's; a resumed run keeps its checkpoint's); NaN when none was."""
     eval_end: float
@@ -71,7 +73,8 @@ class RunSummary:
     def of(cls, state: RunState, engines: EnginePool, last_checkpoint: Path | None, *, run_dir: str,
            seconds: float, stopped: str | None, sync: dict[str, Any], mismatch: dict[str, float]) -> RunSummary:
         nan = float("nan")
-        return cls(steps=state.step, eval_start=state.evals[0][1] if state.evals else nan,
+        return cls(steps=state.step, resumed_from=state.resumed_from if state.resumed_from >= 0 else None,
+                   eval_start=state.evals[0][1] if state.evals else nan,
                    eval_end=state.evals[-1][1] if state.evals else nan, evals=state.evals,
                    warm_start_loss=state.warm_start_loss, seconds=seconds, run_dir=run_dir,
                    policy_dir=os.path.join(run_dir, "policy"), reward_failed=state.reward_failed,
