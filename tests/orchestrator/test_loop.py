@@ -232,6 +232,7 @@ def test_a_killed_run_resumes_at_another_layout_repeats_the_uninterrupted_one_an
     want, got = rows_of(sync_run[0]), rows_of(run_dir)
     assert [r["step"] for r in got] == [1, 2, 3, 4, 5, 6, 7] and summary["steps"] == 7, "each step recorded once"
     assert [r["resume/from_step"] for r in got] == [-1, -1, 2, 2, 2, 2, 2]
+    assert summary["resumed_from"] == 2, "the closing line counts this process's steps from there"
     # Step 5 is no longer the last, so it has no evaluation of its own: its row carries step 4's.
     assert_repeats(want, got, (3, 4))
     assert_repeats(want, got, (5,), sampled=SAMPLED[:-1])
