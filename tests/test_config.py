@@ -132,6 +132,7 @@ def test_help_answers_without_importing_torch():
     ("sync.delta_max_fraction=0", "sync.delta_max_fraction=0.0: expected a fraction in (0, 1]"),
     ("sync.full_every=-1", "sync.full_every=-1: expected an integer >= 0"),
     ("sync.delta=maybe", "sync.delta='maybe': expected true or false"),
+    ("rollout.routing_source=hooks", "rollout.routing_source='hooks', expected 'auto' (native on a GPU, extension on"),
 ])
 def test_every_value_is_checked_for_its_type_and_range_with_the_key_named(override, message):
     """What a user typing a wrong value sees: the key, the value and what was expected, never a TypeError from

@@ -36,6 +36,11 @@ class RolloutConfig:
     as it publishes; with LoRA they stay float32: sync/dtypes.py `version_dtype`)."""
     kv_cache_gib: int = 1
     """KV cache per engine on CPU (GiB)."""
+    routing_source: str = "auto"
+    """How the engines record each token's experts: 'extension' (a hook on every MoE router in the worker extension:
+    the path every test and run here took, on CPU; prefix caching off, since cached positions would get no rows),
+    'native' (vLLM's `enable_return_routed_experts`, Model Runner V2 with prefix caching on: GPU only, built and
+    never run, no GPU with vLLM here) or 'auto' (native on a GPU, extension on CPU)."""
     request_timeout_s: float = 120.0
     """A group of completions not back within this many seconds marks its engine hung: the engine is restarted and
     its prompts resubmitted (see `max_restarts`)."""
@@ -56,6 +61,9 @@ class RolloutConfig:
             raise ValueError(f"rollout.dtype={self.dtype!r}, expected 'float32' or 'bfloat16'")
         at_least("rollout.max_num_seqs", self.max_num_seqs, 1)
         at_least("rollout.kv_cache_gib", self.kv_cache_gib, 1)
+        if self.routing_source not in ("auto", "extension", "native"):
+            raise ValueError(f"rollout.routing_source={self.routing_source!r}, expected 'auto' (native on a GPU, "
+                             "extension on CPU), 'extension' or 'native'")
         positive("rollout.request_timeout_s", self.request_timeout_s)
         at_least("rollout.max_restarts", self.max_restarts, 0)
         positive("rollout.restart_window_s", self.restart_window_s)

@@ -117,6 +117,7 @@ class EngineWorker:
         self.engine = VllmEngine(model_dir, spec, max_model_len=context_length(rollout, spec.max_position_embeddings),
                                  max_num_seqs=rollout.max_num_seqs, kv_cache_gib=rollout.kv_cache_gib,
                                  dtype=rollout.dtype, on_update=rollout.on_update, seed=seed,
+                                 routing_source=rollout.routing_source,
                                  request_timeout_s=rollout.request_timeout_s, name=self.name, lora=lora,
                                  lora_apply=lora_apply, tensor_parallel=tensor_parallel,
                                  pipeline_parallel=pipeline_parallel, expert_parallel=expert_parallel,

@@ -21,9 +21,10 @@ EXTENSION = "moe_grpo.rollout.worker_extension.RoutingCaptureExtension"
 
 def check_options(*, tensor_parallel: Any, routing_source: str, on_update: str, capture: bool, extension: bool,
                   lora: LoraConfig | None, lora_apply: str, pipeline_parallel: Any = 1, num_layers: int | None = None,
-                  expert_parallel: Any = False) -> None:
+                  expert_parallel: Any = False, on_gpu: bool | None = None) -> None:
     """Refuse a combination of `VllmEngine` options that cannot run, naming the bad value (ValueError).
-    `num_layers`: the model's decoder layers (each pipeline stage needs at least one)."""
+    `num_layers`: the model's decoder layers (each pipeline stage needs at least one); `on_gpu`: whether the engine
+    runs on a GPU (None: not known, not checked)."""
     if not isinstance(tensor_parallel, int) or tensor_parallel < 1:
         raise ValueError(f"tensor_parallel={tensor_parallel!r}, expected an integer >= 1")
     if not isinstance(expert_parallel, bool):
@@ -41,6 +42,9 @@ def check_options(*, tensor_parallel: Any, routing_source: str, on_update: str, 
                          "one pipeline stage (pipeline_parallel=1)")
     if routing_source not in ("auto", "extension", "native"):
         raise ValueError(f"routing_source={routing_source!r}, expected 'auto', 'extension' or 'native'")
+    if routing_source == "native" and on_gpu is False:
+        raise ValueError("routing_source='native' on CPU: vLLM's own routing capture (enable_return_routed_experts) "
+                         "runs in its Model Runner V2, on GPUs only; expected 'extension' or 'auto' here")
     if on_update not in ("keep", "abort"):
         raise ValueError(f"on_update={on_update!r}, expected 'keep' (pause, load, resume) or 'abort' (resubmit)")
     if capture and not extension and routing_source != "native":

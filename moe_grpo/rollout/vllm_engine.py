@@ -139,10 +139,11 @@ class VllmEngine:
         the engine's own Ray placement group, one GPU bundle per worker over several nodes, for stages spanning
         nodes through vLLM's Ray executor (rollout/ray_executor.py; GPU only, refused on CPU before vLLM starts);
         None: every worker on this host."""
+        on_gpu = torch.cuda.is_available()
         check_options(tensor_parallel=tensor_parallel, routing_source=routing_source, on_update=on_update,
                       capture=capture, extension=extension, lora=lora, lora_apply=lora_apply,
-                      pipeline_parallel=pipeline_parallel, num_layers=spec.num_layers, expert_parallel=expert_parallel)
-        on_gpu = torch.cuda.is_available()
+                      pipeline_parallel=pipeline_parallel, num_layers=spec.num_layers, expert_parallel=expert_parallel,
+                      on_gpu=on_gpu)
         self.lora = lora if lora is not None and lora.enabled else None
         self.lora_apply = lora_apply if self.lora is not None else None
         self._served, self.lora_base_bytes = None, 0
