@@ -142,6 +142,42 @@ def test_every_documented_train_command_composes(where, args, tmp_path):
         pytest.fail(f"{where}: python -m moe_grpo.train {args}\n  -> {type(e).__name__}: {e}")
 
 
+def dry_run_transcripts() -> list[tuple[str, dict[str, str], list[str], list[str]]]:
+    """(where, environment, arguments, printed lines) of every fenced block of the docs that starts with a
+    `$ ... python -m moe_grpo.train ... cluster.dry_run=true` line (continued with backslashes), then its output."""
+    found = []
+    for path in markdown_files():
+        blocks = re.findall(r"^```[^\n]*\n(.*?)^```", path.read_text(), flags=re.M | re.S)
+        for block in blocks:
+            lines = block.rstrip("\n").split("\n")
+            if not lines[0].startswith("$ ") or "cluster.dry_run=true" not in block:
+                continue
+            command, i = lines[0][2:], 0
+            while command.endswith("\\"):
+                i += 1
+                command = command[:-1] + " " + lines[i].strip()
+            words = shlex.split(command)
+            env = dict(w.split("=", 1) for w in words[:words.index("python")])
+            where = f"{path.relative_to(ROOT)}: {command[:60]}..."
+            found.append((where, env, words[words.index("moe_grpo.train") + 1:], lines[i + 1:]))
+    return found
+
+
+def test_the_docs_dry_run_transcripts_are_what_the_command_prints_today():
+    """A plan printed in the docs is run again (`cluster.dry_run=true` starts nothing: ~2 s) and must be what it
+    prints now, line for line. Would have caught: the SLURM guide's Qwen3-30B-A3B plan shown as "plan: OK" at
+    70.1 GiB a rank while the command as written was refused at 86.5 GiB (the mismatch probe's copies, counted since),
+    and without the checkpoint line the plan prints since."""
+    transcripts = dry_run_transcripts()
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "MOE_GRPO_"))}  # what the plan reads
+    assert transcripts, "the SLURM guide's transcript is found"
+    for where, env, args, printed in transcripts:
+        out = subprocess.run([sys.executable, "-m", "moe_grpo.train", *args], capture_output=True, text=True,
+                             timeout=120, cwd=ROOT, env={**clean, **env})
+        assert out.stdout.rstrip("\n").split("\n") == printed, (
+            f"{where}: exit {out.returncode}, printed today:\n{out.stdout}{out.stderr[-2000:]}")
+
+
 def test_the_site_builds_strictly(tmp_path):
     """`mkdocs build --strict` into a temp dir: a broken link or anchor, or a page left out of the navigation, is a
     warning mkdocs.yml's `validation` raises, and strict turns it into a failed build."""

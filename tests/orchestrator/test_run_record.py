@@ -31,3 +31,18 @@ def test_a_train_time_longer_than_the_step_shows_as_a_busy_fraction_above_one():
     assert measured["util/train_busy"] == 1.5
     assert row(train_seconds=1.0, interval=2.0)["util/train_busy"] == 0.5
     assert measured["staleness/max"] == 1 and measured["staleness/mean"] == 1 / 3
+
+
+def test_every_key_of_a_step_row_is_in_the_metrics_reference():
+    """docs/reference/metrics.md says every key it lists is in every row; a key written but not listed is one a
+    user cannot look up. Would have caught: `loss`, `nll`, `grad_norm`, `clip_fraction`, `ratio_mean`,
+    `response_length/mean`, `buffer/*`, `eval/step`, `rollout/resubmitted` and `time/*` written on every row and
+    missing from the page."""
+    import re
+    from pathlib import Path
+
+    page = (Path(__file__).resolve().parents[2] / "docs" / "reference" / "metrics.md").read_text()
+    table = "\n".join(line.split(" | ")[0] for line in page.splitlines() if line.startswith("| `"))
+    documented = set(re.findall(r"`([^`]+)`", table))
+    missing = sorted(set(row(1.0, 2.0)) - documented)
+    assert not missing, f"keys of metrics.jsonl rows not in docs/reference/metrics.md's tables: {missing}"
