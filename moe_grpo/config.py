@@ -105,6 +105,11 @@ class RunConfig:
         if self.lora.enabled and self.sync.delta:
             raise ValueError(f"sync.delta=true with lora.rank={self.lora.rank}: a LoRA run's versions after the first "
                              "are its adapters only already; set sync.delta=false")
+        if (self.lora.enabled and "attention" in self.lora.targets and self.model.uses_mla
+                and self.parallel.tensor_parallel > 1):  # refused here rather than when the learner builds
+            raise ValueError(f"lora.targets with 'attention' on an MLA model ({self.model.name}) needs "
+                             f"parallel.tensor_parallel=1, got {self.parallel.tensor_parallel} (its replicated down "
+                             "projections are not handled): drop 'attention' from lora.targets or use TP=1")
         if self.lora.enabled and self.sync.lora_apply == "serve":
             max_lora_rank(self.lora.rank)  # vLLM's limit, refused here rather than when the engines start
         if self.mode not in ("sync", "async"):

@@ -231,3 +231,14 @@ def test_the_gsm8k_preset_gives_completions_room_and_the_command_line_still_wins
     assert compose(["task=gsm8k"]).rollout.max_tokens == 1024 and compose(["task=gsm8k"]).task.name == "gsm8k"
     assert compose(["task=gsm8k", "rollout.max_tokens=512"]).rollout.max_tokens == 512
     assert compose([]).rollout.max_tokens == 16 and compose(["task=sort"]).rollout.max_tokens == 16
+
+
+def test_lora_on_mla_attention_at_learner_tp_2_is_refused_at_config():
+    """Would have caught: `model=deepseek_v3_tiny lora.rank=8 parallel.tensor_parallel=2` accepted, the refusal
+    coming only once the learner ranks built their models, after Ray, the engines and the learner had started."""
+    with pytest.raises(ValueError, match=r"lora.targets with 'attention' on an MLA model \(deepseek_v3_tiny\) needs "
+                                         r"parallel.tensor_parallel=1, got 2"):
+        from_hydra(compose(["model=deepseek_v3_tiny", "lora.rank=8", "lora.alpha=16", "parallel.tensor_parallel=2"]))
+    run = from_hydra(compose(["model=deepseek_v3_tiny", "lora.rank=8", "lora.alpha=16", "parallel.tensor_parallel=2",
+                              "lora.targets=[experts,shared_experts]"]))
+    assert run.parallel.tensor_parallel == 2, "without attention adapters TP=2 stays allowed"
