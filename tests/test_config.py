@@ -242,3 +242,12 @@ def test_lora_on_mla_attention_at_learner_tp_2_is_refused_at_config():
     run = from_hydra(compose(["model=deepseek_v3_tiny", "lora.rank=8", "lora.alpha=16", "parallel.tensor_parallel=2",
                               "lora.targets=[experts,shared_experts]"]))
     assert run.parallel.tensor_parallel == 2, "without attention adapters TP=2 stays allowed"
+
+
+def test_help_says_what_a_null_default_means():
+    """`--help` lists `algo.clip_ratio_low: null` and a dozen other nulls; without a word on them a newcomer reads
+    "unset". Would catch the footer (conf/config.yaml `hydra.help`) lost."""
+    out = subprocess.run([sys.executable, "-m", "moe_grpo.train", "--help"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=60)
+    assert "clip_ratio_low: null" in out.stdout and 'null is not "unset"' in out.stdout
+    assert "the preset of algo.loss" in out.stdout
