@@ -20,7 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 from moe_grpo.command_line import (closing_line, config_error, dry_run_dir, refusal, refuse_bad_config,
                                    refuse_taken_run_dir)
 from moe_grpo.config import defaults_tree, from_hydra
-from moe_grpo.orchestrator.groups import RewardFailedError
+from moe_grpo.orchestrator.groups import NothingToTrainError
 from moe_grpo.orchestrator.training_run import SignalledTogether, train
 from moe_grpo.orchestrator.logs import quiet_libraries
 from moe_grpo.orchestrator.placement_plan import PlanRefused, dry_run
@@ -49,7 +49,7 @@ def main(cfg: DictConfig) -> None:
     except (PlanRefused, ResumeRefused, InputRefused) as e:  # the reasons name the numbers, files, rows or keys
         _exit_code = refusal(e)
         return
-    except RewardFailedError as e:  # the user's reward function, not the run's machinery: no traceback to read
+    except NothingToTrainError as e:  # a reward or an engine failing on everything: the reason, not a traceback
         _exit_code = 1
         print(f"[moe_grpo] stopped: {e}; the run's log: {run_dir}/train.log", file=sys.stderr)
         return

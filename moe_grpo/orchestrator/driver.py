@@ -230,7 +230,7 @@ class Driver:
                 continue
             self.state.generated_tokens += sum(len(c.token_ids) for c in completions)
             scoring = Scoring(request, engine, completions)
-            if not drop_failed(completions, request.example, engine, self.state):  # nothing to score
+            if not drop_failed(self.run, completions, request.example, engine, self.state):  # nothing to score
                 scoring.scores = submit_group(self.rewards, self.tokenizer, request.example, completions)
             self.scoring.append(scoring)
 

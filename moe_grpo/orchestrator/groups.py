@@ -31,12 +31,22 @@ REWARD_FAILURE_MIN_GROUPS = 32
 
 
 def reward_failure_limit(run: RunConfig) -> int:
-    """Groups in a row without two scored samples that stop the run (`REWARD_FAILURE_PATIENCE`)."""
+    """Groups in a row without two scored samples, or with a sample failed in its engine, that stop the run
+    (`REWARD_FAILURE_PATIENCE`)."""
     return max(REWARD_FAILURE_PATIENCE * run.algo.prompts_per_step, REWARD_FAILURE_MIN_GROUPS)
 
 
-class RewardFailedError(RuntimeError):
+class NothingToTrainError(RuntimeError):
+    """Every group comes back unusable, so no step can ever train: the run stops naming why (exit 1, one line)."""
+
+
+class RewardFailedError(NothingToTrainError):
     """The reward functions fail on (nearly) every sample: nothing can be trained."""
+
+
+class SamplesFailedError(NothingToTrainError):
+    """Every group comes back with a sample failed in its engine (a routing capture that fails on every request,
+    say): nothing can be trained."""
 
 
 DYNAMIC_SAMPLING_PATIENCE = 10
@@ -89,14 +99,23 @@ class Scoring:
     """Future of the group's reward `Scores`; None when the group was dropped before scoring (a failed sample)."""
 
 
-def drop_failed(completions: list[Any], example: Any, engine: str, state: Any) -> bool:
-    """Whether a group must be dropped unscored: a sample failed in the engine or is empty (counted in `state`)."""
+def drop_failed(run: RunConfig, completions: list[Any], example: Any, engine: str, state: Any) -> bool:
+    """Whether a group must be dropped unscored: a sample failed in the engine or is empty (counted in `state`).
+    `reward_failure_limit` such groups in a row stop the run (SamplesFailedError): an engine whose every request
+    fails would otherwise be sent new prompts forever, with no step and no error."""
     bad = [c for c in completions if not c.ok or len(c.token_ids) == 0]
-    if bad:
-        state.requests_lost += len(bad)
-        log.warning("%s: %d completion(s) of prompt %r failed (%s); group dropped", engine, len(bad), example.prompt,
-                    bad[0].error or bad[0].finish_reason)
-    return bool(bad)
+    if not bad:
+        state.failed_in_a_row = 0
+        return False
+    state.requests_lost += len(bad)
+    state.failed_in_a_row += 1
+    why = bad[0].error or bad[0].finish_reason
+    log.warning("%s: %d completion(s) of prompt %r failed (%s); group dropped", engine, len(bad), example.prompt, why)
+    limit = reward_failure_limit(run)
+    if state.failed_in_a_row >= limit:
+        raise SamplesFailedError(f"{limit} groups in a row came back with failed samples ({state.requests_lost} "
+                                 f"completions failed so far), so no step can train; the last, from {engine}: {why}")
+    return True
 
 
 def score_group(run: RunConfig, example: Any, completions: list[Any], state: Any, engine: str, rewards: Any,

@@ -27,6 +27,8 @@ class RunState:
     bad_rows: int = 0
     requests_lost: int = 0
     """Completions that came back failed (engine-side errors); their group is dropped."""
+    failed_in_a_row: int = 0
+    """Groups in a row dropped for a sample failed in its engine (groups.drop_failed)."""
     steps_skipped: int = 0
     """Steps whose loss or gradient was not finite (no update taken)."""
     skipped_in_a_row: int = 0

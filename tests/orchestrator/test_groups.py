@@ -71,3 +71,34 @@ def test_a_reward_failing_on_every_sample_stops_the_run_by_name_and_scattered_fa
             score_group(run, example, completions, state, "engine0", rewards, failing)
     finally:
         rewards.close()
+
+
+def test_samples_failing_in_their_engine_on_every_group_stop_the_run_and_scattered_ones_do_not():
+    """An engine whose every request fails (a PP=3 engine of the default model: its first stage, dense only,
+    recorded no routing, and every request failed "routing captured by 2 of 3 pipeline stages") had its groups
+    dropped and new prompts sent forever: no step, no error, until the user's timeout (a user's trial, 2026-11-28).
+    Now as many groups in a row as stop a failing reward stop the run, naming the engine and the error; a good
+    group resets the count."""
+    from test_loop import small_run
+
+    from moe_grpo.data.tasks import Example
+    from moe_grpo.orchestrator.groups import SamplesFailedError, drop_failed, reward_failure_limit
+    from moe_grpo.orchestrator.state import RunState
+
+    run = small_run()
+    limit = reward_failure_limit(run)
+    example = Example("p", (1,), "", {}, "train.jsonl:3")
+    good = [SimpleNamespace(ok=True, token_ids=[1, 2], error=None, finish_reason="stop")] * 4
+    failed = [SimpleNamespace(ok=False, token_ids=[1], error="routing captured by 2 of 3 pipeline stages",
+                              finish_reason="error"), *good[1:]]
+    state = RunState()
+    for _ in range(3):
+        for _ in range(limit - 1):
+            assert drop_failed(run, failed, example, "engine0", state)
+        assert not drop_failed(run, good, example, "engine0", state)
+    assert state.requests_lost == 3 * (limit - 1)
+    for _ in range(limit - 1):
+        drop_failed(run, failed, example, "engine0", state)
+    with pytest.raises(SamplesFailedError, match=r"32 groups in a row came back with failed samples .* from engine0: "
+                                                 r"routing captured by 2 of 3 pipeline stages"):
+        drop_failed(run, failed, example, "engine0", state)

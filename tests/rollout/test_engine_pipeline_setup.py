@@ -23,7 +23,7 @@ def test_pipeline_options_refused_with_the_bad_value():
     _options(pipeline_parallel=4, num_layers=4)
 
 
-def _info(tp, pp, capturing, layers=()):
+def _info(tp, pp, capturing, layers=(1,)):
     return {"tp_rank": tp, "pp_rank": pp, "capturing": capturing, "pid": 100 + 10 * pp + tp, "moe_layers": list(layers)}
 
 
@@ -35,6 +35,17 @@ def test_workers_of_two_stages_each_capture_their_own_layers_in_stage_order():
     tp_pp = [_info(1, 0, False), _info(0, 1, True), _info(0, 0, True), _info(1, 1, False)]
     assert check_workers(tp_pp, 2, True, "e", pipeline_parallel=2) == [1, 0, 0, 1]
     assert capture_order(tp_pp) == [2, 1]
+
+
+def test_a_stage_holding_only_dense_layers_is_not_asked_for_routing():
+    """A PP=3 engine of the default model (3 layers, the first dense): stage 0 holds no MoE layer and records no
+    rows. Would have caught: every request failing "routing captured by 2 of 3 pipeline stages", the run never
+    reaching step 1 (seen in a user's trial, 2026-11-28)."""
+    infos = [_info(0, 2, True, [2]), _info(0, 0, True, []), _info(0, 1, True, [1])]
+    assert check_workers(infos, 1, True, "e", pipeline_parallel=3) == [0, 0, 0]
+    assert capture_order(infos) == [2, 0], "stages 1 and 2, in stage order; stage 0 has nothing to record"
+    stages = [unpack_routing(_packed("r", np.zeros((4, 1, 2), np.int16))) for _ in capture_order(infos)]
+    assert join_stage_routing(stages)["rows"].shape == (4, 2, 2)
 
 
 def test_worker_answers_that_do_not_make_the_stages_are_refused():
