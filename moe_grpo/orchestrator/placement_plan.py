@@ -46,6 +46,8 @@ from moe_grpo.orchestrator.engine_span import RAY_ON_CPU_REFUSAL, EngineSpan, en
 from moe_grpo.orchestrator.memory_estimate import (DTYPE_BYTES, GIB, RESERVED_GIB, EngineMemory, RankMemory,
                                                    TrainingShape, engine_memory, rank_memory)
 from moe_grpo.orchestrator.run_prompts import engine_context, prompt_source
+from moe_grpo.rollout.engine_core_start import cpu_build_installed
+from moe_grpo.rollout.vllm_cpu_limits import CPU_EXPERT_PARALLEL_SEGFAULT
 from moe_grpo.sync.dtypes import version_dtype
 
 if TYPE_CHECKING:  # the run's config composes the orchestrator's: it is a layer above (pyproject.toml)
@@ -337,15 +339,7 @@ def build_plan(run: RunConfig, environ: Mapping[str, str] | None = None, *, seq_
     world, engine_gpus, rank_gpus = pools.world, pools.engine_gpus, pools.rank_gpus
     layout = _layout(run, world, problems) if world else None  # no training pool: a problem says so already
     spec = run.model
-    if spec.num_attention_heads % engine_tp:
-        problems.append(f"cluster.engine_tensor_parallel={engine_tp} does not divide the model's "
-                        f"{spec.num_attention_heads} attention heads (vLLM splits heads over its TP ranks)")
-    if engine_pp > spec.num_layers:
-        problems.append(f"cluster.engine_pipeline_parallel={engine_pp} stages for the model's {spec.num_layers} "
-                        "decoder layers (vLLM gives each stage at least one layer)")
-    if engine_pp > 1 and run.lora.enabled:
-        problems.append(f"cluster.engine_pipeline_parallel={engine_pp} with lora.rank={run.lora.rank}: LoRA versions "
-                        "are built for engines of one pipeline stage (cluster.engine_pipeline_parallel=1)")
+    problems += _engine_problems(run, gpus)
     counts = param_counts(spec)
     gpu_bytes = c.gpu_memory_gib * GIB
     rank_mem = None
@@ -395,6 +389,27 @@ def build_plan(run: RunConfig, environ: Mapping[str, str] | None = None, *, seq_
                 rank_gpus=rank_gpus, sync_dtype=sync_dtype, sync_bytes=sync_bytes, adapter_bytes=adapter_bytes,
                 rank_memory=rank_mem, engine_memory=eng_mem, problems=tuple(problems), notes=tuple(notes),
                 checkpoint=checkpoint)
+
+
+def _engine_problems(run: RunConfig, gpus: int | None) -> list[str]:
+    """What an engine's shape asks that vLLM cannot build here: a TP not dividing the heads, more stages than layers,
+    LoRA with stages, expert parallelism where the engines run on CPU."""
+    c, spec, problems = run.cluster, run.model, []
+    engine_tp, engine_pp = c.engine_tensor_parallel, c.engine_pipeline_parallel
+    if spec.num_attention_heads % engine_tp:
+        problems.append(f"cluster.engine_tensor_parallel={engine_tp} does not divide the model's "
+                        f"{spec.num_attention_heads} attention heads (vLLM splits heads over its TP ranks)")
+    if engine_pp > spec.num_layers:
+        problems.append(f"cluster.engine_pipeline_parallel={engine_pp} stages for the model's {spec.num_layers} "
+                        "decoder layers (vLLM gives each stage at least one layer)")
+    if c.engine_expert_parallel and not gpus and (gpus == 0 or cpu_build_installed()):
+        problems.append(f"cluster.engine_expert_parallel=true where the engines run on CPU (nodes without GPUs, or "
+                        f"vLLM's CPU build installed): {CPU_EXPERT_PARALLEL_SEGFAULT}; set cluster.engine_expert_parallel=false "
+                        "(the experts are then tensor-sliced over the engine's workers) or run it on GPUs")
+    if engine_pp > 1 and run.lora.enabled:
+        problems.append(f"cluster.engine_pipeline_parallel={engine_pp} with lora.rank={run.lora.rank}: LoRA versions "
+                        "are built for engines of one pipeline stage (cluster.engine_pipeline_parallel=1)")
+    return problems
 
 
 def version_bytes(run: RunConfig, spec: MoEModelSpec, params: int, dtype: str) -> tuple[int, int | None]:

