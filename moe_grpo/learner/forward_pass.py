@@ -80,6 +80,7 @@ def microbatches(rm: RankModel, seqs: Sequence[LearnerSequence], replay: bool,
         moe_layers=rm.spec.num_moe_layers,
         top_k=rm.spec.top_k,
         seq_len=rm.config.packed_seq_len,
+        same_shape=rm.layout.pipeline_parallel > 1,
     )
     return [mb.to(rm.device) for mb in batches]
 

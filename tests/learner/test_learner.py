@@ -237,3 +237,23 @@ def test_building_learners_one_after_another_in_a_process_leaves_no_gloo_threads
     for seed in range(3):
         MegatronLearner(tiny_spec(), config=LearnerConfig(seed=seed))
     assert _gloo_loop_threads() == before
+
+
+def test_a_batch_of_very_different_lengths_scores_each_sequence_as_it_scores_alone(learner):
+    """Microbatches padded to their own longest (no pipeline stages: learner/batch.py) give every sequence the
+    log-probs it gets scored on its own: padding at the end of a row changes nothing before it."""
+    spec = tiny_spec()
+    seqs = make_sequences(spec, n=6, seed=3)
+    rng = np.random.default_rng(4)
+    tokens = rng.integers(0, spec.vocab_size, size=60)
+    from moe_grpo.learner.batch import LearnerSequence
+    from moe_grpo.routing.trace import RoutingTrace
+
+    ids = np.stack([np.stack([rng.permutation(spec.num_experts)[: spec.top_k] for _ in range(spec.num_moe_layers)])
+                    for _ in range(59)])
+    long_ones = [LearnerSequence(tokens, prompt_len=3, routing=RoutingTrace.from_array(ids, spec.num_experts))]
+    batch = seqs[:3] + long_ones + seqs[3:]
+    together = learner.logprobs(batch, replay=True)
+    for s, got in zip(batch, together):
+        alone = learner.logprobs([s], replay=True)[0]
+        np.testing.assert_allclose(got, alone, atol=2e-6, rtol=0)
