@@ -41,6 +41,7 @@ def main(cfg: DictConfig) -> None:
     print(f"[moe_grpo] {summary['rows']} prompts of {summary['dataset']}: greedy accuracy "
           f"{summary['greedy']['accuracy']:.3f} (reward mean {summary['greedy']['reward_mean']:.3f})"
           f"{passes}{f' ({config.samples} samples per prompt)' if config.samples else ''}; "
+          f"{f'{n} bad row(s) skipped (logged above); ' if (n := summary.get('bad_rows')) else ''}"
           f"{out_dir}/{SUMMARY}", file=sys.stderr)
 
 

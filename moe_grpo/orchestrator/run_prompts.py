@@ -49,22 +49,29 @@ def prompt_source(run: RunConfig, tokenizer: Any, rng: np.random.Generator, run_
     if not source.train:
         raise ValueError(f"data.train_path={run.data.train_path!r}: no prompt of its {len(train.rows)} usable rows "
                          f"fits data.max_prompt_tokens={run.data.max_prompt_tokens}")
-    log.info("data: %d training rows from %s%s; %d bad row(s) skipped", len(source.train), run.data.train_path,
+    held_out_bad = sum(b.path == run.data.eval_path for b in source.bad) if held_out is not None else 0
+    log.info("data: %d training rows from %s%s; %d bad row(s) skipped%s", len(source.train), run.data.train_path,
              f", {len(source.held_out)} held-out rows from {run.data.eval_path}" if held_out is not None else "",
-             source.bad_rows)
+             source.bad_rows, f" ({source.bad_rows - held_out_bad} training, {held_out_bad} held-out)"
+             if held_out_bad and held_out_bad < source.bad_rows else " (held-out)" if held_out_bad else "")
     if run_dir is not None and source.bad:
         Path(run_dir, "bad_rows.txt").write_text("".join(f"{b}\n" for b in source.bad))
     return source
 
 
-def _row_check(run: RunConfig | EvaluateConfig) -> Callable[[dict[str, Any]], str | None] | None:
-    """What makes a row bad beyond a missing field (GSM8K: an answer without a parsable `#### N`), or None."""
-    if run.task.name != "gsm8k":
-        return None
-    answer_key = run.data.answer_key
+def _row_check(run: RunConfig | EvaluateConfig) -> Callable[[dict[str, Any]], str | None]:
+    """What makes a row bad beyond a missing field: a prompt that is not text (a list of chat messages, a number:
+    it was trained on as its Python repr), and under GSM8K an answer without a parsable `#### N`."""
+    prompt_key, answer_key, gsm8k = run.data.resolved_prompt_key(run.task.name), run.data.answer_key, \
+        run.task.name == "gsm8k"
 
     def check(row: dict[str, Any]) -> str | None:
-        return gsm8k_row_problem(row, answer_key)
+        prompt = row.get(prompt_key)
+        if prompt is not None and not isinstance(prompt, str):
+            kind = {list: "a list", dict: "an object", bool: "true/false"}.get(type(prompt), "a number")
+            return (f"field {prompt_key!r} is {kind} ({str(prompt)[:40]!r}), expected text "
+                    "(chat messages are not templated here: give the prompt as one string)")
+        return gsm8k_row_problem(row, answer_key) if gsm8k else None
 
     return check
 

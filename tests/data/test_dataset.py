@@ -60,6 +60,24 @@ def test_gsm8k_jsonl_keeps_good_rows_and_names_each_bad_one_by_line(tmp_path, ca
     assert sorted(taken[:2]) == sorted(taken[2:4]) == sorted(r["question"] for r in GOOD)
 
 
+def test_a_prompt_that_is_not_text_is_a_bad_row_named_by_its_type(tmp_path):
+    """A JSONL of chat messages (`"prompt": [{"role": ...}]`) or a number was trained on as its Python repr
+    ("[{'role': ...}]"), silently (a user's trial, 2026-11-28). Now such a row is skipped as a bad row saying what it
+    is and what is expected."""
+    rows = [{"prompt": "abc"}, {"prompt": [{"role": "user", "content": "hi"}]}, {"prompt": 12345}, {"prompt": "de"}]
+    path = tmp_path / "train.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    import dataclasses
+
+    run = from_hydra({"model": dataclasses.asdict(load_model_spec("deepseek_moe")), "warm_start_steps": 0,
+                      "reward": {"fn": "user_rewards:length_penalty"}, "data": {"train_path": str(path)}})
+    source = prompt_source(run, ByteTokenizer(512), np.random.default_rng(0))
+    assert [e.prompt for e in source.train] == ["abc", "de"]
+    reasons = {b.line: b.reason for b in source.bad}
+    assert reasons[2].startswith("field 'prompt' is a list (") and "expected text" in reasons[2], reasons
+    assert reasons[3].startswith("field 'prompt' is a number ('12345')"), reasons
+
+
 def test_a_byte_order_mark_keeps_the_first_row_and_a_cut_line_is_named_at_its_end(tmp_path):
     """A JSONL file a Windows editor saved with a byte-order mark lost its first row as "not valid JSON
     (Unexpected UTF-8 BOM)"; a line cut short was reported "at column 1" (the parser saw its newline as line 2)."""

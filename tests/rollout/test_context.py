@@ -64,9 +64,11 @@ def test_a_run_is_refused_before_anything_starts(tmp_path):
     assert engine_context(run, source) == 512
 
 
-def test_data_max_prompt_tokens_skips_longer_prompts_as_bad_rows_and_the_run_fits(tmp_path):
+def test_data_max_prompt_tokens_skips_longer_prompts_as_bad_rows_and_the_run_fits(tmp_path, caplog):
     """Over-long rows refused the whole run; `data.max_prompt_tokens` (verl's filter_overlong_prompts with
-    max_prompt_length) skips them instead, counted and listed with their lines, in training and held-out files."""
+    max_prompt_length) skips them instead, counted and listed with their lines, in training and held-out files,
+    and logged one by one as other bad rows are (they were in bad_rows.txt only, and the count joined both files:
+    a user's trial, 2026-11-28)."""
     from moe_grpo.config import from_hydra, load_model_spec
     from moe_grpo.orchestrator.run_prompts import engine_context, prompt_source
     from moe_grpo.data.tokenizer import ByteTokenizer
@@ -85,7 +87,11 @@ def test_data_max_prompt_tokens_skips_longer_prompts_as_bad_rows_and_the_run_fit
         engine_context(run, prompt_source(run, tokenizer, np.random.default_rng(0)))
     run = from_hydra({"model": spec, "warm_start_steps": 0, "reward": {"fn": "user_rewards:length_penalty"},
                       "data": {**data, "max_prompt_tokens": 100}})
-    source = prompt_source(run, tokenizer, np.random.default_rng(0), str(tmp_path))
+    with caplog.at_level("INFO", logger="moe_grpo"):
+        source = prompt_source(run, tokenizer, np.random.default_rng(0), str(tmp_path))
+    assert "data: skipped " in caplog.text and "train.jsonl:2: prompt of" in caplog.text
+    assert "eval.jsonl:2: prompt of" in caplog.text
+    assert "2 bad row(s) skipped (1 training, 1 held-out)" in caplog.text
     assert [e.prompt for e in source.train] == ["ab", "abcd"] and [e.prompt for e in source.held_out] == ["ab", "abcd"]
     assert [(b.path.rsplit("/", 1)[-1], b.line) for b in source.bad] == [("train.jsonl", 2), ("eval.jsonl", 2)]
     assert "more than data.max_prompt_tokens=100" in (tmp_path / "bad_rows.txt").read_text()
