@@ -339,7 +339,7 @@ def build_plan(run: RunConfig, environ: Mapping[str, str] | None = None, *, seq_
     world, engine_gpus, rank_gpus = pools.world, pools.engine_gpus, pools.rank_gpus
     layout = _layout(run, world, problems) if world else None  # no training pool: a problem says so already
     spec = run.model
-    problems += _engine_problems(run, gpus)
+    problems += _engine_problems(run, gpus, cpus, notes)
     counts = param_counts(spec)
     gpu_bytes = c.gpu_memory_gib * GIB
     rank_mem = None
@@ -391,11 +391,16 @@ def build_plan(run: RunConfig, environ: Mapping[str, str] | None = None, *, seq_
                 checkpoint=checkpoint)
 
 
-def _engine_problems(run: RunConfig, gpus: int | None) -> list[str]:
+def _engine_problems(run: RunConfig, gpus: int | None, cpus: int | None, notes: list[str]) -> list[str]:
     """What an engine's shape asks that vLLM cannot build here: a TP not dividing the heads, more stages than layers,
-    LoRA with stages, expert parallelism where the engines run on CPU."""
+    LoRA with stages, expert parallelism where the engines run on CPU. Notes an engine on CPU with more vLLM
+    workers than the node has cores (each worker gets a core set; they then share cores)."""
     c, spec, problems = run.cluster, run.model, []
     engine_tp, engine_pp = c.engine_tensor_parallel, c.engine_pipeline_parallel
+    if not gpus and cpus and engine_tp * engine_pp > cpus:
+        notes.append(f"an engine of TP={engine_tp} x PP={engine_pp} runs {engine_tp * engine_pp} vLLM workers, one "
+                     f"core set each, on nodes of {cpus} CPUs: its workers share cores (it runs, slower; "
+                     f"cluster.engine_cpus={c.engine_cpus:g} is what the plan reserves for it)")
     if spec.num_attention_heads % engine_tp:
         problems.append(f"cluster.engine_tensor_parallel={engine_tp} does not divide the model's "
                         f"{spec.num_attention_heads} attention heads (vLLM splits heads over its TP ranks)")

@@ -129,3 +129,17 @@ def test_an_engine_wider_than_a_cpu_node_is_refused_quoting_why_vllm_cpu_cannot_
     why = [p for p in plan.problems if "cannot span nodes on CPU" in p]
     assert why and why[0].startswith("an engine of cluster.engine_cpus=8 does not fit a node of 4 CPUs"), plan.problems
     assert "ValueError(\"current platform cpu does not support ray.\") (vllm/v1/executor/ray_utils.py:572-576)" in why[0]
+
+
+def test_a_cpu_engine_with_more_workers_than_cores_is_noted_not_refused():
+    """TP=4 x PP=3 on a 2-core host printed "plan: OK" with nothing about its 12 workers sharing 2 cores (a user's
+    trial, 2026-11-28); TP=4 did run, oversubscribed. The plan now says so, and still lets it run."""
+    from test_placement_plan import plan_for
+
+    plan = plan_for(["model=deepseek_moe", "cluster.engine_tensor_parallel=4", "cluster.engine_pipeline_parallel=3",
+                     "cluster.cpus_per_node=2", "cluster.gpus_per_node=0"], {})
+    assert plan.ok, plan.render()
+    assert "note: an engine of TP=4 x PP=3 runs 12 vLLM workers, one core set each, on nodes of 2 CPUs" in plan.render()
+    quiet = plan_for(["model=deepseek_moe", "cluster.engine_tensor_parallel=2", "cluster.cpus_per_node=2",
+                      "cluster.gpus_per_node=0"], {})
+    assert "vLLM workers" not in quiet.render()
