@@ -69,11 +69,13 @@ def closing_line(summary: dict[str, Any], mode: str, run_dir: str) -> str:
     took, and in what time), the held-out reward at its start and end, the faults it survived, where its record is."""
     steps, resumed = summary["steps"], summary.get("resumed_from")
     minutes = f"{summary['seconds'] / 60:.1f} min"
-    done = (f"{steps} steps in {minutes}" if resumed is None else
+    done = (f"{steps} step{'s' * (steps != 1)} in {minutes}" if resumed is None else
             f"{steps} steps, {steps - resumed} of them in {minutes} after resuming at step {resumed}")
     faults = {k: v for k, v in summary["faults"].items() if v}
-    return (f"[moe_grpo] {done} ({mode}); held-out reward {_score(summary['eval_start'])} at step 0 -> "
-            f"{_score(summary['eval_end'])} at the end; "
+    start, end = _score(summary["eval_start"]), _score(summary["eval_end"])
+    rewards = ("no held-out reward measured" if start == end == "not measured" else
+               f"held-out reward {start} at step 0 -> {end} at the end")
+    return (f"[moe_grpo] {done} ({mode}); {rewards}; "
             + (f"faults survived: {', '.join(f'{k} {v}' for k, v in faults.items())}; " if faults else "")
             + f"record in {run_dir}")
 

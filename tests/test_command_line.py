@@ -19,6 +19,10 @@ def test_a_fresh_run_says_its_steps_time_rewards_and_record():
         "record in /runs/a")
 
 
+def test_one_step_is_one_step():
+    assert closing_line(_summary(steps=1), "async", "/r").startswith("[moe_grpo] 1 step in 4.6 min (async);")
+
+
 def test_a_resumed_run_says_how_many_steps_this_process_took_in_its_time():
     """Would have caught: a run resumed at step 200 closing with "300 steps in 1.5 min", as if it had taken all
     300 in that time."""
@@ -28,5 +32,6 @@ def test_a_resumed_run_says_how_many_steps_this_process_took_in_its_time():
 
 def test_faults_survived_are_named_and_an_unmeasured_reward_says_so():
     line = closing_line(_summary(faults=FAULTS, eval_start=math.nan, eval_end=None), "sync", "/r")
-    assert "held-out reward not measured at step 0 -> not measured at the end" in line
+    assert "; no held-out reward measured;" in line, line
+    assert "held-out reward 0.756 at step 0 -> not measured at the end" in closing_line(_summary(eval_end=None), "a", "r")
     assert "faults survived: engine_restarts 1, requests_resubmitted 3; record in /r" in line

@@ -57,7 +57,11 @@ def quiet_vllm(run_dir: str | Path) -> None:
     os.environ["VLLM_LOGGING_CONFIG_PATH"] = str(vllm_logging_config(run_dir))
     os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "1")
     os.environ.setdefault("TQDM_DISABLE", "1")  # vLLM's checkpoint-loading bars
-    os.environ.setdefault("PYTHONWARNINGS", "ignore::FutureWarning,ignore::DeprecationWarning")
+    # vLLM's CPU communicator reads a pipeline stage's message through torch.frombuffer on a read-only buffer and
+    # never writes it (vllm/distributed/device_communicators/cpu_communicator.py:312): a warning on the console of
+    # every run with engine pipeline stages, nothing to act on.
+    os.environ.setdefault("PYTHONWARNINGS", "ignore::FutureWarning,ignore::DeprecationWarning,"
+                                            "ignore:The given buffer is not writable:UserWarning")
 
 
 def quiet_libraries() -> None:

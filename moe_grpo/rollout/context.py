@@ -25,7 +25,8 @@ def context_length(rollout: RolloutConfig, model_limit: int, longest_prompt: int
         raise ValueError(f"the model's max_position_embeddings is {model_limit}, expected >= 1")
     if rollout.max_model_len > model_limit:
         raise ValueError(f"rollout.max_model_len={rollout.max_model_len} exceeds the model's context "
-                         f"(max_position_embeddings={model_limit})")
+                         f"(max_position_embeddings={model_limit}): expected at most {model_limit}, or 0 (the longest "
+                         "prompt plus rollout.max_tokens)")
     if longest_prompt is None:
         return rollout.max_model_len or model_limit
     need = longest_prompt + rollout.max_tokens
