@@ -80,7 +80,11 @@ def microbatches(rm: RankModel, seqs: Sequence[LearnerSequence], replay: bool,
         moe_layers=rm.spec.num_moe_layers,
         top_k=rm.spec.top_k,
         seq_len=rm.config.packed_seq_len,
-        same_shape=rm.layout.pipeline_parallel > 1,
+        # Pipeline schedules send one activation shape between stages; Megatron's allgather token dispatcher (TP x EP
+        # on gloo) gathers equal token counts over its group. Otherwise each microbatch is padded to its own longest.
+        same_shape=rm.layout.pipeline_parallel > 1 or (
+            rm.layout.expert_parallel > 1
+            and getattr(rm.module.config, "moe_token_dispatcher_type", "alltoall") == "allgather"),
     )
     return [mb.to(rm.device) for mb in batches]
 

@@ -50,10 +50,12 @@ def routing_ids(rm: RankModel, seqs: Sequence[LearnerSequence], *, replay: bool 
     mbs = microbatches(rm, seqs, replay)
     run_schedule(rm, mbs, replay=replay, forward_only=True, loss_fn=score_only, record_free=True, record_used=True)
     assert rm.replayer is not None
-    rows = mbs[0].input_ids.shape[0]
+    rows = [mb.input_ids.shape[0] for mb in mbs]  # microbatches may differ in rows (learner/batch.py)
     return {
-        "used": {s.moe_index: [batch_order_from_megatron(t, rows) for t in s.used] for s in rm.replayer.slots},
-        "free": {s.moe_index: [batch_order_from_megatron(t, rows) for t in s.free] for s in rm.replayer.slots},
+        "used": {s.moe_index: [batch_order_from_megatron(t, r) for t, r in zip(s.used, rows)]
+                 for s in rm.replayer.slots},
+        "free": {s.moe_index: [batch_order_from_megatron(t, r) for t, r in zip(s.free, rows)]
+                 for s in rm.replayer.slots},
         "microbatches": mbs,
     }
 

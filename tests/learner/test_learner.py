@@ -257,3 +257,13 @@ def test_a_batch_of_very_different_lengths_scores_each_sequence_as_it_scores_alo
     for s, got in zip(batch, together):
         alone = learner.logprobs([s], replay=True)[0]
         np.testing.assert_allclose(got, alone, atol=2e-6, rtol=0)
+
+
+def test_routing_traces_of_a_batch_whose_last_microbatch_is_short_are_each_sequences_own(learner):
+    """Three sequences at micro_batch_size=2: the second microbatch holds one row (microbatches pad to their own
+    longest and hold only their rows). Would have caught: `routing_ids` reshaping every microbatch by the first one's
+    row count ("shape '[5, 2, 1]' is invalid for input of size 11"), or reading the wrong rows where it divides."""
+    seqs = make_sequences(tiny_spec(), n=3, seed=7)
+    traces = learner.routing_traces(seqs, replay=True)["used"]
+    for s, got in zip(seqs, traces):
+        np.testing.assert_array_equal(np.sort(got.expert_ids, axis=-1), np.sort(s.routing.expert_ids, axis=-1))
