@@ -258,8 +258,11 @@ def record_shm(owner: str, directory: str, entries: dict[str, int]) -> None:
     the next holder of `owner` does (`remove_previous_shm`)."""
     path = _record_path(owner, directory)
     tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "w") as f:
-        json.dump({"holder": os.environ.get(TAG_ENV, ""), "shm": entries}, f)
+    try:
+        with open(tmp, "w") as f:
+            json.dump({"holder": os.environ.get(TAG_ENV, ""), "shm": entries}, f)
+    except FileNotFoundError:  # the run's buffers already removed: it is ending, and its cleanup reads no more
+        return
     os.replace(tmp, path)
 
 

@@ -10,7 +10,7 @@ import secrets
 import shutil
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from moe_grpo.learner.spawn import free_port
 from moe_grpo.orchestrator.config import ClusterConfig
@@ -294,11 +294,11 @@ def start_pools(run: RunConfig, run_dir: str, sync_name: str, model_dir_fn: Any,
 
         from moe_grpo.orchestrator.sync_hosts import stop_sync_hosts  # brings in torch (the transports)
 
-        stop_sync_hosts(agents)
         for group in [pg, *(groups or [])]:  # ends the actors started so far (no Pools to release them by)
             if group is not None:
                 with contextlib.suppress(Exception):
                     remove_placement_group(group)
+        stop_sync_hosts(agents, engines_stopped=True)  # the engines' records in the agents' buffers, then those
         raise
 
 
@@ -341,8 +341,11 @@ def _start_actors(run: RunConfig, run_dir: str, pg: Any, layout: Any, agents: li
 
 
 def stop_pools(pools: Pools | None, engines: list[Any] | None = None, *, release: bool = False,
-               disconnect: bool = True, timeout_s: float = 30.0) -> None:
-    """Shut the engines down (`engines`: the handles now serving, replacements included), then leave Ray.
+               disconnect: bool = True, timeout_s: float = 30.0,
+               after_engines: Callable[[], None] | None = None) -> None:
+    """Shut the engines down (`engines`: the handles now serving, replacements included), run `after_engines` (the
+    relay agents' cleanup, which removes what engines that did not shut down left in /dev/shm on their hosts), then
+    leave Ray.
 
     `release`: the cluster is not the run's own (joined by address, or the caller's connection): remove the run's
     placement group, which ends every actor in it (engines, learner ranks), and the relay agents, and wait until
@@ -360,6 +363,8 @@ def stop_pools(pools: Pools | None, engines: list[Any] | None = None, *, release
             pass
     if refs:
         ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+    if after_engines is not None:
+        after_engines()
     if release and pools is not None:
         release_actors(pools, handles, timeout_s)
     if disconnect:

@@ -233,10 +233,11 @@ class RunSession:
         teardown.add("the reward workers", self.rewards.close)
         teardown.add("the run record", self._close_record)  # its PNG drawn beside the steps below
         teardown.add("the trackers", lambda: close_trackers(self.trackers, self.outcome))
-        teardown.add("the sync hosts", self._stop_sync_hosts)
-        teardown.add("the pools", lambda: pool_setup.stop_pools(
+        # The relay agents' cleanup runs inside this step, once the engines are shut down and before Ray goes: the
+        # engines' /dev/shm records on the agents' hosts lie in the buffers the agents remove.
+        teardown.add("the pools and the sync hosts", lambda: pool_setup.stop_pools(
             self.pools, list(self.driver.engines.handles().values()) if self.driver is not None else None,
-            release=not self.ray_own, disconnect=not self.ray_was_up))
+            release=not self.ray_own, disconnect=not self.ray_was_up, after_engines=self._stop_sync_hosts))
         teardown.add("what killed processes left in /dev/shm", self._release_shm)
         teardown.add("the private directory", lambda: release_private_dir(self.private_dir, self.run_dir))
         teardown.add("the weight slots", lambda: shutil.rmtree(self.sync_root, ignore_errors=True))
@@ -272,9 +273,9 @@ class RunSession:
 
         if self.pools is not None:
             self.sync_report.update(relay_report(self.pools.sync, self.pools.sync_agents or []))
-            removed = stop_sync_hosts(self.pools.sync_agents or [])
+            removed = stop_sync_hosts(self.pools.sync_agents or [], engines_stopped=True)
             if removed:
-                log.warning("cleanup: removed %s that engines killed on the sync hosts left", entries_phrase(removed))
+                log.warning("cleanup: removed %s that engines on the sync hosts left", entries_phrase(removed))
 
 
 def checked_plan(run: RunConfig) -> tuple[RunConfig, Plan]:

@@ -140,12 +140,13 @@ class SyncHostAgent:
         return {"versions": {r: list(rec.received) for r, rec in self.receivers.items()}, "errors": dict(self.errors),
                 "root": str(self.transport.root)}
 
-    def close(self) -> list[str]:
-        """Stop receiving and remove this host's buffers of the run, with what this host's engines that are no longer
-        alive recorded in /dev/shm (their records lie in these buffers: the driver's cleanup never sees them on
-        another host); returns those /dev/shm names."""
+    def close(self, engines_stopped: bool = False) -> list[str]:
+        """Stop receiving and remove this host's buffers of the run, with what this host's engines recorded in
+        /dev/shm and did not remove (their records lie in these buffers: the driver's cleanup never sees another
+        host's); returns those /dev/shm names. `engines_stopped`: the run's engines were shut down (or killed), so
+        every record left is an engine's that did not remove its own; else only dead engines' records are acted on."""
         self.stop.set()
-        removed = remove_recorded_shm(str(self.transport.root), dead_holders_only=True)
+        removed = remove_recorded_shm(str(self.transport.root), dead_holders_only=not engines_stopped)
         shutil.rmtree(self.transport.root, ignore_errors=True)
         release(str(self.transport.root))
         return removed
@@ -195,14 +196,15 @@ def relay_report(layout: SyncLayout | None, agents: list[Any]) -> dict[str, Any]
     return out
 
 
-def stop_sync_hosts(agents: list[Any]) -> list[str]:
+def stop_sync_hosts(agents: list[Any], *, engines_stopped: bool = False) -> list[str]:
     """Every agent removes its host's buffers of the run (bounded: a dead agent's host keeps them until the next
-    run there sweeps them); returns the /dev/shm entries of dead engines they removed with them."""
+    run there sweeps them); returns the /dev/shm entries engines left that they removed with them
+    (`SyncHostAgent.close`)."""
     import ray
 
     if not agents:
         return []
-    ready, _ = ray.wait([a.close.remote() for a in agents], num_returns=len(agents), timeout=30)
+    ready, _ = ray.wait([a.close.remote(engines_stopped) for a in agents], num_returns=len(agents), timeout=30)
     removed: list[str] = []
     for ref in ready:
         try:
