@@ -28,18 +28,19 @@ def test_the_summary_holds_the_keys_train_returned_with_their_values():
     and the whole-run tests index it by name (the closing line names the faults above 0 in this order). Would have
     caught a key renamed or dropped, or the faults' order changed, by the move into a dataclass."""
     state = RunState(step=4, reward_failed=5, bad_rows=6, requests_lost=7, steps_skipped=8, rollbacks=9,
-                     evals=[(0, 0.25), (4, 0.5)], warm_start_loss=[2.0, 1.5])
+                     evals=[(0, 0.25), (4, 0.5)], warm_start_loss=[2.0, 1.5], resumed_from=2)
     summary = _summary(state, Path("/runs/a/checkpoints/step_000004"))
     assert summary == {
-        "steps": 4, "eval_start": 0.25, "eval_end": 0.5, "evals": [(0, 0.25), (4, 0.5)], "warm_start_loss": [2.0, 1.5],
+        "steps": 4, "resumed_from": 2, "eval_start": 0.25, "eval_end": 0.5, "evals": [(0, 0.25), (4, 0.5)], "warm_start_loss": [2.0, 1.5],
         "seconds": 12.5, "run_dir": "/runs/a", "policy_dir": "/runs/a/policy", "reward_failed": 5, "bad_rows": 6,
         "stopped": None, "sync": {"host1": {"bytes": 4}}, "checkpoint": "/runs/a/checkpoints/step_000004",
         "faults": {"requests_lost": 7, "steps_skipped": 8, "sync_failures": 1, "engine_restarts": 2,
                    "requests_resubmitted": 3, "rollbacks": 9},
         "mismatch": {"kl": 1e-12, "probe_version": 4.0}}
-    assert list(summary) == ["steps", "eval_start", "eval_end", "evals", "warm_start_loss", "seconds", "run_dir",
+    assert list(summary) == ["steps", "resumed_from", "eval_start", "eval_end", "evals", "warm_start_loss", "seconds", "run_dir",
                              "policy_dir", "reward_failed", "bad_rows", "stopped", "sync", "checkpoint", "faults",
                              "mismatch"]
+    assert _summary(RunState(step=4), None)["resumed_from"] is None, "a fresh run (RunState.resumed_from -1)"
     assert list(summary["faults"]) == ["requests_lost", "steps_skipped", "sync_failures", "engine_restarts",
                                        "requests_resubmitted", "rollbacks"]
 
