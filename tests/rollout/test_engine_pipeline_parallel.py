@@ -55,8 +55,10 @@ def test_pp2_engine_stages_hold_their_own_layers_and_serve_a_version_only_when_b
     assert first and second and not first & second, (sorted(first), sorted(second))
     assert first | second == set(range(served["num_layers"])) and max(first) < min(second)
     assert two["after_refused"]["version"] == served["base"] + 1
-    assert _gap(two["after_refused"]["prompt_lps"], two["v1"]["prompt_lps"]) == 0.0
-    assert two["after_refused"]["digests"] == digests
+    assert two["after_refused"]["digests"] == digests  # the weights, bit for bit
+    # What it serves from them: within float noise. The two scorings are separate calls, which vLLM's CPU backend
+    # may batch differently (a gap of 4.8e-7 seen once in 2026-11-28's suite, 0.0 in every run before).
+    assert _gap(two["after_refused"]["prompt_lps"], two["v1"]["prompt_lps"]) < 1e-5
 
 
 def test_pp2_engine_keeps_no_routing_buffers(served):

@@ -183,7 +183,9 @@ def test_tp2_engine_serves_a_version_only_when_every_worker_loaded_it(served):
     version it had (what it serves is unchanged) instead of stamping tokens with a version half loaded."""
     two = served["tp2"]
     assert two["after_refused"]["version"] == served["base"] + 1
-    assert _gap(two["after_refused"]["prompt_lps"], two["v1"]["prompt_lps"]) == 0.0
+    # Within float noise: the two scorings are separate calls vLLM's CPU backend may batch differently (the PP=2
+    # twin of this check saw 4.8e-7 once, 2026-11-28); a half-loaded version moves log-probs by far more.
+    assert _gap(two["after_refused"]["prompt_lps"], two["v1"]["prompt_lps"]) < 1e-5
     # Both workers hold version base + 1 again, bit for bit, each its own slices (rank 1's experts differ from
     # rank 0's).
     # On CPU vLLM packs dense linear weights (attention, router gate) into oneDNN / sgl handles and leaves the
