@@ -364,7 +364,11 @@ def stop_pools(pools: Pools | None, engines: list[Any] | None = None, *, release
     if refs:
         ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
     if after_engines is not None:
-        after_engines()
+        try:
+            after_engines()
+        except Exception as e:  # noqa: BLE001 - the actors and Ray must still be released
+            logging.getLogger("moe_grpo").warning("cleanup: the relay agents' cleanup failed (%s: %s); releasing the "
+                                                  "pools anyway", type(e).__name__, e)
     if release and pools is not None:
         release_actors(pools, handles, timeout_s)
     if disconnect:

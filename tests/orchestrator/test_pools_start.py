@@ -80,3 +80,19 @@ def test_on_several_hosts_rank_0s_node_picks_the_rendezvous_after_the_engines_ar
     pools._start_actors(run, "/tmp/run", SimpleNamespace(), SimpleNamespace(), [], lambda learners: "/tmp/m", None)
     calls = recorded_ray
     assert calls[0] == "EngineWorker" and calls.index("_rendezvous") < calls.index("LearnerWorker"), calls
+
+
+def test_a_failing_relay_cleanup_does_not_keep_the_pools_from_being_released(monkeypatch, caplog):
+    """The relay agents' cleanup runs inside `stop_pools`, between the engines' shutdown and Ray's: when it fails (a
+    cluster whose processes a SIGTERM to all of them ended), Ray must still be left and the failure said, not raised
+    past the release."""
+    left = []
+    monkeypatch.setattr(ray, "shutdown", lambda: left.append("ray.shutdown"))
+
+    def cleanup():
+        raise RuntimeError("GCS unreachable")
+
+    with caplog.at_level("WARNING", logger="moe_grpo"):
+        pools.stop_pools(None, [], after_engines=cleanup)
+    assert left == ["ray.shutdown"]
+    assert "the relay agents' cleanup failed (RuntimeError: GCS unreachable)" in caplog.text
