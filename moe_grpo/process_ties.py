@@ -308,6 +308,8 @@ def _remove_recorded(path: str, dead_holders_only: bool = False) -> list[str]:
             record = json.load(f)
     except (OSError, ValueError):
         return []
+    if not isinstance(record, dict) or not isinstance(record.get("shm", {}), dict):
+        return []  # not a record this module wrote: nothing to act on (and no sweep may fail on it)
     if record.get("holder") and record.get("holder") == os.environ.get(TAG_ENV):
         return []  # this holder's own
     if dead_holders_only and _holder_alive(str(record.get("holder", ""))):

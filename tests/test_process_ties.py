@@ -222,6 +222,8 @@ def test_at_the_end_of_a_run_every_holders_record_is_acted_on(tmp_path, monkeypa
         assert [os.path.exists(f"/dev/shm/{n}") for n in names] == [False, False, True]
         assert os.listdir(tmp_path) == ["bucket_0"]
         assert remove_recorded_shm(str(tmp_path / "gone")) == [], "a directory already removed: nothing to do"
+        (tmp_path / "moe_grpo-owner-odd.json").write_text("[1, 2]")  # not a record: skipped, no sweep fails on it
+        assert remove_recorded_shm(str(tmp_path)) == []
     finally:
         for name in names:
             if os.path.exists(f"/dev/shm/{name}"):
