@@ -78,6 +78,14 @@ def _records(path: Path) -> Any:
                 yield i, f"not valid JSON ({e.msg} at column {e.colno})"
 
 
+def log_skipped(bad: Sequence[BadRow], what: str, path: str | Path) -> None:
+    """Log the first `MAX_LOGGED` skipped rows of `path` with their lines, then how many more (`what`) there are."""
+    for row in bad[:MAX_LOGGED]:
+        log.warning("data: skipped %s", row)
+    if len(bad) > MAX_LOGGED:
+        log.warning("data: ... and %d more %s in %s", len(bad) - MAX_LOGGED, what, path)
+
+
 def read_rows(path: str | Path, required: Sequence[str],
               check: Callable[[dict[str, Any]], str | None] | None = None) -> Rows:
     """Every row of `path` that is an object with each `required` field present and non-empty.
@@ -107,10 +115,7 @@ def read_rows(path: str | Path, required: Sequence[str],
             out.lines.append(line)
         else:
             out.bad.append(BadRow(str(path), line, reason))
-    for bad in out.bad[:MAX_LOGGED]:
-        log.warning("data: skipped %s", bad)
-    if len(out.bad) > MAX_LOGGED:
-        log.warning("data: ... and %d more bad rows in %s", len(out.bad) - MAX_LOGGED, path)
+    log_skipped(out.bad, "bad rows", path)
     if not out.rows:
         raise ValueError(f"dataset {path} has no usable row ({len(out.bad)} bad; first: "
                          f"{out.bad[0] if out.bad else 'the file is empty'})")

@@ -8,16 +8,13 @@ answer, the row's other fields for the reward), `held_out` the evaluation set,
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
 
-from moe_grpo.data.dataset import MAX_LOGGED, BadRow, Rows
+from moe_grpo.data.dataset import BadRow, Rows, log_skipped
 from moe_grpo.data.tasks import MARKERS, Example, eval_examples, make_examples
-
-log = logging.getLogger("moe_grpo")
 
 class PromptSource:
     """Training prompts in order, the held-out set, and the dataset rows skipped."""
@@ -100,11 +97,7 @@ class DatasetPrompts(PromptSource):
         skipped = [BadRow(rows.path, line, f"prompt of {len(e.prompt_ids)} tokens, more than "
                                            f"data.max_prompt_tokens={limit}")
                    for line, e in zip(rows.lines, examples) if len(e.prompt_ids) > limit]
-        for bad in skipped[:MAX_LOGGED]:  # logged as read_rows logs the rows it skips
-            log.warning("data: skipped %s", bad)
-        if len(skipped) > MAX_LOGGED:
-            log.warning("data: ... and %d more prompts over data.max_prompt_tokens in %s", len(skipped) - MAX_LOGGED,
-                        rows.path)
+        log_skipped(skipped, "prompts over data.max_prompt_tokens", rows.path)  # as read_rows logs its bad rows
         self.bad += skipped
         return [e for e in examples if len(e.prompt_ids) <= limit]
 
