@@ -61,7 +61,8 @@ def check_clean_sync_rows(rows):
         assert r["faults/engine_restarts"] == r["faults/requests_lost"] == r["faults/steps_skipped"] == 0
 
 
-SYNC = dict(mode="sync", steps=5, eval_every=2, **{"checkpoint.every": 2, "checkpoint.keep": 3})
+SYNC = dict(mode="sync", steps=5, eval_every=2, **{"checkpoint.every": 2, "checkpoint.keep": 3,
+                                                   "model.num_layers": 4})  # 4: two pipeline stages of 2 layers
 
 
 def _alive_as_recorded(pids: dict[int, float]) -> list[int]:
@@ -167,7 +168,7 @@ def assert_repeats(want, got, steps, sampled=SAMPLED):
 
 @pytest.fixture(scope="module")
 def resumed_run(sync_run, tmp_path_factory, session_ray_address, on_session_ray):
-    """The sync run, killed after step 2's checkpoint, resumed at EP=2 and extended to `steps=7` (the test below),
+    """The sync run, killed after step 2's checkpoint, resumed with two pipeline stages (PP=2) and extended to `steps=7` (the test below),
     on the session's Ray cluster, which this process had joined before `train` (as a notebook or a sweep driver
     has): what the joined cluster looked like after the run is read while this process is still connected
     (`joined`, for test_a_run_on_a_joined_cluster_releases_its_actors_and_leaves_the_callers_ray_connected)."""
@@ -181,7 +182,7 @@ def resumed_run(sync_run, tmp_path_factory, session_ray_address, on_session_ray)
     run_dir = tmp_path_factory.mktemp("resumed")
     resume_from_step_2(sync_run, run_dir)
     cut = (run_dir / "metrics.jsonl").read_text()
-    resumed = {**SYNC, "steps": 7, "resume": True, "parallel.expert_parallel": 2, "cluster.learner_cpus": 0.5}
+    resumed = {**SYNC, "steps": 7, "resume": True, "parallel.pipeline_parallel": 2, "cluster.learner_cpus": 0.5}
     with pytest.raises(ValueError) as refused:
         train(small_run(**resumed), run_dir)
     refusal = {"message": str(refused.value), "record_kept": (run_dir / "metrics.jsonl").read_text() == cut}
@@ -213,7 +214,8 @@ def resumed_run(sync_run, tmp_path_factory, session_ray_address, on_session_ray)
 def test_a_killed_run_resumes_at_another_layout_repeats_the_uninterrupted_one_and_extending_it_is_a_choice(
         sync_run, resumed_run):
     """Killed after step 2's checkpoint (a half-written later checkpoint and a record cut mid-line left behind),
-    saved at EP=1 and resumed at EP=2 (two learner ranks): Megatron reshards the weights and the Adam state, and
+    saved on one learner rank and resumed at PP=2 (two learner ranks, two layers each, so the learner of a loop runs
+    with pipeline stages too): Megatron reshards the weights and the Adam state, and
     steps 3-5 repeat the uninterrupted run. The layouts add the same numbers in another order, which the tolerance
     of `COMPUTED` covers. (One run checks both: a resume at the same layout is the case with nothing resharded.)
 
