@@ -42,6 +42,7 @@ from moe_grpo.learner.policy_step import (REPLAY_MODES, SUPERVISED_LOSS, NonFini
 from moe_grpo.learner.probe_copies import MAX_SNAPSHOTS, ProbeCopies, probe_gap  # noqa: F401 - MAX_SNAPSHOTS: callers'
 from moe_grpo.learner.rng_state import restore_rng_state
 from moe_grpo.models.megatron import MegatronOptions, build_gpt_model, transformer_config
+from moe_grpo.models.options import gloo_dispatcher_problem
 from moe_grpo.models.spec import MoEModelSpec
 from moe_grpo.routing.replay import RoutingReplayer, check_replay_supported
 from moe_grpo.routing.trace import RoutingTrace
@@ -55,12 +56,9 @@ def _divide_logits(module: Any, args: Any, output: Any, *, temperature: float) -
 
 def _check_settings(layout: ParallelLayout, options: MegatronOptions, temperature: float) -> None:
     """Refuse what this learner cannot run, naming the setting."""
-    if (not torch.cuda.is_available() and layout.tensor_parallel > 1 and layout.expert_parallel > 1
-            and options.token_dispatcher == "alltoall"):
-        raise ValueError(
-            f"TP={layout.tensor_parallel} x EP={layout.expert_parallel} on gloo needs the allgather dispatcher "
-            "(gloo's all_gather refuses the alltoall dispatcher's uneven sizes); set megatron.token_dispatcher=allgather"
-        )
+    problem = gloo_dispatcher_problem(layout.tensor_parallel, layout.expert_parallel, options.token_dispatcher)
+    if problem and not torch.cuda.is_available():
+        raise ValueError(problem)
     if not (temperature > 0 and math.isfinite(temperature)):
         raise ValueError(f"temperature={temperature}, expected a finite number > 0 (the engines' sampling "
                          "temperature; greedy evaluation trains nothing)")

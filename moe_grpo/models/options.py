@@ -57,3 +57,13 @@ class MegatronOptions:
         import torch
 
         return getattr(torch, self.params_dtype)
+
+
+def gloo_dispatcher_problem(tensor_parallel: int, expert_parallel: int, token_dispatcher: str) -> str | None:
+    """Why a learner on CPU (gloo) cannot run this layout with this MoE token dispatcher, or None if it can: at TP x EP
+    gloo's all_gather refuses the alltoall dispatcher's uneven sizes (allgather gives the same results)."""
+    if tensor_parallel > 1 and expert_parallel > 1 and token_dispatcher == "alltoall":
+        return (f"parallel.tensor_parallel={tensor_parallel} x parallel.expert_parallel={expert_parallel} on CPU "
+                "(gloo) needs the allgather token dispatcher (gloo's all_gather refuses the alltoall dispatcher's "
+                "uneven sizes; allgather gives the same results): set megatron.token_dispatcher=allgather")
+    return None

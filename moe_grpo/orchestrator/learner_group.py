@@ -180,6 +180,9 @@ class LearnerGroup:
         try:
             return ray.get(ref)
         except ray.exceptions.RayActorError as e:
+            if getattr(e, "actor_init_failed", False):  # its __init__ raised: the reason is in the error, say it
+                raise LearnerFailedError(f"learner rank {rank} failed during {what}: {failure_line(str(e))}; "
+                                         f"{self.hint()}") from e
             raise self._rank_died(rank, what) from e
         except ray.exceptions.RayTaskError as e:
             raise LearnerFailedError(f"learner rank {rank} failed during {what}: {failure_line(str(e))}; "

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 import numpy as np
 
 from moe_grpo.data.tokenizer import load_tokenizer
+from moe_grpo.models.options import gloo_dispatcher_problem
 from moe_grpo.models.param_count import param_counts
 from moe_grpo.models.peft_names import peft_shapes
 from moe_grpo.models.spec import MoEModelSpec
@@ -338,6 +339,10 @@ def build_plan(run: RunConfig, environ: Mapping[str, str] | None = None, *, seq_
     pools = (_slurm_pools if c.launcher == "slurm" else _local_pools)(run, facts.nodes, gpus, cpus, problems, notes)
     world, engine_gpus, rank_gpus = pools.world, pools.engine_gpus, pools.rank_gpus
     layout = _layout(run, world, problems) if world else None  # no training pool: a problem says so already
+    gloo_problem = gloo_dispatcher_problem(run.parallel.tensor_parallel, run.parallel.expert_parallel,
+                                           run.megatron.token_dispatcher)
+    if layout is not None and gloo_problem and not rank_gpus:  # ranks without a GPU train over gloo
+        problems.append(gloo_problem)
     spec = run.model
     problems += _engine_problems(run, gpus, cpus, notes)
     counts = param_counts(spec)

@@ -52,9 +52,12 @@ def local_ray(session_ray_address):
 
 @ray.remote(num_cpus=0)
 class FakeRank:
-    """A learner rank's actor: `publish` returns, raises or sleeps as `behaviour` says."""
+    """A learner rank's actor: `publish` returns, raises or sleeps as `behaviour` says ("init_raise": building it
+    raises, as a learner refusing its settings does)."""
 
     def __init__(self, dp, dp_size, behaviour="ok"):
+        if behaviour == "init_raise":
+            raise ValueError("TP=2 x EP=2 on gloo needs the allgather dispatcher; set megatron.token_dispatcher=allgather")
         self.dp, self.dp_size, self.behaviour = dp, dp_size, behaviour
 
     def info(self):
@@ -118,6 +121,16 @@ def test_a_rank_that_raises_or_hangs_is_named_and_a_gone_process_at_once_whateve
                         timeout_s=600.0)
     with pytest.raises(LearnerFailedError, match=rf"learner rank 1 \(pid {int(gone.stdout)}\) died during publishing 9"):
         hung.publish(9, background=False, snapshot=False)
+
+
+@pytest.mark.slow
+def test_a_rank_whose_learner_cannot_be_built_is_named_with_the_reason(local_ray):
+    """A rank's actor raising while it builds its learner (Megatron refusing a setting) stopped the run with "learner
+    rank 0 (pid ?) died during starting": the reason was only in Ray's worker logs (a trial at TP=2 x EP=2, 2026-11-28)."""
+    with pytest.raises(LearnerFailedError, match=r"learner rank 0 failed during starting \(test\): .*ValueError: TP=2 x "
+                                                 r"EP=2 on gloo needs the allgather dispatcher; set "
+                                                 r"megatron.token_dispatcher=allgather; no run checkpoint"):
+        start("init_raise", "ok")
 
 
 @pytest.mark.slow

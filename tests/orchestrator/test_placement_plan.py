@@ -275,6 +275,21 @@ def test_a_local_run_asking_for_more_cpus_than_the_host_has_is_refused_and_one_t
     assert build_plan(run_config(crowded + ["cluster.ray_address=127.0.0.1:6379"]), {}, seq_len=32).ok
 
 
+def test_learners_on_cpu_at_tp_x_ep_are_refused_with_the_alltoall_dispatcher_and_planned_with_allgather():
+    """Would have caught: `cluster.learner_ranks=4 parallel.tensor_parallel=2 parallel.expert_parallel=2` on CPU
+    printed "plan: OK", then every rank refused the alltoall dispatcher while building its learner and the run
+    stopped 20 s in (a trial, 2026-11-28). Ranks with a GPU (NCCL) are not refused."""
+    tp_ep = ["cluster.learner_ranks=4", "cluster.learner_cpus=0.25", "cluster.engine_cpus=0.5",
+             "parallel.tensor_parallel=2", "parallel.expert_parallel=2", "cluster.cpus_per_node=2"]
+    assert build_plan(run_config(tp_ep), {}, seq_len=32).problems == (
+        "parallel.tensor_parallel=2 x parallel.expert_parallel=2 on CPU (gloo) needs the allgather token dispatcher "
+        "(gloo's all_gather refuses the alltoall dispatcher's uneven sizes; allgather gives the same results): set "
+        "megatron.token_dispatcher=allgather",)
+    assert build_plan(run_config(tp_ep + ["megatron.token_dispatcher=allgather"]), {}, seq_len=32).ok
+    on_gpus = tp_ep + ["cluster.learner_gpus=1", "cluster.engine_gpus=1"]
+    assert build_plan(run_config(on_gpus), {"CUDA_VISIBLE_DEVICES": "0,1,2,3,4"}, seq_len=32).ok
+
+
 def test_a_run_joining_a_cluster_does_not_promise_shared_memory():
     """The plan cannot see a joined cluster's nodes: it printed 'through shared memory on the learner's host' for a
     run whose second learner rank Ray placed on another node, which then relayed every version."""
