@@ -35,7 +35,9 @@ class RolloutConfig:
     """Engine weights' dtype ('float32' or 'bfloat16'). Weight versions travel in it (the learner casts its shards
     as it publishes; with LoRA they stay float32: sync/dtypes.py `version_dtype`)."""
     kv_cache_gib: int = 1
-    """KV cache per engine on CPU (GiB)."""
+    """KV cache per engine on CPU (GiB): vLLM's VLLM_CPU_KVCACHE_SPACE, which it replaces (with a warning) where the
+    environment holds another value. More than the host's free memory and the engine cannot start (the run stops
+    naming vLLM's reason)."""
     routing_source: str = "auto"
     """How the engines record each token's experts: 'extension' (a hook on every MoE router in the worker extension:
     the path every test and run here took, on CPU; prefix caching off, since cached positions would get no rows),

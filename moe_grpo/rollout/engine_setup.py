@@ -3,6 +3,7 @@ AsyncLLM's engine arguments, and the workers' start-up answers checked."""
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import TYPE_CHECKING, Any, Collection
 
@@ -13,6 +14,8 @@ from moe_grpo.rollout.engine_adapters import adapted_hf
 from moe_grpo.rollout.engine_error import EngineError
 from moe_grpo.rollout.ray_executor import RAY_BACKEND, check_ray_executor
 from moe_grpo.rollout.vllm_cpu_limits import CPU_EXPERT_PARALLEL_SEGFAULT
+
+log = logging.getLogger("moe_grpo")
 
 if TYPE_CHECKING:
     from moe_grpo.learner.lora_config import LoraConfig
@@ -99,9 +102,16 @@ def cpu_omp_bind(tensor_parallel: int, current: str | None, cpus: Collection[int
 
 
 def cpu_env(spec: MoEModelSpec, kv_cache_gib: int) -> None:
-    """What vLLM's CPU backend reads from the environment: its KV cache size, and MLA computed unabsorbed where its
-    kernel cannot run it."""
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(int(kv_cache_gib)))
+    """What vLLM's CPU backend reads from the environment: its KV cache size (`rollout.kv_cache_gib` is the one
+    setting: a different VLLM_CPU_KVCACHE_SPACE already there, exported by the user or left by an engine of another
+    size started in this process, is replaced, with a warning), and MLA computed unabsorbed where its kernel cannot
+    run it."""
+    kv = str(int(kv_cache_gib))
+    before = os.environ.get("VLLM_CPU_KVCACHE_SPACE")
+    if before is not None and before != kv:
+        log.warning("VLLM_CPU_KVCACHE_SPACE=%s in the environment is replaced by rollout.kv_cache_gib=%s (the "
+                    "engine's KV cache size on CPU is set there)", before, kv)
+    os.environ["VLLM_CPU_KVCACHE_SPACE"] = kv
     if spec.uses_mla and (spec.kv_lora_rank or 0) + spec.qk_rope_head_dim != 576:
         # vLLM's CPU MLA kernel only takes kv_lora_rank + qk_rope_head_dim == 576; compute MLA unabsorbed.
         os.environ["VLLM_MLA_DISABLE"] = "1"

@@ -1,5 +1,7 @@
 """`VllmEngine`'s options checked before vLLM starts (rollout/engine_setup.py `check_options`), without an engine."""
 
+import os
+
 import pytest
 
 from moe_grpo.rollout.engine_setup import check_options
@@ -18,3 +20,21 @@ def test_vllms_native_routing_capture_is_refused_on_cpu_before_vllm_starts():
         _options(routing_source="native", on_gpu=False)
     _options(routing_source="native", on_gpu=True)
     _options(routing_source="auto", on_gpu=False)
+
+
+def test_the_kv_cache_size_on_cpu_is_rollout_kv_cache_gib_whatever_the_environment_held(monkeypatch, caplog):
+    """vLLM's CPU backend reads its KV cache size from VLLM_CPU_KVCACHE_SPACE, which was set only when absent: a value
+    already in the environment (exported, or left by an engine of another size started in the same process) won over
+    `rollout.kv_cache_gib`, silently."""
+    from moe_grpo.config import load_model_spec
+    from moe_grpo.rollout.engine_setup import cpu_env
+
+    spec = load_model_spec("deepseek_moe")
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "40")
+    with caplog.at_level("WARNING", logger="moe_grpo"):
+        cpu_env(spec, 4)
+    assert os.environ["VLLM_CPU_KVCACHE_SPACE"] == "4"
+    assert "VLLM_CPU_KVCACHE_SPACE=40 in the environment is replaced by rollout.kv_cache_gib=4" in caplog.text
+    caplog.clear()
+    cpu_env(spec, 4)
+    assert os.environ["VLLM_CPU_KVCACHE_SPACE"] == "4" and not caplog.text, "the same size: nothing to say"
