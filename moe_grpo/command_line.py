@@ -7,15 +7,18 @@ from __future__ import annotations
 import atexit
 import math
 import os
+import re
 import shutil
 import sys
 import tempfile
+import traceback
 from typing import Any, Callable
 
 from hydra import compose, initialize_config_dir
 from hydra.core.override_parser.overrides_parser import OverridesParser
 
 from moe_grpo import config
+from moe_grpo.orchestrator.learner_group import failure_line
 from moe_grpo.orchestrator.run_dirs import RunDirTaken, check_run_dir
 
 
@@ -62,6 +65,23 @@ def refusal(e: ValueError) -> int:
     status: 2, as a config error; the message names the file, row, key or numbers."""
     print(f"[moe_grpo] {e}", file=sys.stderr)
     return 2
+
+
+def part_failed(e: BaseException, run_dir: str) -> int:
+    """Report a run stopped by a part that failed past what the run repairs (a learner rank, an engine that cannot
+    start or keeps failing, a reward or engine failing on everything) in one line, the traceback appended to the
+    run's log, and return the exit status: 1. The driver's traceback says only where it waited; the message names
+    the part, the cause and the checkpoint to resume from (an engine's error crosses Ray as its whole traceback:
+    its last line, without our exception's module path)."""
+    reason = re.sub(r"^moe_grpo\.[\w.]+: ", "", failure_line(str(e)))
+    log = os.path.join(run_dir, "train.log")
+    try:
+        with open(log, "a") as f:
+            traceback.print_exception(e, file=f)
+    except OSError:
+        log = "(not writable)"
+    print(f"[moe_grpo] stopped: {reason}; the run's log: {log}", file=sys.stderr)
+    return 1
 
 
 def closing_line(summary: dict[str, Any], mode: str, run_dir: str) -> str:

@@ -17,11 +17,10 @@ from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from moe_grpo.command_line import (closing_line, config_error, dry_run_dir, refusal, refuse_bad_config,
+from moe_grpo.command_line import (closing_line, config_error, dry_run_dir, part_failed, refusal, refuse_bad_config,
                                    refuse_taken_run_dir)
 from moe_grpo.config import defaults_tree, from_hydra
-from moe_grpo.orchestrator.groups import NothingToTrainError
-from moe_grpo.orchestrator.training_run import SignalledTogether, train
+from moe_grpo.orchestrator.training_run import PART_FAILURES, SignalledTogether, train
 from moe_grpo.orchestrator.logs import quiet_libraries
 from moe_grpo.orchestrator.placement_plan import PlanRefused, dry_run
 from moe_grpo.orchestrator.run_checkpoint import ResumeRefused
@@ -49,9 +48,8 @@ def main(cfg: DictConfig) -> None:
     except (PlanRefused, ResumeRefused, InputRefused) as e:  # the reasons name the numbers, files, rows or keys
         _exit_code = refusal(e)
         return
-    except NothingToTrainError as e:  # a reward or an engine failing on everything: the reason, not a traceback
-        _exit_code = 1
-        print(f"[moe_grpo] stopped: {e}; the run's log: {run_dir}/train.log", file=sys.stderr)
+    except PART_FAILURES as e:  # a part failed past repair: the reason, not the driver's traceback
+        _exit_code = part_failed(e, run_dir)
         return
     except SignalledTogether as e:  # what a scheduler's kill looks like: exit as a SIGTERM stop does
         _exit_code = 128 + 15

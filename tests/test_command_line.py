@@ -2,7 +2,7 @@
 
 import math
 
-from moe_grpo.command_line import closing_line
+from moe_grpo.command_line import closing_line, part_failed
 
 FAULTS = {"requests_lost": 0, "steps_skipped": 0, "sync_failures": 0, "engine_restarts": 1,
           "requests_resubmitted": 3, "rollbacks": 0}
@@ -35,3 +35,24 @@ def test_faults_survived_are_named_and_an_unmeasured_reward_says_so():
     assert "; no held-out reward measured;" in line, line
     assert "held-out reward 0.756 at step 0 -> not measured at the end" in closing_line(_summary(eval_end=None), "a", "r")
     assert "faults survived: engine_restarts 1, requests_resubmitted 3; record in /r" in line
+
+
+def test_a_part_failing_past_repair_ends_the_run_in_one_line_with_the_traceback_in_its_log(tmp_path, capsys):
+    """An engine that could not start crossed Ray as its whole traceback, and the run ended in Hydra's "Error
+    executing job" and ~30 lines of the driver's own stack (a trial with rollout.kv_cache_gib=200, 2026-11-28)."""
+    from moe_grpo.orchestrator.learner_group import LearnerFailedError
+    from moe_grpo.rollout.engine_error import EngineError
+
+    crossed_ray = EngineError("ray::EngineWorker.start() (pid=1952, ip=127.0.0.1)\n  File \"x.py\", line 3, in start\n"
+                              "moe_grpo.rollout.engine_error.EngineError: engine engine0: vLLM failed to start on /r/"
+                              "model_v0: ValueError: Available memory on node 0 (14.35/16.46 GiB) ...")
+    assert part_failed(crossed_ray, str(tmp_path)) == 1
+    assert capsys.readouterr().err == ("[moe_grpo] stopped: engine engine0: vLLM failed to start on /r/model_v0: "
+                                       "ValueError: Available memory on node 0 (14.35/16.46 GiB) ...; the run's log: "
+                                       f"{tmp_path}/train.log\n")
+    assert "EngineWorker.start()" in (tmp_path / "train.log").read_text(), "the whole error is kept in the log"
+    assert part_failed(LearnerFailedError("learner rank 1 (pid 7) died during step 4; last checkpoint: step_000002"),
+                       str(tmp_path)) == 1
+    assert capsys.readouterr().err.startswith("[moe_grpo] stopped: learner rank 1 (pid 7) died during step 4; last "
+                                              "checkpoint: step_000002; the run's log: ")
+

@@ -20,6 +20,7 @@ from moe_grpo.orchestrator.learner_group import LearnerGroup
 from moe_grpo.orchestrator.placement_plan import pin_bundles
 from moe_grpo.orchestrator.ray_loopback import loopback_node
 from moe_grpo.orchestrator.run_dirs import make_private_dir, remove_orphaned_private_dirs
+from moe_grpo.rollout.engine_error import EngineError
 
 if TYPE_CHECKING:  # the run's config composes the orchestrator's: it is a layer above (pyproject.toml)
     from moe_grpo.config import RunConfig
@@ -336,7 +337,8 @@ def _start_actors(run: RunConfig, run_dir: str, pg: Any, layout: Any, agents: li
         try:
             pids.append(ray.get(ref, timeout=max(1.0, c.start_timeout_s - (time.perf_counter() - t0))))
         except ray.exceptions.GetTimeoutError as e:
-            raise RuntimeError(f"{name} (vLLM) did not start within {c.start_timeout_s:.0f} s") from e
+            raise EngineError(f"{name} (vLLM) did not start within cluster.start_timeout_s="
+                              f"{c.start_timeout_s:.0f} s") from e
     return Pools(engines, group, pg, make_engine, pids, layout, agents, engine_groups)
 
 

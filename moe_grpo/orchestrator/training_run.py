@@ -17,7 +17,9 @@ from moe_grpo.data.tokenizer import load_tokenizer
 from moe_grpo.orchestrator import run_checkpoint
 from moe_grpo.orchestrator.driver import Driver, Stopped
 from moe_grpo.orchestrator.engine_pool import EngineFailedError
+from moe_grpo.orchestrator.groups import NothingToTrainError
 from moe_grpo.orchestrator.initial_weights import InitialWeights
+from moe_grpo.orchestrator.learner_group import LearnerFailedError
 from moe_grpo.orchestrator.probe import probe_due
 from moe_grpo.orchestrator.process_record import ProcessRecord, release_previous
 from moe_grpo.orchestrator.resume import resume_point
@@ -28,12 +30,18 @@ from moe_grpo.orchestrator.session import RunSession, check_reward_paths, checke
 from moe_grpo.orchestrator.state import RunState
 from moe_grpo.orchestrator.trackers import check_installed
 from moe_grpo.processes import entries_phrase
+from moe_grpo.rollout.engine_error import EngineError
 from moe_grpo.validate import refused_inputs
 
 if TYPE_CHECKING:  # the run's config composes the orchestrator's: it is a layer above (pyproject.toml)
     from moe_grpo.config import RunConfig
 
 log = logging.getLogger("moe_grpo")
+
+PART_FAILURES = (NothingToTrainError, LearnerFailedError, EngineFailedError, EngineError)
+"""What stops a run because a part failed past what it repairs: a learner rank (dead, raising, hung), an engine that
+cannot start or failed more than `rollout.max_restarts` times, a reward or the engines failing on everything. Each
+names the part and the cause; `python -m moe_grpo.train` ends on it in one line (exit 1)."""
 
 
 def train(run: RunConfig, run_dir: str | Path, *, learner_cls: type | None = None,

@@ -57,6 +57,7 @@ from moe_grpo.process_ties import started_processes_die_with_this_thread
 from moe_grpo.processes import process_alive
 from moe_grpo.rollout import engine_requests, engine_weights, lora_serving
 from moe_grpo.rollout.engine_error import EngineError
+from moe_grpo.rollout.engine_log import log_size, root_cause, vllm_log_file
 from moe_grpo.rollout.engine_outputs import check_prompt, join_segments, native_routing_to_trace, versions_from_spans
 from moe_grpo.rollout import engine_core_start
 from moe_grpo.rollout.engine_processes import EngineProcesses, engine_core_processes
@@ -232,12 +233,16 @@ class VllmEngine:
         self.worker_pid: int | None = None
         self._model_pids, self._capture_indices, self._tp_ranks, self._pp_ranks = [], [0], [0], [0]
         self._closing = None
+        log_file = vllm_log_file()
+        log_start = log_size(log_file)
         try:
             info = self._call(self._astart(), "start", timeout_s=timeout_s or max(self.request_timeout_s, 300.0))
         except Exception as e:
             if self.llm is not None:  # half started: its processes and segments go now, not at exit
                 self.shutdown(stop_loop=False, kill=True, reason="it failed to start")
-            raise EngineError(f"engine {self.engine_id}: vLLM failed to start on {self.model_dir}: {e}") from e
+            cause = root_cause(log_file, log_start)  # vLLM's own error says only "see root cause above"
+            raise EngineError(f"engine {self.engine_id}: vLLM failed to start on {self.model_dir}: "
+                              + (f"{cause} (vLLM: {e}; its log: {log_file})" if cause else str(e))) from e
         self.start_seconds = time.perf_counter() - t0
         if info is not None and self.capture and not self.native and len(info["moe_layers"]) != self.spec.num_moe_layers:
             raise EngineError(f"engine {self.engine_id}: routing capture found {len(info['moe_layers'])} MoE routers, "
