@@ -67,14 +67,13 @@ def refusal(e: ValueError) -> int:
     return 2
 
 
-def part_failed(e: BaseException, run_dir: str) -> int:
+def part_failed(e: BaseException, log: str) -> int:
     """Report a run stopped by a part that failed past what the run repairs (a learner rank, an engine that cannot
     start or keeps failing, a reward or engine failing on everything) in one line, the traceback appended to the
     run's log, and return the exit status: 1. The driver's traceback says only where it waited; the message names
     the part, the cause and the checkpoint to resume from (an engine's error crosses Ray as its whole traceback:
-    its last line, without our exception's module path)."""
+    its last line, without our exception's module path). `log`: the run's log file (Hydra's job log)."""
     reason = re.sub(r"^moe_grpo\.[\w.]+: ", "", failure_line(str(e)))
-    log = os.path.join(run_dir, "train.log")
     try:
         with open(log, "a") as f:
             traceback.print_exception(e, file=f)

@@ -7,6 +7,7 @@ errors answer at once.
 
 from __future__ import annotations
 
+import os
 import sys
 
 import hydra
@@ -14,10 +15,11 @@ from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from moe_grpo.command_line import config_error, refusal, refuse_bad_config
+from moe_grpo.command_line import config_error, part_failed, refusal, refuse_bad_config
 from moe_grpo.evaluation.config import defaults_tree, from_hydra, unknown_key
 from moe_grpo.evaluation.run import SUMMARY, evaluate
 from moe_grpo.orchestrator.logs import quiet_libraries
+from moe_grpo.rollout.engine_error import EngineError
 from moe_grpo.validate import InputRefused
 
 _exit_code = 0
@@ -36,6 +38,10 @@ def main(cfg: DictConfig) -> None:
         summary = evaluate(config, out_dir)
     except InputRefused as e:  # the message names the file, the row or the dotted path
         _exit_code = refusal(e)
+        return
+    except EngineError as e:  # vLLM could not start (the cause it logged) or failed: one line, not a traceback
+        hydra_dir = HydraConfig.get()
+        _exit_code = part_failed(e, os.path.join(hydra_dir.runtime.output_dir, f"{hydra_dir.job.name}.log"))
         return
     passes = "".join(f", pass@{k} {summary[f'pass@{k}']:.3f}" for k in config.pass_k if f"pass@{k}" in summary)
     print(f"[moe_grpo] {summary['rows']} prompts of {summary['dataset']}: greedy accuracy "

@@ -46,13 +46,13 @@ def test_a_part_failing_past_repair_ends_the_run_in_one_line_with_the_traceback_
     crossed_ray = EngineError("ray::EngineWorker.start() (pid=1952, ip=127.0.0.1)\n  File \"x.py\", line 3, in start\n"
                               "moe_grpo.rollout.engine_error.EngineError: engine engine0: vLLM failed to start on /r/"
                               "model_v0: ValueError: Available memory on node 0 (14.35/16.46 GiB) ...")
-    assert part_failed(crossed_ray, str(tmp_path)) == 1
+    assert part_failed(crossed_ray, str(tmp_path / "train.log")) == 1
     assert capsys.readouterr().err == ("[moe_grpo] stopped: engine engine0: vLLM failed to start on /r/model_v0: "
                                        "ValueError: Available memory on node 0 (14.35/16.46 GiB) ...; the run's log: "
                                        f"{tmp_path}/train.log\n")
     assert "EngineWorker.start()" in (tmp_path / "train.log").read_text(), "the whole error is kept in the log"
     assert part_failed(LearnerFailedError("learner rank 1 (pid 7) died during step 4; last checkpoint: step_000002"),
-                       str(tmp_path)) == 1
+                       str(tmp_path / "train.log")) == 1
     assert capsys.readouterr().err.startswith("[moe_grpo] stopped: learner rank 1 (pid 7) died during step 4; last "
                                               "checkpoint: step_000002; the run's log: ")
 
