@@ -398,7 +398,7 @@ def build_plan(run: RunConfig, environ: Mapping[str, str] | None = None, *, seq_
 
 def _engine_problems(run: RunConfig, gpus: int | None, cpus: int | None, notes: list[str]) -> list[str]:
     """What an engine's shape asks that vLLM cannot build here: a TP not dividing the heads, more stages than layers,
-    LoRA with stages, expert parallelism where the engines run on CPU. Notes an engine on CPU with more vLLM
+    served LoRA adapters with stages, expert parallelism where the engines run on CPU. Notes an engine on CPU with more vLLM
     workers than the node has cores (each worker gets a core set; they then share cores)."""
     c, spec, problems = run.cluster, run.model, []
     engine_tp, engine_pp = c.engine_tensor_parallel, c.engine_pipeline_parallel
@@ -416,9 +416,10 @@ def _engine_problems(run: RunConfig, gpus: int | None, cpus: int | None, notes: 
         problems.append(f"cluster.engine_expert_parallel=true where the engines run on CPU (nodes without GPUs, or "
                         f"vLLM's CPU build installed): {CPU_EXPERT_PARALLEL_SEGFAULT}; set cluster.engine_expert_parallel=false "
                         "(the experts are then tensor-sliced over the engine's workers) or run it on GPUs")
-    if engine_pp > 1 and run.lora.enabled:
-        problems.append(f"cluster.engine_pipeline_parallel={engine_pp} with lora.rank={run.lora.rank}: LoRA versions "
-                        "are built for engines of one pipeline stage (cluster.engine_pipeline_parallel=1)")
+    if engine_pp > 1 and run.lora.enabled and run.sync.lora_apply == "serve":
+        problems.append(f"cluster.engine_pipeline_parallel={engine_pp} with sync.lora_apply=serve: adapters served by "
+                        "vLLM are built for engines of one pipeline stage; set sync.lora_apply=merge (each stage "
+                        "merges its own layers)")
     return problems
 
 

@@ -41,9 +41,10 @@ def check_options(*, tensor_parallel: Any, routing_source: str, on_update: str, 
     if num_layers is not None and pipeline_parallel > num_layers:
         raise ValueError(f"pipeline_parallel={pipeline_parallel} stages for a model of {num_layers} decoder layers, "
                          "expected at most one stage per layer")
-    if pipeline_parallel > 1 and lora is not None and lora.enabled:
-        raise ValueError(f"lora with pipeline_parallel={pipeline_parallel}: LoRA versions are built for engines of "
-                         "one pipeline stage (pipeline_parallel=1)")
+    if pipeline_parallel > 1 and lora is not None and lora.enabled and lora_apply == "serve":
+        raise ValueError(f"lora_apply='serve' with pipeline_parallel={pipeline_parallel}: adapters served by vLLM are "
+                         "built for engines of one pipeline stage; merge them (lora_apply='merge', each stage merges "
+                         "its own layers)")
     if routing_source not in ("auto", "extension", "native"):
         raise ValueError(f"routing_source={routing_source!r}, expected 'auto', 'extension' or 'native'")
     if routing_source == "native" and on_gpu is False:

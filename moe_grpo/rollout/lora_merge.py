@@ -22,7 +22,9 @@ from typing import Iterator, Mapping
 import torch
 
 from moe_grpo.models.peft_names import PEFT_PREFIX
+
 _LAYER = re.compile(r"^(model\.layers\.\d+)\.")
+_LAYER_INDEX = re.compile(r"^model\.layers\.(\d+)\.")
 
 
 def adapter_weight(peft_name: str) -> tuple[str, str]:
@@ -37,12 +39,18 @@ def is_adapter_name(name: str) -> bool:
     return name.startswith(PEFT_PREFIX)
 
 
+def on_stage(weight: str, start: int, end: int | None) -> bool:
+    """Whether the HF weight `weight` lies in a pipeline stage's decoder layers [start, end) (end None: to the last;
+    a name outside the layer stack: on every stage)."""
+    m = _LAYER_INDEX.match(weight)
+    return m is None or (start <= int(m.group(1)) and (end is None or int(m.group(1)) < end))
+
+
 class MergedWeights:
     """W0 of every adapted HF weight, and the merged weights of an adapter version computed from it."""
 
     def __init__(self, adapted: list[str]) -> None:
-        if not adapted:
-            raise ValueError("MergedWeights with no adapted weight names")
+        """`adapted`: the HF weights this worker merges (none: a pipeline stage whose layers hold no adapter)."""
         self.adapted = list(adapted)
         self._adapted = set(adapted)
         self.base: dict[str, torch.Tensor] = {}

@@ -236,14 +236,23 @@ class RoutingCaptureExtension:
         """Merge mode: keep an exact copy of W0 of every `adapted` HF weight, read from the model directory the
         engine started from (a LoRA run's start directory holds the frozen base). Returns the copies' bytes."""
         from moe_grpo.checkpoint.hf_io import SafetensorsDir
-        from moe_grpo.rollout.lora_merge import MergedWeights
+        from moe_grpo.rollout.lora_merge import MergedWeights, on_stage
 
-        self._mg_lora = MergedWeights(adapted)
+        start, end = self._mg_stage_layers()
+        mine = [name for name in adapted if on_stage(name, start, end)]  # a pipeline stage merges its own layers
+        self._mg_lora = MergedWeights(mine)
         files = SafetensorsDir(model_dir)
-        files.require(adapted)
-        for name in adapted:
+        files.require(mine)
+        for name in mine:
             self._mg_lora.keep({name: files.get(name)})
         return self._mg_lora.nbytes
+
+    def _mg_stage_layers(self) -> tuple[int, int | None]:
+        """The decoder layers this worker's pipeline stage holds, [start, end) (vLLM's `start_layer`/`end_layer` of
+        the model's layer stack; (0, None): every layer)."""
+        inner = getattr(self.model_runner.get_model(), "model", None)  # type: ignore[attr-defined]
+        start, end = getattr(inner, "start_layer", None), getattr(inner, "end_layer", None)
+        return (int(start), int(end)) if isinstance(start, int) and isinstance(end, int) else (0, None)
 
     def _mg_keep_base(self, tensors: dict) -> None:
         """Every full-weight load is the base (a LoRA run's base is frozen): refresh the copies of W0 it holds."""
@@ -270,15 +279,18 @@ class RoutingCaptureExtension:
     def moe_grpo_apply_adapter(self, adapter: dict, scale: float) -> int:
         """The merge itself: one version's adapters (PEFT names -> whole A / B) and scale alpha / r in, the merged
         weights reloaded one decoder layer at a time. Never accumulates: W comes from the copy of W0."""
+        from moe_grpo.rollout.lora_merge import adapter_weight, on_stage
+
         lora = getattr(self, "_mg_lora", None)
         if lora is None:
             raise RuntimeError("moe_grpo_apply_adapter before moe_grpo_lora_setup (the engine was started "
                                "without lora)")
-        n = 0
-        for group in lora.merged(adapter, float(scale)):
+        weights = {adapter_weight(key)[0] for key in adapter}
+        start, end = self._mg_stage_layers()
+        mine = {key: t for key, t in adapter.items() if on_stage(adapter_weight(key)[0], start, end)}
+        for group in lora.merged(mine, float(scale)):
             self.reload_weights(weights_iterator=iter(list(group.items())))  # type: ignore[attr-defined]
-            n += len(group)
-        return n
+        return len(weights)  # the version's adapted weights: every worker of every stage answers the same count
 
 
 PACKED_READBACK_ROWS = 1024

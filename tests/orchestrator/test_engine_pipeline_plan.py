@@ -53,9 +53,10 @@ def test_deepseek_v3_engine_refusal_counts_its_pipeline_stages():
     (["cluster.engine_pipeline_parallel=2", "cluster.engine_gpus=2"],
      "cluster.engine_gpus=2 but an engine of cluster.engine_tensor_parallel=2 x cluster.engine_pipeline_parallel=2 "
      "holds 4 GPU(s)"),
-    (["cluster.num_engines=2", "cluster.engine_pipeline_parallel=2", "lora.rank=4", "lora.alpha=8"],
-     "cluster.engine_pipeline_parallel=2 with lora.rank=4: LoRA versions are built for engines of one pipeline "
-     "stage"),
+    (["cluster.num_engines=2", "cluster.engine_pipeline_parallel=2", "lora.rank=4", "lora.alpha=8",
+      "sync.lora_apply=serve"],
+     "cluster.engine_pipeline_parallel=2 with sync.lora_apply=serve: adapters served by vLLM are built for engines of "
+     "one pipeline stage; set sync.lora_apply=merge"),
 ])
 def test_impossible_engine_pipelines_are_refused_with_the_reason(overrides, reason):
     plan = plan_for([*QWEN_2x8, *overrides], QWEN_ENV)

@@ -38,3 +38,15 @@ def test_the_kv_cache_size_on_cpu_is_rollout_kv_cache_gib_whatever_the_environme
     caplog.clear()
     cpu_env(spec, 4)
     assert os.environ["VLLM_CPU_KVCACHE_SPACE"] == "4" and not caplog.text, "the same size: nothing to say"
+
+
+def test_lora_at_engine_pipeline_stages_is_merged_not_served():
+    """Merged adapters run at engine PP > 1 (each stage merges its own layers: test_lora_tensor_parallel.py); vLLM's
+    served adapters there are refused naming the setting to use. Before 2026-11-28 both were refused."""
+    from moe_grpo.learner.lora_config import LoraConfig
+
+    lora = LoraConfig(rank=4, alpha=8)
+    _options(lora=lora, lora_apply="merge", pipeline_parallel=2, num_layers=4)
+    with pytest.raises(ValueError, match=r"lora_apply='serve' with pipeline_parallel=2: .* merge them "
+                                         r"\(lora_apply='merge'"):
+        _options(lora=lora, lora_apply="serve", pipeline_parallel=2, num_layers=4)

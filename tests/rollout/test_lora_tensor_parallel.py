@@ -13,6 +13,8 @@ layers slice A and B per worker), adapters on attention, the dense MLP and the s
 cannot serve routed-expert adapters; test_lora_serving.py checks the refusal); the same comparisons against a TP=1
 engine serving the same adapters and the learner.
 
+Merged at engine pipeline parallelism 2 as well: each stage merges its own layers' adapters.
+
 The engines run one after the other (2 cores); each module fixture starts its engines once.
 """
 
@@ -36,16 +38,18 @@ def _scores(engine, seqs):
     return engine.score([s.tokens for s in seqs])
 
 
-def _engine_scores(start, spec, lora, transport, seqs, *, tensor_parallel: int, lora_apply: str) -> dict:
-    """An engine of `tensor_parallel` workers on `start`: its log-probs of `seqs` on the start adapter, then on
-    version 1 (adapters only, published by the learner). Shut down before returning."""
+def _engine_scores(start, spec, lora, transport, seqs, *, tensor_parallel: int, lora_apply: str,
+                   pipeline_parallel: int = 1) -> dict:
+    """An engine of `tensor_parallel` x `pipeline_parallel` workers on `start`: its log-probs of `seqs` on the start
+    adapter, then on version 1 (adapters only, published by the learner). Shut down before returning."""
     from moe_grpo.rollout.vllm_engine import VllmEngine
     from moe_grpo.sync.deliver import apply_version
 
     engine = VllmEngine(start, spec, max_model_len=256, max_num_seqs=8, lora=lora, lora_apply=lora_apply,
-                        tensor_parallel=tensor_parallel, name=f"tp{tensor_parallel}_{lora_apply}")
+                        tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel,
+                        name=f"tp{tensor_parallel}_pp{pipeline_parallel}_{lora_apply}")
     try:
-        out = {"workers": engine.tensor_parallel, "v0": _scores(engine, seqs)}
+        out = {"workers": engine.num_workers, "v0": _scores(engine, seqs)}
         apply_version(engine, transport, 1)
         out["v1"], out["version"] = _scores(engine, seqs), engine.policy_version
         return out
@@ -66,7 +70,10 @@ def _run(tmp_path_factory, name: str, targets: tuple[str, ...] | None, lora_appl
         want["v1"] = learner.logprobs(seqs)
         engines = {tp: _engine_scores(start, spec, lora, transport, seqs, tensor_parallel=tp, lora_apply=lora_apply)
                    for tp in (1, 2)}
-        return {"learner": want, 1: engines[1], 2: engines[2]}
+        if lora_apply == "merge":  # two pipeline stages of 2 layers, each merging its own layers' adapters
+            engines["pp2"] = _engine_scores(start, spec, lora, transport, seqs, tensor_parallel=1,
+                                            pipeline_parallel=2, lora_apply=lora_apply)
+        return {"learner": want, **engines}
     finally:
         transport.close()
 
@@ -111,3 +118,19 @@ def test_tp2_engine_serving_lora_adapters_serves_the_learners_model(served, reco
     the TP=1 engine serving the same adapters and the learner, on the start adapter and on an adapter-only
     version."""
     _check(served, "serve", record_property)
+
+
+def test_pp2_engine_merging_lora_versions_serves_the_learners_model(merged, record_property):
+    """An engine of two pipeline stages: each stage's worker keeps W0 of its own layers' adapted weights only and
+    merges their adapters, and every worker answers each version with the same count. Before 2026-11-28 LoRA with
+    engine stages was refused. Its log-probs match the TP=1 engine's and the learner's on the start adapter and on an
+    adapter-only version (a stage left unmerged would differ by the adapters' effect, > 1e-3 here)."""
+    gap = L.logprob_gap
+    want, one, pp2 = merged["learner"], merged[1], merged["pp2"]
+    assert pp2["workers"] == 2 and pp2["version"] == 1
+    figures = {v: {"pp2_vs_tp1": gap(pp2[v], one[v]), "pp2_vs_learner": gap(pp2[v], want[v])} for v in ("v0", "v1")}
+    record_property("lora_pp2", figures)
+    print(f"LoRA merged at engine PP=2: {figures}")
+    for v in ("v0", "v1"):
+        assert figures[v]["pp2_vs_tp1"] <= ENGINE_TOL and figures[v]["pp2_vs_learner"] <= LEARNER_TOL, figures
+
