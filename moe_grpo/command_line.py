@@ -7,7 +7,6 @@ from __future__ import annotations
 import atexit
 import math
 import os
-import re
 import shutil
 import sys
 import tempfile
@@ -15,10 +14,10 @@ import traceback
 from typing import Any, Callable
 
 from hydra import compose, initialize_config_dir
+from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
 
 from moe_grpo import config
-from moe_grpo.orchestrator.learner_group import failure_line
 from moe_grpo.orchestrator.run_dirs import RunDirTaken, check_run_dir
 
 
@@ -67,18 +66,23 @@ def refusal(e: ValueError) -> int:
     return 2
 
 
-def part_failed(e: BaseException, log: str) -> int:
+def part_failed(e: BaseException, log: str | None = None) -> int:
     """Report a run stopped by a part that failed past what the run repairs (a learner rank, an engine that cannot
     start or keeps failing, a reward or engine failing on everything) in one line, the traceback appended to the
     run's log, and return the exit status: 1. The driver's traceback says only where it waited; the message names
-    the part, the cause and the checkpoint to resume from (an engine's error crosses Ray as its whole traceback:
-    its last line, without our exception's module path). `log`: the run's log file (Hydra's job log)."""
-    reason = re.sub(r"^moe_grpo\.[\w.]+: ", "", failure_line(str(e)))
+    the part, the cause and the checkpoint to resume from (an error that crossed Ray, whose text is its whole remote
+    traceback: the original's message). `log`: the run's log file (None: Hydra's job log)."""
+    cause = getattr(e, "cause", None)  # Ray's RayTaskError keeps the exception raised in the actor
+    reason = " ".join(str(cause if isinstance(cause, BaseException) else e).split())
+    if log is None:
+        hydra = HydraConfig.get()
+        log = os.path.join(hydra.runtime.output_dir, f"{hydra.job.name}.log")
     try:
         with open(log, "a") as f:
             traceback.print_exception(e, file=f)
     except OSError:
-        log = "(not writable)"
+        traceback.print_exception(e, file=sys.stderr)
+        log = "(not writable: the traceback is above)"
     print(f"[moe_grpo] stopped: {reason}; the run's log: {log}", file=sys.stderr)
     return 1
 

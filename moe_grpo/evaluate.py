@@ -7,7 +7,6 @@ errors answer at once.
 
 from __future__ import annotations
 
-import os
 import sys
 
 import hydra
@@ -40,8 +39,7 @@ def main(cfg: DictConfig) -> None:
         _exit_code = refusal(e)
         return
     except EngineError as e:  # vLLM could not start (the cause it logged) or failed: one line, not a traceback
-        hydra_dir = HydraConfig.get()
-        _exit_code = part_failed(e, os.path.join(hydra_dir.runtime.output_dir, f"{hydra_dir.job.name}.log"))
+        _exit_code = part_failed(e)
         return
     passes = "".join(f", pass@{k} {summary[f'pass@{k}']:.3f}" for k in config.pass_k if f"pass@{k}" in summary)
     print(f"[moe_grpo] {summary['rows']} prompts of {summary['dataset']}: greedy accuracy "

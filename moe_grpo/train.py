@@ -49,7 +49,7 @@ def main(cfg: DictConfig) -> None:
         _exit_code = refusal(e)
         return
     except PART_FAILURES as e:  # a part failed past repair: the reason, not the driver's traceback
-        _exit_code = part_failed(e, os.path.join(run_dir, "train.log"))
+        _exit_code = part_failed(e)
         return
     except SignalledTogether as e:  # what a scheduler's kill looks like: exit as a SIGTERM stop does
         _exit_code = 128 + 15

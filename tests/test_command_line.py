@@ -40,19 +40,28 @@ def test_faults_survived_are_named_and_an_unmeasured_reward_says_so():
 def test_a_part_failing_past_repair_ends_the_run_in_one_line_with_the_traceback_in_its_log(tmp_path, capsys):
     """An engine that could not start crossed Ray as its whole traceback, and the run ended in Hydra's "Error
     executing job" and ~30 lines of the driver's own stack (a trial with rollout.kv_cache_gib=200, 2026-11-28)."""
+    import ray
+
+    from moe_grpo.orchestrator.groups import RewardFailedError
     from moe_grpo.orchestrator.learner_group import LearnerFailedError
     from moe_grpo.rollout.engine_error import EngineError
 
-    crossed_ray = EngineError("ray::EngineWorker.start() (pid=1952, ip=127.0.0.1)\n  File \"x.py\", line 3, in start\n"
-                              "moe_grpo.rollout.engine_error.EngineError: engine engine0: vLLM failed to start on /r/"
-                              "model_v0: ValueError: Available memory on node 0 (14.35/16.46 GiB) ...")
-    assert part_failed(crossed_ray, str(tmp_path / "train.log")) == 1
+    log = str(tmp_path / "train.log")
+    in_actor = EngineError("engine engine0: vLLM failed to start on /r/model_v0: ValueError: Available memory on "
+                           "node 0 (14.35/16.46 GiB) ...")
+    crossed_ray = ray.exceptions.RayTaskError("EngineWorker.start", "Traceback ...\n  File x.py\n", in_actor,
+                                              proctitle="ray::EngineWorker.start()").as_instanceof_cause()
+    assert isinstance(crossed_ray, EngineError), "what the driver catches"
+    assert part_failed(crossed_ray, log) == 1
     assert capsys.readouterr().err == ("[moe_grpo] stopped: engine engine0: vLLM failed to start on /r/model_v0: "
-                                       "ValueError: Available memory on node 0 (14.35/16.46 GiB) ...; the run's log: "
-                                       f"{tmp_path}/train.log\n")
-    assert "EngineWorker.start()" in (tmp_path / "train.log").read_text(), "the whole error is kept in the log"
+                                       f"ValueError: Available memory on node 0 (14.35/16.46 GiB) ...; the run's log: {log}\n")
+    assert "EngineWorker.start" in (tmp_path / "train.log").read_text(), "the whole error is kept in the log"
     assert part_failed(LearnerFailedError("learner rank 1 (pid 7) died during step 4; last checkpoint: step_000002"),
-                       str(tmp_path / "train.log")) == 1
+                       log) == 1
     assert capsys.readouterr().err.startswith("[moe_grpo] stopped: learner rank 1 (pid 7) died during step 4; last "
                                               "checkpoint: step_000002; the run's log: ")
-
+    # A reward's error of several lines is said whole, on one line (not its last line alone).
+    part_failed(RewardFailedError("the reward functions (my.reward) left 8 groups ...; last error: my.reward: "
+                                  "ValueError: could not parse\nexpected '#### <n>'"), log)
+    assert "last error: my.reward: ValueError: could not parse expected '#### <n>'; the run's log" in \
+        capsys.readouterr().err

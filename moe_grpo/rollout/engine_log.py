@@ -13,8 +13,10 @@ import json
 import os
 import re
 
-EXCEPTION_LINE = re.compile(r"^(?:[A-Za-z_]\w*\.)*[A-Z]\w*(?:Error|Exception|Exit|Interrupt)\b: \S")
-"""The last line of a Python traceback: `ValueError: ...`, `torch.OutOfMemoryError: ...`."""
+EXCEPTION_LINE = re.compile(r"^(?:[A-Za-z_]\w*\.)*[A-Z]\w*(?:Error|Exception|Exit|Interrupt)(?:: \S.*)?$")
+"""The last line of a Python traceback: `ValueError: ...`, `torch.OutOfMemoryError: ...`, a bare `AssertionError`."""
+RECORD_START = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d")
+"""The first line of a log record (orchestrator/logs.py's format starts with the time); a traceback's lines follow it."""
 MAX_READ = 4 << 20
 MAX_CAUSE_CHARS = 600
 
@@ -43,9 +45,10 @@ def log_size(log_file: str | None) -> int:
 
 
 def root_cause(log_file: str | None, since: int) -> str | None:
-    """The exception of the first error vLLM logged in `log_file` after byte `since`, in one line (None: no error
-    logged, or no file). The first is the cause: the engine core's and the client's errors that follow only say a
-    worker or the core failed."""
+    """The exception of the first error record vLLM logged in `log_file` after byte `since` with a traceback, in one
+    line (None: none, or no file). The first is the cause: the engine core's and the client's errors that follow only
+    say a worker or the core failed. The file is the run's: with several engines starting at once it may be
+    another's (their cause is then usually the same setting)."""
     if not log_file:
         return None
     try:
@@ -54,11 +57,11 @@ def root_cause(log_file: str | None, since: int) -> str | None:
             text = f.read(MAX_READ).decode(errors="replace")
     except OSError:
         return None
-    after_error = False
+    in_error = False  # inside an ERROR record (its first line and the traceback below it)
     for line in text.splitlines():
-        if not after_error:
-            after_error = " ERROR " in line or " CRITICAL " in line
-        elif EXCEPTION_LINE.match(line):
+        if RECORD_START.match(line):
+            in_error = " ERROR " in line or " CRITICAL " in line
+        elif in_error and EXCEPTION_LINE.match(line):
             cause = line.strip()
             return cause if len(cause) <= MAX_CAUSE_CHARS else cause[:MAX_CAUSE_CHARS] + " ..."
     return None

@@ -108,13 +108,28 @@ def apply_start_adapter(engine: VllmEngine) -> None:
                              "the start adapter")
             return
         adapted = engine_adapters.adapted_hf(engine.spec, engine.lora)
-        engine.lora_base_bytes = int(engine._rpc("moe_grpo_lora_setup", (adapted, engine.model_dir))[0])
+        answers = engine._rpc("moe_grpo_lora_setup", (adapted, engine.model_dir))
+        engine.lora_base_bytes = max(int(a["bytes"]) for a in answers)
+        check_stages_cover(answers, engine._pp_ranks, len(adapted), engine.engine_id)
         rpcs = engine_adapters.dir_adapter_rpcs(engine.model_dir, engine.lora, engine.engine_id)
         if rpcs:
             engine._call(load(engine, rpcs, engine.policy_version, engine.weight_source), "the start adapter")
     except Exception as e:
         engine.shutdown(stop_loop=False, kill=True, reason="its LoRA setup failed")
         raise EngineError(f"engine {engine.engine_id}: LoRA setup from {engine.model_dir} failed: {e}") from e
+
+
+def check_stages_cover(answers: list[dict], pp_ranks: list[int], adapted: int, engine_id: str) -> None:
+    """Merge mode: the workers of a pipeline stage merge the same weights, and the stages together every adapted
+    weight once (a stage that took a wrong range of layers would leave some unmerged, silently: each worker answers
+    a version with its count of the version's weights)."""
+    per_stage: dict[int, set[int]] = {}
+    for stage, answer in zip(pp_ranks if len(pp_ranks) == len(answers) else [0] * len(answers), answers):
+        per_stage.setdefault(stage, set()).add(int(answer["weights"]))
+    if any(len(counts) != 1 for counts in per_stage.values()) or sum(min(c) for c in per_stage.values()) != adapted:
+        raise EngineError(f"engine {engine_id}: the workers' pipeline stages merge {per_stage} adapted weights "
+                          f"(stage: counts of its workers), expected the stages to add up to {adapted}, each stage's "
+                          "workers the same")
 
 
 def load_weights(engine: VllmEngine, hf_tensors: dict[str, Any], version: int) -> None:

@@ -85,7 +85,8 @@ class VllmEngine:
     lora_apply: str | None
     """'merge', 'serve' (how adapter versions are applied) or None without LoRA."""
     lora_base_bytes: int
-    """Host memory each worker holds for the exact copy of W0 of the adapted weights (merge)."""
+    """Host memory a worker holds for the exact copy of W0 of the adapted weights (merge; with pipeline stages, each
+    stage's workers only their own layers': the largest stage's)."""
     tensor_parallel: int
     """vLLM workers (tensor-parallel ranks) of this engine."""
     dtype: str
@@ -241,8 +242,9 @@ class VllmEngine:
             if self.llm is not None:  # half started: its processes and segments go now, not at exit
                 self.shutdown(stop_loop=False, kill=True, reason="it failed to start")
             cause = root_cause(log_file, log_start)  # vLLM's own error says only "see root cause above"
-            raise EngineError(f"engine {self.engine_id}: vLLM failed to start on {self.model_dir}: "
-                              + (f"{cause} (vLLM: {e}; its log: {log_file})" if cause else str(e))) from e
+            raise EngineError(f"engine {self.engine_id}: vLLM failed to start on {self.model_dir}: " + (
+                f"{cause} (the first error vLLM logged after this start began, in {log_file}; the engine's own "
+                f"error: {e})" if cause else str(e))) from e
         self.start_seconds = time.perf_counter() - t0
         if info is not None and self.capture and not self.native and len(info["moe_layers"]) != self.spec.num_moe_layers:
             raise EngineError(f"engine {self.engine_id}: routing capture found {len(info['moe_layers'])} MoE routers, "

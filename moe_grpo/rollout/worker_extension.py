@@ -232,9 +232,10 @@ class RoutingCaptureExtension:
                                      ).hexdigest() for name, t in tensors.items()}
 
     # ---------------------------------------------------------------- LoRA, merged (rollout/lora_merge.py)
-    def moe_grpo_lora_setup(self, adapted: list[str], model_dir: str) -> int:
-        """Merge mode: keep an exact copy of W0 of every `adapted` HF weight, read from the model directory the
-        engine started from (a LoRA run's start directory holds the frozen base). Returns the copies' bytes."""
+    def moe_grpo_lora_setup(self, adapted: list[str], model_dir: str) -> dict[str, int]:
+        """Merge mode: keep an exact copy of W0 of every `adapted` HF weight in this worker's pipeline stage, read
+        from the model directory the engine started from (a LoRA run's start directory holds the frozen base).
+        Returns the copies' bytes and how many weights this worker merges ("bytes", "weights")."""
         from moe_grpo.checkpoint.hf_io import SafetensorsDir
         from moe_grpo.rollout.lora_merge import MergedWeights, on_stage
 
@@ -245,7 +246,7 @@ class RoutingCaptureExtension:
         files.require(mine)
         for name in mine:
             self._mg_lora.keep({name: files.get(name)})
-        return self._mg_lora.nbytes
+        return {"bytes": self._mg_lora.nbytes, "weights": len(mine)}
 
     def _mg_stage_layers(self) -> tuple[int, int | None]:
         """The decoder layers this worker's pipeline stage holds, [start, end) (vLLM's `start_layer`/`end_layer` of

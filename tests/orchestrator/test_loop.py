@@ -2,6 +2,7 @@
 
 import glob
 import json
+import logging
 import math
 import os
 import re
@@ -187,9 +188,16 @@ def resumed_run(sync_run, tmp_path_factory, session_ray_address, on_session_ray)
         train(small_run(**resumed), run_dir)
     refusal = {"message": str(refused.value), "record_kept": (run_dir / "metrics.jsonl").read_text() == cut}
     join_ray(session_ray_address)
+    plans: list[str] = []  # what the run logged of its placement plan: the layout it built
+    handler = logging.Handler()
+    handler.emit = lambda record: plans.append(record.getMessage()) if "training pool" in record.getMessage() else None
+    logger, level = logging.getLogger("moe_grpo"), logging.getLogger("moe_grpo").level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
     try:
         total = ray.cluster_resources()["CPU"]
         summary = train(on_session_ray(small_run(**resumed, **{"learner.lr_decay_steps": 5})), run_dir)
+        joined_plan = plans[-1] if plans else ""
         joined = {"connected": ray.is_initialized(), "groups": ray.util.placement_group_table(), "cpus": total}
         deadline = time.monotonic() + 30  # Ray hands a removed group's CPUs back a moment later (seen under load)
         while ray.available_resources().get("CPU") != total and time.monotonic() < deadline:
@@ -206,7 +214,10 @@ def resumed_run(sync_run, tmp_path_factory, session_ray_address, on_session_ray)
                              if "Check failed" in open(path, errors="replace").read()]
         joined["rpc_base"] = ray.get(ray.remote(lambda: os.environ.get("VLLM_RPC_BASE_PATH")).remote(), timeout=60)
         joined["private_dir"] = ray_session.current().private_dir
+        joined["plan"] = joined_plan
     finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
         ray.shutdown()
     return run_dir, summary, refusal, joined
 
@@ -227,7 +238,8 @@ def test_a_killed_run_resumes_at_another_layout_repeats_the_uninterrupted_one_an
     (stretching the schedule over the new steps, from a state whose learning rate reached 0) is checked on the
     learner in tests/learner/test_run_state.py and the refusal's warning in tests/orchestrator/test_run_checkpoint.py.
     (Until issue 30 this extension was a run of its own, from the finished run's step-5 checkpoint, stretched.)"""
-    run_dir, summary, refusal, _ = resumed_run
+    run_dir, summary, refusal, joined = resumed_run
+    assert "2 learner ranks, Megatron TP=1 PP=2 DP=1" in joined["plan"], joined["plan"]
     assert re.search(r"learner.lr_decay_steps=5 keeps .* learner.lr_decay_steps=7 stretches", refusal["message"]), \
         refusal["message"]
     assert refusal["record_kept"], "refused before anything starts"

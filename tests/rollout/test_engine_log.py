@@ -42,10 +42,16 @@ def test_the_first_error_after_the_engines_start_is_its_cause(tmp_path):
     assert root_cause(str(log), log_size(str(log))) is None, "nothing logged since"
     assert root_cause(str(tmp_path / "missing.log"), 0) is None and root_cause(None, 0) is None
     quiet = tmp_path / "quiet.log"
-    quiet.write_text("x INFO [1 a.py:1] ValueError: a message, not an error record\n")
+    quiet.write_text("2026-11-28 12:00:00,000 INFO [1 a.py:1] loaded\nValueError: a line, not in an error record\n")
     assert root_cause(str(quiet), 0) is None, "only what follows an ERROR record"
+    unrelated = tmp_path / "unrelated.log"
+    unrelated.write_text("2026-11-28 12:00:00,000 ERROR [1 a.py:1] a record without a traceback\n"
+                         "2026-11-28 12:00:01,000 WARNING [1 b.py:1] a warning with one\nKeyError: 'x' is ignored\n"
+                         "2026-11-28 12:00:02,000 ERROR [2 c.py:1] the failure\nTraceback (most recent call last):\n"
+                         "AssertionError\n")
+    assert root_cause(str(unrelated), 0) == "AssertionError", "the exception of an ERROR record, bare or not"
     dotted = tmp_path / "oom.log"
-    dotted.write_text("t ERROR [1 w.py:1] failed\nTraceback (most recent call last):\n"
+    dotted.write_text("2026-11-28 12:00:00,000 ERROR [1 w.py:1] failed\nTraceback (most recent call last):\n"
                       "torch.OutOfMemoryError: CUDA out of memory. " + "x" * 1000 + "\n")
     assert root_cause(str(dotted), 0).startswith("torch.OutOfMemoryError: CUDA out of memory.")
     assert len(root_cause(str(dotted), 0)) < 700
@@ -88,4 +94,4 @@ def test_an_engine_that_cannot_start_names_the_cause(engine_and_learner, tmp_pat
     line = next((ln for ln in out.stdout.splitlines() if ln.startswith("ENGINE ERROR:")), None)
     assert line is not None, out.stdout[-2000:] + out.stderr[-4000:]
     assert "engine too_big: vLLM failed to start" in line and "ValueError: " in line and "100000" in line, line
-    assert f"its log: {tmp_path.resolve() / 'engine.log'}" in line, line
+    assert f"in {tmp_path.resolve() / 'engine.log'}; the engine's own error: " in line, line

@@ -50,3 +50,19 @@ def test_lora_at_engine_pipeline_stages_is_merged_not_served():
     with pytest.raises(ValueError, match=r"lora_apply='serve' with pipeline_parallel=2: .* merge them "
                                          r"\(lora_apply='merge'"):
         _options(lora=lora, lora_apply="serve", pipeline_parallel=2, num_layers=4)
+
+
+def test_the_stages_of_an_engine_merging_lora_must_cover_every_adapted_weight_once():
+    """Each worker answers an adapter version with the version's count whatever it merged, so a stage that took the
+    wrong range of layers would leave weights unmerged without a word: the setup's answers are checked instead."""
+    from moe_grpo.rollout.engine_error import EngineError
+    from moe_grpo.rollout.engine_weights import check_stages_cover
+
+    check_stages_cover([{"weights": 6}, {"weights": 6}, {"weights": 4}, {"weights": 4}], [0, 0, 1, 1], 10, "e")
+    check_stages_cover([{"weights": 10}, {"weights": 10}], [0, 0], 10, "e")  # TP=2: each worker merges all
+    with pytest.raises(EngineError, match=r"engine e: the workers' pipeline stages merge \{0: \{6\}, 1: \{3\}\} "
+                                          r"adapted weights .* expected the stages to add up to 10"):
+        check_stages_cover([{"weights": 6}, {"weights": 3}], [0, 1], 10, "e")
+    with pytest.raises(EngineError, match="each stage's workers the same"):
+        check_stages_cover([{"weights": 6}, {"weights": 5}, {"weights": 4}, {"weights": 4}], [0, 0, 1, 1], 10, "e")
+

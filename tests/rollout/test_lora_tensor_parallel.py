@@ -49,7 +49,7 @@ def _engine_scores(start, spec, lora, transport, seqs, *, tensor_parallel: int, 
                         tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel,
                         name=f"tp{tensor_parallel}_pp{pipeline_parallel}_{lora_apply}")
     try:
-        out = {"workers": engine.num_workers, "v0": _scores(engine, seqs)}
+        out = {"workers": engine.num_workers, "v0": _scores(engine, seqs), "w0_bytes": engine.lora_base_bytes}
         apply_version(engine, transport, 1)
         out["v1"], out["version"] = _scores(engine, seqs), engine.policy_version
         return out
@@ -121,13 +121,14 @@ def test_tp2_engine_serving_lora_adapters_serves_the_learners_model(served, reco
 
 
 def test_pp2_engine_merging_lora_versions_serves_the_learners_model(merged, record_property):
-    """An engine of two pipeline stages: each stage's worker keeps W0 of its own layers' adapted weights only and
-    merges their adapters, and every worker answers each version with the same count. Before 2026-11-28 LoRA with
-    engine stages was refused. Its log-probs match the TP=1 engine's and the learner's on the start adapter and on an
-    adapter-only version (a stage left unmerged would differ by the adapters' effect, > 1e-3 here)."""
+    """An engine of two pipeline stages: each stage's worker keeps W0 of its own layers' adapted weights only (less
+    than a one-stage engine's worker) and merges their adapters. Before 2026-11-28 LoRA with engine stages was
+    refused. Its log-probs match the TP=1 engine's and the learner's on the start adapter and on an adapter-only
+    version (a stage left unmerged would differ by the adapters' effect, > 1e-3 here)."""
     gap = L.logprob_gap
     want, one, pp2 = merged["learner"], merged[1], merged["pp2"]
     assert pp2["workers"] == 2 and pp2["version"] == 1
+    assert 0 < pp2["w0_bytes"] < one["w0_bytes"], (pp2["w0_bytes"], one["w0_bytes"])
     figures = {v: {"pp2_vs_tp1": gap(pp2[v], one[v]), "pp2_vs_learner": gap(pp2[v], want[v])} for v in ("v0", "v1")}
     record_property("lora_pp2", figures)
     print(f"LoRA merged at engine PP=2: {figures}")
