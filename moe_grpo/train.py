@@ -24,7 +24,7 @@ from moe_grpo.orchestrator.training_run import PART_FAILURES, SignalledTogether,
 from moe_grpo.orchestrator.logs import quiet_libraries
 from moe_grpo.orchestrator.placement_plan import PlanRefused, dry_run
 from moe_grpo.orchestrator.run_checkpoint import ResumeRefused
-from moe_grpo.orchestrator.run_dirs import check_run_dir
+from moe_grpo.orchestrator.run_dirs import RunDirTaken, check_run_dir
 from moe_grpo.validate import InputRefused
 
 _exit_code = 0
@@ -42,10 +42,10 @@ def main(cfg: DictConfig) -> None:
         _exit_code = dry_run(run)
         return
     run_dir = HydraConfig.get().runtime.output_dir
-    check_run_dir(run_dir, run.resume)  # again on the resolved directory (set in a YAML file, say)
     try:
+        check_run_dir(run_dir, run.resume)  # again on the resolved directory (set in a YAML file, say)
         summary = train(run, run_dir, config_yaml=OmegaConf.to_yaml(cfg, resolve=True))
-    except (PlanRefused, ResumeRefused, InputRefused) as e:  # the reasons name the numbers, files, rows or keys
+    except (PlanRefused, ResumeRefused, InputRefused, RunDirTaken) as e:  # they name the numbers, files, rows, keys
         _exit_code = refusal(e)
         return
     except PART_FAILURES as e:  # a part failed past repair: the reason, not the driver's traceback

@@ -17,15 +17,17 @@ without a lock file was made by an earlier moe_grpo (owner unknown): it is left 
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import logging
 import os
 import secrets
 import shutil
+import socket
 import tempfile
 import time
-from typing import Callable
+from typing import Callable, Iterator
 
 from moe_grpo.process_ties import remove_recorded_shm
 
@@ -258,3 +260,36 @@ def check_run_dir(run_dir: str, resume: bool) -> None:
     if found:
         raise RunDirTaken(f"hydra.run.dir={run_dir} already holds a run's record ({', '.join(found)}); continue that "
                           "run with resume=true, or leave hydra.run.dir unset for a fresh directory")
+
+
+DRIVER_LOCK = ".driver.lock"
+"""The file in a run directory whose exclusive lock its driver holds while the run goes (`driving`)."""
+
+
+@contextlib.contextmanager
+def driving(run_dir: str) -> Iterator[None]:
+    """Hold `run_dir` for this driver while the block runs. A second driver started on it (a requeued job racing the
+    one still running, a double submit, `resume=true` in a second terminal) is refused with `RunDirTaken` naming the
+    first; before, both ran, interleaving their checkpoints and records and removing each other's files. Where the
+    file system has no flock (ENOLCK), the run goes on unguarded, with a warning."""
+    os.makedirs(run_dir, exist_ok=True)
+    path = os.path.join(run_dir, DRIVER_LOCK)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "its pid unknown"
+            raise RunDirTaken(f"another driver is running in hydra.run.dir={run_dir} ({holder}): stop it before "
+                              "continuing the run there (two drivers interleave checkpoints and records), or leave "
+                              "hydra.run.dir unset for a fresh directory") from None
+        except OSError as e:  # ENOLCK / ENOSYS (e.g. Lustre without -o flock)
+            log.warning("%s: cannot lock it (%s): a second driver started there would not be refused", path,
+                        errno.errorcode.get(e.errno, e.errno))
+        else:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
+        yield
+    finally:
+        os.close(fd)  # the lock goes with it
+

@@ -24,6 +24,7 @@ from moe_grpo.orchestrator.probe import probe_due
 from moe_grpo.orchestrator.process_record import ProcessRecord, release_previous
 from moe_grpo.orchestrator.resume import resume_point
 from moe_grpo.orchestrator.run_prompts import engine_context, prompt_source
+from moe_grpo.orchestrator.run_dirs import driving
 from moe_grpo.orchestrator.run_record import RunRecord
 from moe_grpo.orchestrator.run_summary import RunSummary
 from moe_grpo.orchestrator.session import RunSession, check_reward_paths, checked_plan, run_rewards
@@ -53,8 +54,13 @@ def train(run: RunConfig, run_dir: str | Path, *, learner_cls: type | None = Non
     `config_yaml`: the resolved config, written to `run_dir/config.yaml` once the run is accepted (a refused
     `resume=true` leaves the file of the run it refused to continue as it was)."""
     check_installed(run.logger)  # a missing tracker package fails now, not after the pools took minutes to start
-    t_start, started_at = time.perf_counter(), time.time()  # started_at: the run's processes are those started after
     run_dir = str(Path(run_dir).resolve())
+    with driving(run_dir):  # a second driver on this directory is refused, not run beside this one
+        return _train(run, run_dir, learner_cls, config_yaml)
+
+
+def _train(run: RunConfig, run_dir: str, learner_cls: type | None, config_yaml: str | None) -> dict[str, Any]:
+    t_start, started_at = time.perf_counter(), time.time()  # started_at: the run's processes are those started after
     with refused_inputs():  # a missing or unusable file, a prompt too long, a reward that does not import
         tokenizer = load_tokenizer(run.model, run.init.hf)
         source = prompt_source(run, tokenizer, np.random.default_rng(run.seed), run_dir)  # bad rows reported here

@@ -158,3 +158,25 @@ def test_private_directories_are_swept_by_their_lock_too(tmp_path, owners):
     mine = make_private_dir(str(tmp_path))
     assert remove_orphaned_private_dirs([str(tmp_path)]) == [] and os.path.isdir(mine)
     release(mine)
+
+
+def test_a_second_driver_on_a_run_directory_is_refused_naming_the_first_and_let_in_once_it_is_gone(tmp_path):
+    """A requeued job racing the one still running, or `resume=true` in a second terminal: before, the second driver
+    was let in with a warning, and the two interleaved their checkpoints and records (a user's trial, 2026-11-28)."""
+    from moe_grpo.orchestrator.run_dirs import RunDirTaken, driving
+
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time\nfrom moe_grpo.orchestrator.run_dirs import "
+                               f"driving\nwith driving({str(tmp_path)!r}):\n    print('held', flush=True)\n"
+                               "    sys.stdin.readline()"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(RunDirTaken, match=rf"another driver is running in hydra.run.dir={tmp_path} \(pid "
+                                              rf"{holder.pid} on .*\): stop it before continuing the run there"):
+            with driving(str(tmp_path)):
+                pass
+    finally:
+        holder.communicate("\n", timeout=30)
+    with driving(str(tmp_path)):  # the first driver ended (however it did: the lock goes with its process)
+        with pytest.raises(RunDirTaken):
+            with driving(str(tmp_path)):  # and a second call while held, in this process too
+                pass
