@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import signal
 import sys
 
 import hydra
@@ -56,7 +57,7 @@ def main(cfg: DictConfig) -> None:
         print(f"[moe_grpo] {e}", file=sys.stderr)
         return
     if summary["stopped"]:
-        _exit_code = 128 + 15  # what a shell reports for SIGTERM: schedulers see the run did not finish
+        _exit_code = 128 + signal.Signals[summary["stopped"]]  # as a shell reports it (143 for SIGTERM)
         print(f"[moe_grpo] stopped by {summary['stopped']} after step {summary['steps']}; checkpoint "
               f"{summary['checkpoint']}; continue with the same command and resume=true hydra.run.dir={run_dir}",
               file=sys.stderr)

@@ -60,11 +60,15 @@ def keep_handlers_through_ray_shutdown() -> None:
 
 
 class SignalRelay:
-    """SIGTERM / SIGUSR1 -> the driver's checkpoint at the next step boundary. Before the schedule runs there is
-    nothing to checkpoint: SIGTERM then stops the start-up at once (cleanly). While the run cleans up (`hold`), a
-    signal is only noted."""
+    """SIGTERM / SIGHUP / SIGUSR1 -> the driver's checkpoint at the next step boundary (SIGTERM and SIGHUP: then it
+    stops). Before the schedule runs there is nothing to checkpoint: SIGTERM or SIGHUP then stops the start-up at once
+    (cleanly). While the run cleans up (`hold`), a signal is only noted. SIGHUP is what a driver gets when the ssh
+    session or terminal it was started from closes: by default it killed the driver at once, its processes, vLLM's
+    ring buffers and its weight slots left behind (a user's trial, 2026-11-28)."""
 
-    SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+    SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1)
+    STOPPING = (signal.SIGTERM, signal.SIGHUP)
+    """The signals after which the run stops (once its checkpoint is written)."""
     HELD = SIGNALS + (signal.SIGINT,)
     """Signals held during the cleanup: SIGINT too (a second Ctrl-C must not cut the cleanup of the first short)."""
 
@@ -90,7 +94,7 @@ class SignalRelay:
             self.driver.on_signal(signum)
         elif signum == signal.SIGINT:
             raise KeyboardInterrupt
-        elif signum == signal.SIGTERM:
+        elif signum in self.STOPPING:
             self.stopped_start = signal.Signals(signum).name
             raise KeyboardInterrupt(f"{self.stopped_start} during start-up")
 

@@ -67,6 +67,12 @@ def test_a_sigterm_after_the_last_step_stops_at_the_final_checkpoint():
     assert driver.engines.stopping, "the SIGTERM also tells the engine pool to restart no engine"
 
 
+def test_a_sighup_after_the_last_step_stops_at_the_final_checkpoint_as_a_sigterm_does():
+    """A closed ssh session or terminal (SIGHUP) is a stop like a scheduler's: before 2026-11-28 it killed the driver."""
+    driver = EndingDriver(signal_after_last=signal.SIGHUP)
+    assert run_to_end(driver) == "SIGHUP" and driver.engines.stopping
+
+
 def test_a_run_that_finishes_writes_its_checkpoint_and_exports():
     driver = EndingDriver()
     assert run_to_end(driver) is None

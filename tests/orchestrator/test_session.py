@@ -170,3 +170,16 @@ def test_ray_shutdown_leaves_the_sigterm_handler_in_place(keep):
         assert out.returncode == 0 and "held ['SIGTERM']" in out.stdout, out.stdout + out.stderr[-3000:]
     else:
         assert out.returncode == -signal.SIGTERM, (out.returncode, out.stdout, out.stderr[-3000:])
+
+
+def test_a_sighup_stops_the_start_up_as_a_sigterm_does_and_is_held_during_the_cleanup(relay):
+    """SIGHUP is what a driver gets when the ssh session or terminal it was started from closes. Unhandled, it killed
+    the driver at once: no checkpoint, no cleanup, its processes, vLLM's ring buffers and weight slots left behind
+    (a user's trial, 2026-11-28)."""
+    relay, _, _ = relay
+    with pytest.raises(KeyboardInterrupt, match="SIGHUP during start-up"):
+        os.kill(os.getpid(), signal.SIGHUP)
+    assert relay.stopped_start == "SIGHUP", "the start-up's stop is a scheduler's, not a Ctrl-C"
+    teardown, ran = teardown_signalled_at(relay, "pools", signal.SIGHUP)
+    teardown.run()
+    assert ran == list(STEPS) and relay.held == ["SIGHUP"]
