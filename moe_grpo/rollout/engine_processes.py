@@ -22,7 +22,7 @@ from typing import Any, Callable, Sequence
 
 import psutil
 
-from moe_grpo.processes import (STOPPED_STATES, process_alive, process_state, process_tree, same_entry,
+from moe_grpo.processes import (SHM_DIR, STOPPED_STATES, process_alive, process_state, process_tree, same_entry,
                                 shm_entries_held, start_ticks, unlink_same)
 
 SHM_KINDS = ("psm_", "sem.mp-", "vllm_dist_")
@@ -34,6 +34,41 @@ engine of TP or PP > 1 also leaves, even after an orderly shutdown, one 4 MiB fi
 all-reduce's shared memory (`vllm_dist_<hex>-tp:0-[0-1]-cpushm_<rank>`, `_CPUSHMDistributed` in vLLM's
 cpu_communicator.py: its C++ manager never unlinks it). Their names are random, so an engine's own are found by
 what its processes map (`mapped_shm`)."""
+
+
+def shm_snapshot() -> dict[str, int]:
+    """This user's /dev/shm entries of vLLM's kinds (`SHM_KINDS`) now: name -> inode."""
+    out: dict[str, int] = {}
+    try:
+        names = [n for n in os.listdir(SHM_DIR) if n.startswith(SHM_KINDS)]
+    except OSError:
+        return out
+    for name in names:
+        try:
+            st = os.stat(os.path.join(SHM_DIR, name), follow_symlinks=False)
+        except OSError:
+            continue
+        if st.st_uid == os.getuid():
+            out[name] = st.st_ino
+    return out
+
+
+def remove_unheld_since(before: dict[str, int], wait_s: float = 5.0) -> list[str]:
+    """Remove this user's /dev/shm entries of vLLM's kinds made since `before` (`shm_snapshot`) that no process of
+    this user maps or holds open, waiting up to `wait_s` for the processes still holding some to go: what an engine
+    that failed to start left (vLLM's ring buffers, ~400 MiB, which nothing else removes: its processes were never
+    recorded). An entry another engine made meanwhile is mapped by it from its creation on, and kept."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        new = {name: inode for name, inode in shm_snapshot().items() if before.get(name) != inode}
+        if not new:
+            return []
+        mine = [p.pid for p in psutil.process_iter(["uids"]) if p.info["uids"] and p.info["uids"].real == os.getuid()]
+        held = shm_entries_held(mine, open_files=True, prefixes=SHM_KINDS)
+        unheld = {name: inode for name, inode in new.items() if held.get(name) != inode}
+        if len(unheld) == len(new) or time.monotonic() > deadline:
+            return unlink_shm(unheld)
+        time.sleep(0.2)
 
 
 def descendants(roots: Sequence[int]) -> dict[int, int]:

@@ -43,6 +43,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import itertools
+import logging
 import os
 import threading
 import time
@@ -60,11 +61,13 @@ from moe_grpo.rollout.engine_error import EngineError
 from moe_grpo.rollout.engine_log import log_size, root_cause, vllm_log_file
 from moe_grpo.rollout.engine_outputs import check_prompt, join_segments, native_routing_to_trace, versions_from_spans
 from moe_grpo.rollout import engine_core_start
-from moe_grpo.rollout.engine_processes import EngineProcesses, engine_core_processes
+from moe_grpo.rollout.engine_processes import EngineProcesses, engine_core_processes, remove_unheld_since, shm_snapshot
 from moe_grpo.rollout.engine_setup import (EXTENSION, capture_order, check_cpu_head_size, check_options, check_workers,
                                            cpu_omp_bind, engine_args, prepare_cpu)
 from moe_grpo.rollout.ray_executor import check_placement_group, start_async_llm
 from moe_grpo.rollout.types import Completion, SamplingSettings
+
+log = logging.getLogger("moe_grpo")
 
 if TYPE_CHECKING:
     from moe_grpo.learner.lora_config import LoraConfig
@@ -235,12 +238,17 @@ class VllmEngine:
         self._model_pids, self._capture_indices, self._tp_ranks, self._pp_ranks = [], [0], [0], [0]
         self._closing = None
         log_file = vllm_log_file()
-        log_start = log_size(log_file)
+        log_start, shm_before = log_size(log_file), shm_snapshot()
         try:
             info = self._call(self._astart(), "start", timeout_s=timeout_s or max(self.request_timeout_s, 300.0))
         except Exception as e:
             if self.llm is not None:  # half started: its processes and segments go now, not at exit
                 self.shutdown(stop_loop=False, kill=True, reason="it failed to start")
+            else:  # vLLM gave no engine back: what its processes made in /dev/shm was never recorded
+                removed = remove_unheld_since(shm_before)
+                if removed:
+                    log.warning("engine %s failed to start: removed %d /dev/shm entr%s its vLLM processes left (%s)",
+                                self.engine_id, len(removed), "y" if len(removed) == 1 else "ies", ", ".join(removed))
             cause = root_cause(log_file, log_start)  # vLLM's own error says only "see root cause above"
             raise EngineError(f"engine {self.engine_id}: vLLM failed to start on {self.model_dir}: " + (
                 f"{cause} (the first error vLLM logged after this start began, in {log_file}; the engine's own "

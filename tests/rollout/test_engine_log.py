@@ -73,9 +73,10 @@ def test_the_log_file_is_the_one_the_runs_logging_config_names(tmp_path, monkeyp
 
 
 @pytest.mark.vllm
-def test_an_engine_that_cannot_start_names_the_cause(engine_and_learner, tmp_path):
+def test_an_engine_that_cannot_start_names_the_cause_and_leaves_nothing_in_dev_shm(engine_and_learner, tmp_path):
     """A KV cache of 100,000 GiB on this host: vLLM's worker refuses it, and the engine's error carries the worker's
-    reason (before: "Engine core initialization failed. See root cause above."). In a process of its own, as a run's
+    reason (before: "Engine core initialization failed. See root cause above."); what its processes made in /dev/shm
+    is removed. In a process of its own, as a run's
     engine actor is: vLLM reads its logging config once, when it is imported."""
     engine, _ = engine_and_learner
     script = textwrap.dedent(f"""
@@ -83,11 +84,14 @@ def test_an_engine_that_cannot_start_names_the_cause(engine_and_learner, tmp_pat
         from moe_grpo.orchestrator.logs import quiet_vllm
         quiet_vllm({str(tmp_path)!r})
         from moe_grpo.rollout.engine_error import EngineError
+        from moe_grpo.rollout.engine_processes import shm_snapshot
         from moe_grpo.rollout.vllm_engine import VllmEngine
+        before = shm_snapshot()
         try:
             VllmEngine({engine.model_dir!r}, tiny_spec(), max_model_len=256, kv_cache_gib=100000, name="too_big")
         except EngineError as e:
             print("ENGINE ERROR:", e)
+        print("LEFT IN /dev/shm:", sorted(n for n, i in shm_snapshot().items() if before.get(n) != i))
         """)
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
                          env={**os.environ, "PYTHONPATH": os.environ["PYTHONPATH"]})
@@ -95,3 +99,5 @@ def test_an_engine_that_cannot_start_names_the_cause(engine_and_learner, tmp_pat
     assert line is not None, out.stdout[-2000:] + out.stderr[-4000:]
     assert "engine too_big: vLLM failed to start" in line and "ValueError: " in line and "100000" in line, line
     assert f"in {tmp_path.resolve() / 'engine.log'}; the engine's own error: " in line, line
+    # vLLM's ring buffers of the failed start (~400 MiB) were left in /dev/shm: nothing had recorded its processes
+    assert "LEFT IN /dev/shm: []" in out.stdout, out.stdout[-2000:]
