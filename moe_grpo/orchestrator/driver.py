@@ -492,8 +492,7 @@ class Driver:
 
     # ------------------------------------------------------------------ signals
     def on_signal(self, signum: int) -> None:
-        """SIGUSR1: checkpoint at the next step boundary, go on; SIGTERM or SIGHUP: then stop. Flags only (a handler
-        takes no lock)."""
+        """SIGUSR1: checkpoint at the next step boundary, go on; SIGTERM, SIGHUP: then stop. Flags only (no lock)."""
         self.due = signal.Signals(signum).name
         if signum in (signal.SIGTERM, signal.SIGHUP):
             self.stop_after_checkpoint = self.due
