@@ -293,3 +293,16 @@ def driving(run_dir: str) -> Iterator[None]:
     finally:
         os.close(fd)  # the lock goes with it
 
+
+def low_disk_note(path: str) -> str:
+    """"; its file system has N MiB free" when the file system holding `path` is nearly full (under 1% or 100 MiB
+    free), else "": a write failing there shows up as errors that do not say so (a checkpoint on a full disk ended in
+    "unexpected pos 704 vs 598", a user's trial, 2026-11-28)."""
+    try:
+        usage = shutil.disk_usage(path)
+    except OSError:
+        return ""
+    if usage.free >= max(100 << 20, usage.total // 100):
+        return ""
+    return f"; {path}'s file system has {usage.free / (1 << 20):.0f} MiB free"
+

@@ -9,6 +9,7 @@ carry their latest value, with `eval/step` saying when it was taken.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import sys
 import threading
@@ -32,6 +33,13 @@ REQUIRED_KEYS = (
 """Keys on every line of metrics.jsonl (a value not measured is written as null; `read_rows` reads it back as NaN);
 `kl/reference` is NaN unless algo.kl_coef > 0, `mismatch/*` NaN before the
 first probe finished (or with routing.probe_prompts=0), `offpolicy/kl` NaN on a step that trained no stale token."""
+
+
+log = logging.getLogger("moe_grpo")
+
+
+class RecordWriteError(RuntimeError):
+    """metrics.jsonl could not be written (a full disk, the run directory removed); names the file and the error."""
 
 
 class RunRecord:
@@ -83,14 +91,21 @@ class RunRecord:
         if missing:
             raise KeyError(f"step {row.get('step')}: run-record keys {missing} missing")
         clean = {k: (float(v) if isinstance(v, (int, float)) else v) for k, v in row.items()}
-        self._file.write(_line(clean))
-        self._file.flush()
+        try:
+            self._file.write(_line(clean))
+            self._file.flush()
+        except OSError as e:  # a full disk, the run directory removed: the run stops naming it, not in a traceback
+            raise RecordWriteError(f"the run record {self.path} could not be written at step {row['step']:g}: "
+                                   f"{type(e).__name__}: {e}") from e
         self.rows.append(clean)
         step = int(row["step"])
         if self._tb is not None:
-            for k, v in clean.items():
-                if isinstance(v, float) and math.isfinite(v) and k != "step":
-                    self._tb.add_scalar(k, v, step)
+            try:
+                for k, v in clean.items():
+                    if isinstance(v, float) and math.isfinite(v) and k != "step":
+                        self._tb.add_scalar(k, v, step)
+            except OSError as e:  # TensorBoard's copy only: metrics.jsonl keeps the record
+                self._drop_tensorboard(e)
         for tracker in self._trackers:
             tracker.log(clean)
         if self._bar is not None:
@@ -105,11 +120,28 @@ class RunRecord:
         return self.draw()
 
     def close_files(self) -> None:
-        self._file.close()
+        try:
+            self._file.close()
+        except OSError:  # its last write failed already (RecordWriteError said so)
+            pass
         if self._bar is not None:
             self._bar.close()
         if self._tb is not None:
-            self._tb.close()
+            try:
+                self._tb.close()
+            except OSError as e:
+                self._drop_tensorboard(e)
+
+    def _drop_tensorboard(self, e: OSError) -> None:
+        """TensorBoard's event file failed (a full disk, its directory removed): warn once and write no more events;
+        before 2026-11-28 the failure stopped the run with a traceback."""
+        log.warning("TensorBoard's event file could not be written (%s: %s); no more events this run, metrics.jsonl "
+                    "keeps the record", type(e).__name__, e)
+        tb, self._tb = self._tb, None
+        try:
+            tb.close()
+        except OSError:
+            pass
 
     def draw(self) -> Path | None:
         """The PNG of the rows (`plot`); its path, None without rows."""

@@ -24,8 +24,8 @@ from moe_grpo.orchestrator.probe import probe_due
 from moe_grpo.orchestrator.process_record import ProcessRecord, release_previous
 from moe_grpo.orchestrator.resume import resume_point
 from moe_grpo.orchestrator.run_prompts import engine_context, prompt_source
-from moe_grpo.orchestrator.run_dirs import driving
-from moe_grpo.orchestrator.run_record import RunRecord
+from moe_grpo.orchestrator.run_dirs import driving, low_disk_note
+from moe_grpo.orchestrator.run_record import RecordWriteError, RunRecord
 from moe_grpo.orchestrator.run_summary import RunSummary
 from moe_grpo.orchestrator.session import RunSession, check_reward_paths, checked_plan, run_rewards
 from moe_grpo.orchestrator.state import RunState
@@ -39,10 +39,11 @@ if TYPE_CHECKING:  # the run's config composes the orchestrator's: it is a layer
 
 log = logging.getLogger("moe_grpo")
 
-PART_FAILURES = (NothingToTrainError, LearnerFailedError, EngineFailedError, EngineError)
+PART_FAILURES = (NothingToTrainError, LearnerFailedError, EngineFailedError, EngineError, RecordWriteError)
 """What stops a run because a part failed past what it repairs: a learner rank (dead, raising, hung), an engine that
-cannot start or failed more than `rollout.max_restarts` times, a reward or the engines failing on everything. Each
-names the part and the cause; `python -m moe_grpo.train` ends on it in one line (exit 1)."""
+cannot start or failed more than `rollout.max_restarts` times, a reward or the engines failing on everything, the run
+record that cannot be written. Each names the part and the cause; `python -m moe_grpo.train` ends on it in one line
+(exit 1)."""
 
 
 def train(run: RunConfig, run_dir: str | Path, *, learner_cls: type | None = None,
@@ -108,9 +109,11 @@ def _train(run: RunConfig, run_dir: str, learner_cls: type | None, config_yaml: 
                 f"before the checkpoint ({type(e).__name__}: {e}){hint}. Send it to the driver "
                 "alone for a checkpoint first (#SBATCH --signal=B:TERM@120, scancel --batch --signal=TERM, kill "
                 f"{os.getpid()})") from e
-        if isinstance(e, EngineFailedError):
+        if isinstance(e, (EngineFailedError, RecordWriteError)):
             hint = driver._checkpoint_hint() if driver else "no run checkpoint was written"
-            raise EngineFailedError(f"{e}; {hint}") from e
+            raise type(e)(f"{e}; {hint}{low_disk_note(run_dir)}") from e
+        if isinstance(e, LearnerFailedError) and low_disk_note(run_dir):  # a checkpoint's write failing on it
+            raise LearnerFailedError(f"{e}{low_disk_note(run_dir)}", died=e.died) from e
         raise
     finally:
         session.close()

@@ -46,3 +46,53 @@ def test_every_key_of_a_step_row_is_in_the_metrics_reference():
     documented = set(re.findall(r"`([^`]+)`", table))
     missing = sorted(set(row(1.0, 2.0)) - documented)
     assert not missing, f"keys of metrics.jsonl rows not in docs/reference/metrics.md's tables: {missing}"
+
+
+class FailingWrites:
+    """A file or event writer on a file system that filled up: every write raises ENOSPC."""
+
+    def __init__(self):
+        self.closed = False
+
+    def _full(self, *args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    write = flush = add_scalar = _full
+
+    def close(self):
+        self.closed = True
+
+
+def test_a_full_disk_under_the_record_stops_the_run_naming_the_file_and_tensorboard_alone_is_dropped(tmp_path, caplog):
+    """A run whose directory's file system filled up ended with ~120 lines of TensorBoard's traceback, twice, and no
+    word of the checkpoint (a user's trial, 2026-11-28). TensorBoard's copy failing now only stops its events;
+    metrics.jsonl failing stops the run with `RecordWriteError` naming the file (the run says it in one line)."""
+    import pytest
+
+    from moe_grpo.orchestrator.run_record import REQUIRED_KEYS, RecordWriteError, RunRecord
+
+    record = RunRecord(tmp_path, 3, progress=False)
+    full = {k: 0.0 for k in REQUIRED_KEYS} | {"step": 1.0}
+    record._tb = events = FailingWrites()
+    with caplog.at_level("WARNING", logger="moe_grpo"):
+        record.log(full)
+    assert record._tb is None and events.closed and "TensorBoard's event file could not be written" in caplog.text
+    assert [r["step"] for r in record.rows] == [1.0], "metrics.jsonl has the row"
+    record._file = FailingWrites()
+    with pytest.raises(RecordWriteError, match=rf"the run record {tmp_path / 'metrics.jsonl'} could not be written at "
+                                               r"step 2: OSError: \[Errno 28\] No space left on device"):
+        record.log(full | {"step": 2.0})
+    record.close_files()  # the cleanup closes what is left without a second traceback
+
+
+def test_a_nearly_full_file_system_is_named(monkeypatch):
+    import shutil
+    from collections import namedtuple
+
+    from moe_grpo.orchestrator.run_dirs import low_disk_note
+
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(30 << 20, 29 << 20, 1 << 20))
+    assert low_disk_note("/run") == "; /run's file system has 1 MiB free"
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(100 << 30, 50 << 30, 50 << 30))
+    assert low_disk_note("/run") == ""
