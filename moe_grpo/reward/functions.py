@@ -350,6 +350,19 @@ _WORKER_MAIN = ("import json, sys; sys.path[:] = json.loads(sys.argv[1]); "
 """What a worker runs: the driver's sys.path (so it imports what the driver imports), then `_serve`."""
 
 
+def _first_for_the_oom_killer() -> None:
+    """Ray starts its workers (the engines', the learner ranks') with oom_score_adj 1000, so under memory pressure the
+    kernel killed them before a reward worker leaking memory (a user's trial, 2026-11-28: a reward keeping 200 MB a
+    call took the engine and the learner down, and the run blamed the learner). A reward worker asks for the same
+    (raising it needs no privilege): the kernel then picks the largest, and a reward worker's death costs only its
+    calls' samples (counted, the next call starts a fresh one)."""
+    try:
+        with open("/proc/self/oom_score_adj", "w") as f:
+            f.write("1000")
+    except OSError:  # not Linux, or /proc read-only: the kernel's default order stands
+        pass
+
+
 def _serve(fd: str, path: str, parent: str, deathsig: str) -> None:
     """A worker's life: load the function, then answer (prompts, completions, kwargs, n) with ('ok', floats) or
     ('err', 'Type: message') until the driver closes its end (or dies)."""
@@ -370,6 +383,7 @@ def _serve(fd: str, path: str, parent: str, deathsig: str) -> None:
                 os._exit(1)
 
     threading.Thread(target=watch_parent, name="watch-parent", daemon=True).start()
+    _first_for_the_oom_killer()
     conn = Connection(int(fd))
     try:
         fn = load_function(path)

@@ -98,6 +98,10 @@ def test_workers_are_fresh_interpreters():
     try:
         pid, mark = r.score(["p", "p"], ["a", "b"]).rewards.tolist()
         assert pid != os.getpid() and pid == r._lanes[0][0].proc.pid and mark == 0.0
+        if os.path.exists(f"/proc/{int(pid)}/oom_score_adj"):
+            # Before the engines and learner ranks (Ray's workers, 1000) under memory pressure: a reward leaking
+            # memory took those down first, and the run blamed the learner (a user's trial, 2026-11-28)
+            assert open(f"/proc/{int(pid)}/oom_score_adj").read().strip() == "1000"
     finally:
         r.close()
         helpers.MARK = None
