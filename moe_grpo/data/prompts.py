@@ -8,6 +8,8 @@ answer, the row's other fields for the reward), `held_out` the evaluation set,
 
 from __future__ import annotations
 
+import hashlib
+import json
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -32,6 +34,9 @@ class PromptSource:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.rng.bit_generator.state = state["rng"]
+
+    def check_resumable(self, state: dict[str, Any]) -> None:
+        """Refuse (ValueError) a checkpoint's state this source cannot continue from (a dataset's rows changed)."""
 
     @property
     def bad_rows(self) -> int:
@@ -88,6 +93,7 @@ class DatasetPrompts(PromptSource):
             examples = self._fitting(held_out, [self._example(held_out, i) for i in range(len(held_out.rows))])
             self.held_out = examples if eval_size is None else examples[:eval_size]
         self._order: list[int] = []
+        self._fingerprint: str | None = None
 
     def _fitting(self, rows: Rows, examples: list[Example]) -> list[Example]:
         """`examples` (of `rows`) whose prompt fits `max_prompt_tokens`; the others are counted as bad rows."""
@@ -117,13 +123,35 @@ class DatasetPrompts(PromptSource):
             out.append(self.train[self._order.pop()])
         return out
 
-    def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "order": [int(i) for i in self._order], "rows": len(self.train)}
+    def fingerprint(self) -> str:
+        """sha256 of the usable training rows in their order (prompt tokens and fields): what a checkpoint's place
+        in the shuffled pass refers to."""
+        if self._fingerprint is None:
+            h = hashlib.sha256()
+            for e in self.train:
+                h.update(np.asarray(e.prompt_ids, dtype=np.int64).tobytes())
+                h.update(json.dumps(e.fields, sort_keys=True, default=str).encode())
+            self._fingerprint = h.hexdigest()
+        return self._fingerprint
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "order": [int(i) for i in self._order], "rows": len(self.train),
+                "fingerprint": self.fingerprint()}
+
+    def check_resumable(self, state: dict[str, Any]) -> None:
+        """Refuse (ValueError) a checkpoint's place in another dataset's pass: a count of rows that differs, or the
+        same count of other rows (before 2026-11-28 accepted silently, the resumed run drawing rows by the old
+        order's indices). A checkpoint written before fingerprints is checked by its count only."""
         if state.get("rows", len(self.train)) != len(self.train):
             raise ValueError(f"data.train_path now has {len(self.train)} usable rows, the checkpoint's run had "
-                             f"{state['rows']}; resume with the same dataset")
+                             f"{state['rows']}; resume with the same dataset, or start a fresh run")
+        if state.get("fingerprint", self.fingerprint()) != self.fingerprint():
+            raise ValueError(f"data.train_path's {len(self.train)} usable rows are not the checkpoint's (sha256 "
+                             f"{self.fingerprint()[:12]}, the checkpoint's run {state['fingerprint'][:12]}); resume "
+                             "with the same dataset, or start a fresh run")
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.check_resumable(state)
         super().load_state_dict(state)
         self._order = list(state.get("order", []))
 

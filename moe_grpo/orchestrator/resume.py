@@ -7,6 +7,7 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from moe_grpo.data.prompts import PromptSource
 from moe_grpo.orchestrator import run_checkpoint
 from moe_grpo.orchestrator.run_checkpoint import ResumeRefused
 from moe_grpo.orchestrator.state import RunState
@@ -77,10 +78,13 @@ def check_schedule(run: RunConfig, saved: dict[str, Any]) -> None:
                 "learning rate follows the new schedule from here", now, want)
 
 
-def resume_point(run: RunConfig, run_dir: str, state: RunState) -> tuple[Path | None, dict[str, Any] | None]:
+def resume_point(run: RunConfig, run_dir: str, state: RunState,
+                 source: PromptSource | None = None) -> tuple[Path | None, dict[str, Any] | None]:
     """With `run.resume`, the newest checkpoint in `run_dir` and the driver's state saved there, checked against
-    `run` (`check_resumable`), its run state loaded into `state` (step and lr_scale, for the learner ranks' start);
-    (None, None) for a fresh run. An earlier run's steps with no checkpoint to continue from are refused."""
+    `run` (`check_resumable`) and against the prompts `source` (a dataset whose rows changed: refused here, before
+    anything starts, where it was a traceback once the pools were up), its run state loaded into `state` (step and
+    lr_scale, for the learner ranks' start); (None, None) for a fresh run. An earlier run's steps with no checkpoint to
+    continue from are refused."""
     if not run.resume:
         return None, None
     found = run_checkpoint.resume_point(run_dir)
@@ -90,6 +94,11 @@ def resume_point(run: RunConfig, run_dir: str, state: RunState) -> tuple[Path | 
     resume_from = found[0]
     saved = run_checkpoint.load_driver_state(resume_from)
     check_resumable(run, saved["config"], saved.get("lr_schedule"))
+    if source is not None and "source" in saved:
+        try:
+            source.check_resumable(saved["source"])
+        except ValueError as e:
+            raise ResumeRefused(f"resume=true from {resume_from}: {e}") from None
     state.load_state_dict(saved["run_state"])
     log.info("resume: continuing from %s (step %d of %d)", resume_from, state.step, run.steps)
     return resume_from, saved

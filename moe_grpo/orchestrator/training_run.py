@@ -71,7 +71,7 @@ def _train(run: RunConfig, run_dir: str, learner_cls: type | None, config_yaml: 
     run = dataclasses.replace(run, rollout=dataclasses.replace(run.rollout, max_model_len=context))
     run, plan = checked_plan(run)  # which node runs what, checked and printed before anything starts
     state = RunState(bad_rows=source.bad_rows)
-    resume_from, saved = resume_point(run, run_dir, state)
+    resume_from, saved = resume_point(run, run_dir, state, source)
     if config_yaml is not None:
         Path(run_dir, "config.yaml").write_text(config_yaml)
     release_leftovers(run_dir)

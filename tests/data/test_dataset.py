@@ -161,3 +161,41 @@ def test_command_line_names_task_data_reward_and_init(tmp_path):
     assert run.model.architecture == "Qwen3MoeForCausalLM" and run.model.num_experts == 4
     with pytest.raises(ValueError, match="init.hf=.*expected an existing checkpoint directory"):
         from_hydra(compose([f"init.hf={tmp_path / 'nope'}"]))
+
+
+def test_a_resume_on_a_dataset_whose_rows_changed_is_refused_before_anything_starts(tmp_path):
+    """The checkpoint holds its place in the shuffled pass over the rows: 200 other rows in place of the 200 it had
+    were accepted silently, and 50 rows were a traceback 19 s into the start-up, after the pools were up (a user's
+    trial, 2026-11-28). Both are now refused by the rows' sha256 and count, in one line, with the checkpoint named."""
+    from moe_grpo.orchestrator.resume import resume_point
+    from moe_grpo.orchestrator.run_checkpoint import ResumeRefused
+
+    def source_of(rows):
+        path = tmp_path / f"train{len(list(tmp_path.iterdir()))}.jsonl"
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return prompt_source(run_config(train_path=str(path)), ByteTokenizer(512), np.random.default_rng(0),
+                             str(tmp_path))
+
+    first = source_of(GOOD)
+    saved = first.state_dict()
+    source_of(GOOD).check_resumable(saved)  # the same rows in another file: fine
+    changed = [dict(r, question=r["question"] + " Think.") for r in GOOD]
+    with pytest.raises(ValueError, match=r"data.train_path's 2 usable rows are not the checkpoint's \(sha256 "):
+        source_of(changed).check_resumable(saved)
+    with pytest.raises(ValueError, match=r"data.train_path now has 1 usable rows, the checkpoint's run had 2"):
+        source_of(GOOD[:1]).check_resumable(saved)
+    # where `train` asks, before the pools start: a refusal naming the checkpoint (exit 2, one line)
+    import dataclasses
+
+    from moe_grpo.orchestrator import resume as resume_module
+    from moe_grpo.orchestrator.state import RunState
+
+    resumed = dataclasses.replace(run_config(train_path=str(tmp_path / "train0.jsonl")), resume=True)
+    fake = {"config": {}, "source": saved, "run_state": RunState(step=4).state_dict()}
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(resume_module.run_checkpoint, "resume_point", lambda d: (tmp_path / "step_000004", None))
+        patch.setattr(resume_module.run_checkpoint, "load_driver_state", lambda p: fake)
+        patch.setattr(resume_module, "check_resumable", lambda *a: None)
+        with pytest.raises(ResumeRefused, match=r"resume=true from .*step_000004: data.train_path's 2 usable rows "
+                                                r"are not the checkpoint's"):
+            resume_point(resumed, str(tmp_path), RunState(), source_of(changed))
