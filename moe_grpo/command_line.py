@@ -18,7 +18,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
 
 from moe_grpo import config
-from moe_grpo.orchestrator.run_dirs import RunDirTaken, check_run_dir
+from moe_grpo.orchestrator.run_dirs import RunDirTaken, check_run_dir, driving
 
 
 def refuse_bad_config(argv: list[str], config_name: str = "config",
@@ -110,7 +110,7 @@ def _score(value: float | None) -> str:
 
 def refuse_taken_run_dir(argv: list[str]) -> None:
     """Exit (code 2) when `hydra.run.dir=` on the command line names a directory holding another run's record and
-    `resume=true` is not given. Runs before Hydra, which writes `.hydra/` into the run directory before `main`: a
+    `resume=true` is not given, or one whose driver is running (`run_dirs.driving`). Runs before Hydra, which writes `.hydra/` into the run directory before `main`: a
     refused run writes nothing. (Parsed with Hydra's own override grammar; `main` checks again on the resolved
     directory.)"""
     overrides = parse_overrides(argv)
@@ -121,6 +121,9 @@ def refuse_taken_run_dir(argv: list[str]) -> None:
     if isinstance(run_dir, str):
         try:
             check_run_dir(os.path.abspath(run_dir), resume)
+            if os.path.isdir(run_dir):  # a driver running there: refused before Hydra rewrites its .hydra/ files
+                with driving(os.path.abspath(run_dir)):
+                    pass
         except RunDirTaken as e:
             print(f"[moe_grpo] {e}", file=sys.stderr)
             sys.exit(2)

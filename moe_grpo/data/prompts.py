@@ -124,13 +124,12 @@ class DatasetPrompts(PromptSource):
         return out
 
     def fingerprint(self) -> str:
-        """sha256 of the usable training rows in their order (prompt tokens and fields): what a checkpoint's place
-        in the shuffled pass refers to."""
+        """sha256 of the usable training rows in their order (prompt text and fields, not tokens: a tokenizer's or
+        chat template's change leaves the rows the same): what a checkpoint's place in the shuffled pass refers to."""
         if self._fingerprint is None:
             h = hashlib.sha256()
             for e in self.train:
-                h.update(np.asarray(e.prompt_ids, dtype=np.int64).tobytes())
-                h.update(json.dumps(e.fields, sort_keys=True, default=str).encode())
+                h.update(json.dumps([e.prompt, e.fields], sort_keys=True, default=str).encode())
             self._fingerprint = h.hexdigest()
         return self._fingerprint
 

@@ -271,10 +271,16 @@ def driving(run_dir: str) -> Iterator[None]:
     """Hold `run_dir` for this driver while the block runs. A second driver started on it (a requeued job racing the
     one still running, a double submit, `resume=true` in a second terminal) is refused with `RunDirTaken` naming the
     first; before, both ran, interleaving their checkpoints and records and removing each other's files. Where the
-    file system has no flock (ENOLCK), the run goes on unguarded, with a warning."""
+    file system has no flock (ENOLCK), the run goes on unguarded, with a warning; where flock is per node only (Lustre
+    `localflock`, NFS `local_lock=flock`), only drivers on the same node are refused."""
     os.makedirs(run_dir, exist_ok=True)
     path = os.path.join(run_dir, DRIVER_LOCK)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o644)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o644)
+    except OSError as e:  # a symlink there, a read-only or full file system: unguarded, as without flock
+        log.warning("%s: cannot open it (%s): a second driver started there would not be refused", path, e)
+        yield
+        return
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -282,27 +288,29 @@ def driving(run_dir: str) -> Iterator[None]:
             holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "its pid unknown"
             raise RunDirTaken(f"another driver is running in hydra.run.dir={run_dir} ({holder}): stop it before "
                               "continuing the run there (two drivers interleave checkpoints and records), or leave "
-                              "hydra.run.dir unset for a fresh directory") from None
+                              "hydra.run.dir unset for a fresh directory (if that process is gone, as after a node "
+                              f"crash on NFS, which can keep its lock for a while, remove {path})") from None
         except OSError as e:  # ENOLCK / ENOSYS (e.g. Lustre without -o flock)
             log.warning("%s: cannot lock it (%s): a second driver started there would not be refused", path,
                         errno.errorcode.get(e.errno, e.errno))
         else:
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
+            with contextlib.suppress(OSError):  # who holds it, for the refusal's message only (a full disk: unsaid)
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
         yield
     finally:
         os.close(fd)  # the lock goes with it
 
 
 def low_disk_note(path: str) -> str:
-    """"; its file system has N MiB free" when the file system holding `path` is nearly full (under 1% or 100 MiB
-    free), else "": a write failing there shows up as errors that do not say so (a checkpoint on a full disk ended in
-    "unexpected pos 704 vs 598", a user's trial, 2026-11-28)."""
+    """"; its file system has N MiB free" when the file system holding `path` has under 1 GiB free, else "": a write
+    failing there shows up as errors that do not say so (a checkpoint on a full disk ended in "unexpected pos 704 vs
+    598", a user's trial, 2026-11-28). Quotas are not seen."""
     try:
         usage = shutil.disk_usage(path)
     except OSError:
         return ""
-    if usage.free >= max(100 << 20, usage.total // 100):
+    if usage.free >= 1 << 30:
         return ""
     return f"; {path}'s file system has {usage.free / (1 << 20):.0f} MiB free"
 

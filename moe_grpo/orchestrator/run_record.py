@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import sys
 import threading
 from pathlib import Path
@@ -94,6 +95,8 @@ class RunRecord:
         try:
             self._file.write(_line(clean))
             self._file.flush()
+            if os.fstat(self._file.fileno()).st_nlink == 0:  # writes to a removed file succeed, into nothing
+                raise FileNotFoundError(f"{self.path} was removed (its run directory deleted?)")
         except OSError as e:  # a full disk, the run directory removed: the run stops naming it, not in a traceback
             raise RecordWriteError(f"the run record {self.path} could not be written at step {row['step']:g}: "
                                    f"{type(e).__name__}: {e}") from e

@@ -85,6 +85,8 @@ class SignalRelay:
 
     def install(self) -> None:
         for signum in self.SIGNALS:
+            if signum == signal.SIGHUP and self.original.get(signum) == signal.SIG_IGN:
+                continue  # started under nohup: a closed terminal is to leave the run alone, as it asked
             signal.signal(signum, self.handle)
 
     def handle(self, signum: int, frame: Any) -> None:

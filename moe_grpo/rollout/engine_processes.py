@@ -58,7 +58,7 @@ def remove_unheld_since(before: dict[str, int], wait_s: float = 5.0) -> list[str
     this user maps or holds open, waiting up to `wait_s` for the processes still holding some to go: what an engine
     that failed to start left (vLLM's ring buffers, ~400 MiB, which nothing else removes: its processes were never
     recorded). An entry another engine made meanwhile is mapped by it from its creation on, and kept."""
-    deadline = time.monotonic() + wait_s
+    deadline, seen_unheld = time.monotonic() + wait_s, None
     while True:
         new = {name: inode for name, inode in shm_snapshot().items() if before.get(name) != inode}
         if not new:
@@ -66,8 +66,11 @@ def remove_unheld_since(before: dict[str, int], wait_s: float = 5.0) -> list[str
         mine = [p.pid for p in psutil.process_iter(["uids"]) if p.info["uids"] and p.info["uids"].real == os.getuid()]
         held = shm_entries_held(mine, open_files=True, prefixes=SHM_KINDS)
         unheld = {name: inode for name, inode in new.items() if held.get(name) != inode}
-        if len(unheld) == len(new) or time.monotonic() > deadline:
-            return unlink_shm(unheld)
+        # Unheld in two scans 0.2 s apart: one caught between its shm_open and its mmap by another engine is not
+        sure = {name: inode for name, inode in unheld.items() if seen_unheld and seen_unheld.get(name) == inode}
+        if (sure and len(sure) == len(new)) or time.monotonic() > deadline:
+            return unlink_shm(sure)
+        seen_unheld = unheld
         time.sleep(0.2)
 
 

@@ -174,6 +174,11 @@ def test_a_second_driver_on_a_run_directory_is_refused_naming_the_first_and_let_
                                               rf"{holder.pid} on .*\): stop it before continuing the run there"):
             with driving(str(tmp_path)):
                 pass
+        # From the command line: refused before Hydra writes its .hydra/ files (or a log) into the live run's
+        cli = subprocess.run([sys.executable, "-m", "moe_grpo.train", "model=deepseek_moe", "resume=true",
+                              f"hydra.run.dir={tmp_path}"], capture_output=True, text=True, timeout=120)
+        assert cli.returncode == 2 and "another driver is running" in cli.stderr, cli.stderr[-2000:]
+        assert sorted(p.name for p in tmp_path.iterdir()) == [".driver.lock"]
     finally:
         holder.communicate("\n", timeout=30)
     with driving(str(tmp_path)):  # the first driver ended (however it did: the lock goes with its process)

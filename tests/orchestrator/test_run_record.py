@@ -96,3 +96,21 @@ def test_a_nearly_full_file_system_is_named(monkeypatch):
     assert low_disk_note("/run") == "; /run's file system has 1 MiB free"
     monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(100 << 30, 50 << 30, 50 << 30))
     assert low_disk_note("/run") == ""
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(1 << 50, (1 << 50) - (20 << 30), 20 << 30))
+    assert low_disk_note("/run") == "", "20 GiB free on a 1 PiB file system is not full"
+
+
+def test_a_record_file_removed_under_the_run_stops_it(tmp_path):
+    """Writes through an open file whose directory was deleted succeed, into nothing: the run went on writing its
+    rows nowhere (the review of 2026-11-28)."""
+    import pytest
+
+    from moe_grpo.orchestrator.run_record import REQUIRED_KEYS, RecordWriteError, RunRecord
+
+    record = RunRecord(tmp_path, 3, progress=False)
+    full = {k: 0.0 for k in REQUIRED_KEYS} | {"step": 1.0}
+    record.log(full)
+    (tmp_path / "metrics.jsonl").unlink()
+    with pytest.raises(RecordWriteError, match=r"could not be written at step 2: FileNotFoundError: .* was removed"):
+        record.log(full | {"step": 2.0})
+    record.close_files()

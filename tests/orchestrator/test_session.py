@@ -183,3 +183,18 @@ def test_a_sighup_stops_the_start_up_as_a_sigterm_does_and_is_held_during_the_cl
     teardown, ran = teardown_signalled_at(relay, "pools", signal.SIGHUP)
     teardown.run()
     assert ran == list(STEPS) and relay.held == ["SIGHUP"]
+
+
+def test_a_run_started_under_nohup_keeps_ignoring_sighup():
+    """nohup sets SIGHUP to ignored so that a closed terminal leaves the run alone: the relay must not take it over
+    (the review of 2026-11-28: it did, and a dropped ssh session stopped nohup'd runs)."""
+    before = signal.getsignal(signal.SIGHUP)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        relay = SignalRelay()
+        relay.install()
+        assert signal.getsignal(signal.SIGHUP) == signal.SIG_IGN
+        assert signal.getsignal(signal.SIGUSR1) == relay.handle
+        relay.restore()
+    finally:
+        signal.signal(signal.SIGHUP, before)
