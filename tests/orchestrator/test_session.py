@@ -177,6 +177,10 @@ def test_a_sighup_stops_the_start_up_as_a_sigterm_does_and_is_held_during_the_cl
     the driver at once: no checkpoint, no cleanup, its processes, vLLM's ring buffers and weight slots left behind
     (a user's trial, 2026-11-28)."""
     relay, _, _ = relay
+    if relay.original[signal.SIGHUP] == signal.SIG_IGN:  # this test process started under nohup: as a terminal would
+        signal.signal(signal.SIGHUP, signal.SIG_DFL)
+        relay = SignalRelay()
+        relay.install()
     with pytest.raises(KeyboardInterrupt, match="SIGHUP during start-up"):
         os.kill(os.getpid(), signal.SIGHUP)
     assert relay.stopped_start == "SIGHUP", "the start-up's stop is a scheduler's, not a Ctrl-C"
