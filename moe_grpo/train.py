@@ -52,8 +52,8 @@ def main(cfg: DictConfig) -> None:
     except PART_FAILURES as e:  # a part failed past repair: the reason, not the driver's traceback
         _exit_code = part_failed(e)
         return
-    except SignalledTogether as e:  # what a scheduler's kill looks like: exit as a SIGTERM stop does
-        _exit_code = 128 + 15
+    except SignalledTogether as e:  # what a scheduler's kill looks like: exit as a shell reports the signal
+        _exit_code = 128 + signal.Signals[e.signal_name]
         print(f"[moe_grpo] {e}", file=sys.stderr)
         return
     if summary["stopped"]:

@@ -96,7 +96,8 @@ def _train(run: RunConfig, run_dir: str, learner_cls: type | None, config_yaml: 
         session.outcome = "KILLED"
         if session.signals.stopped_start:  # a scheduler's stop, not a Ctrl-C: exit as any SIGTERM stop does
             raise SignalledTogether(f"stopped by {session.signals.stopped_start} during start-up, before step "
-                                    f"{state.step + 1}: nothing new to checkpoint; run the same command again") from None
+                                    f"{state.step + 1}: nothing new to checkpoint; run the same command again",
+                                    session.signals.stopped_start) from None
         raise
     except Exception as e:
         driver = session.driver
@@ -104,11 +105,13 @@ def _train(run: RunConfig, run_dir: str, learner_cls: type | None, config_yaml: 
         if driver is not None and driver.stop_after_checkpoint and died:  # of the same signal, as a rule
             session.outcome = "KILLED"
             hint = "" if driver._checkpoint_hint() in str(e) else f"; {driver._checkpoint_hint()}"
+            advice = ("Start the run under nohup, tmux or screen, so that a closed terminal does not reach it"
+                      if driver.stop_after_checkpoint == "SIGHUP" else "Send it to the driver alone for a checkpoint "
+                      f"first (#SBATCH --signal=B:TERM@120, scancel --batch --signal=TERM, kill {os.getpid()})")
             raise SignalledTogether(
                 f"stopped by {driver.stop_after_checkpoint}, which reached the run's own processes too and ended them "
-                f"before the checkpoint ({type(e).__name__}: {e}){hint}. Send it to the driver "
-                "alone for a checkpoint first (#SBATCH --signal=B:TERM@120, scancel --batch --signal=TERM, kill "
-                f"{os.getpid()})") from e
+                f"before the checkpoint ({type(e).__name__}: {e}){hint}. {advice}",
+                driver.stop_after_checkpoint) from e
         if isinstance(e, (EngineFailedError, RecordWriteError)):
             hint = driver._checkpoint_hint() if driver else "no run checkpoint was written"
             raise type(e)(f"{e}; {hint}{low_disk_note(run_dir)}") from e
@@ -152,9 +155,15 @@ def release_leftovers(run_dir: str) -> None:
 
 
 class SignalledTogether(RuntimeError):
-    """A SIGTERM stopped the run without its checkpoint: it reached the driver and the run's other processes at once
-    (`scancel` without `--batch`, a time limit without `--signal`, `timeout`, a kill of the process group) and they
-    died before the driver's checkpoint; or it came during the start-up, when there is nothing to checkpoint."""
+    """A SIGTERM (or SIGHUP) stopped the run without its checkpoint: it reached the driver and the run's other
+    processes at once (`scancel` without `--batch`, a time limit without `--signal`, `timeout`, a kill of the process
+    group, a closed terminal) and they died before the driver's checkpoint; or it came during the start-up, when there
+    is nothing to checkpoint."""
+
+    def __init__(self, message: str, signal_name: str = "SIGTERM") -> None:
+        super().__init__(message)
+        self.signal_name = signal_name
+        """The signal's name: the exit status is 128 + its number, as a shell reports it."""
 
 
 def run_to_end(driver: Driver) -> str | None:
