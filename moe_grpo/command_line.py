@@ -110,9 +110,9 @@ def _score(value: float | None) -> str:
 
 def refuse_taken_run_dir(argv: list[str]) -> None:
     """Exit (code 2) when `hydra.run.dir=` on the command line names a directory holding another run's record and
-    `resume=true` is not given, or one whose driver is running (`run_dirs.driving`). Runs before Hydra, which writes `.hydra/` into the run directory before `main`: a
-    refused run writes nothing. (Parsed with Hydra's own override grammar; `main` checks again on the resolved
-    directory.)"""
+    `resume=true` is not given, or one whose driver is running (`run_dirs.driving`). Runs before Hydra, which writes
+    `.hydra/` into the run directory before `main`: a refused run writes nothing. (Parsed with Hydra's own override
+    grammar; `main` checks again on the resolved directory.)"""
     overrides = parse_overrides(argv)
     if str(overrides.get("cluster.dry_run", "false")).lower() == "true":
         return  # a dry run writes no record

@@ -398,8 +398,8 @@ def build_plan(run: RunConfig, environ: Mapping[str, str] | None = None, *, seq_
 
 def _engine_problems(run: RunConfig, gpus: int | None, cpus: int | None, notes: list[str]) -> list[str]:
     """What an engine's shape asks that vLLM cannot build here: a TP not dividing the heads, more stages than layers,
-    served LoRA adapters with stages, expert parallelism where the engines run on CPU. Notes an engine on CPU with more vLLM
-    workers than the node has cores (each worker gets a core set; they then share cores)."""
+    served LoRA adapters with stages, expert parallelism where the engines run on CPU. Notes an engine on CPU with
+    more vLLM workers than the node has cores (each worker gets a core set; they then share cores)."""
     c, spec, problems = run.cluster, run.model, []
     engine_tp, engine_pp = c.engine_tensor_parallel, c.engine_pipeline_parallel
     if not gpus and cpus and engine_tp * engine_pp > cpus:

@@ -16,7 +16,7 @@ import re
 EXCEPTION_LINE = re.compile(r"^(?:[A-Za-z_]\w*\.)*[A-Z]\w*(?:Error|Exception|Exit|Interrupt)(?:: \S.*)?$")
 """The last line of a Python traceback: `ValueError: ...`, `torch.OutOfMemoryError: ...`, a bare `AssertionError`."""
 RECORD_START = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d")
-"""The first line of a log record (orchestrator/logs.py's format starts with the time); a traceback's lines follow it."""
+"""The first line of a log record (orchestrator/logs.py's format starts with the time); a traceback follows it."""
 MAX_READ = 4 << 20
 MAX_CAUSE_CHARS = 600
 
