@@ -9,6 +9,7 @@ import numpy as np
 
 from moe_grpo.learner.parallel import ParallelLayout, gather_by_index
 from moe_grpo.learner.spawn import run_distributed
+from moe_grpo.models.options import gloo_dispatcher_problem
 from moe_grpo.models.spec import read_spec
 
 
@@ -35,11 +36,12 @@ def hf_logprobs(hf_dir: str | Path, seqs: list[np.ndarray]) -> list[np.ndarray]:
 
 
 def default_dispatcher(tp: int, ep: int) -> str:
-    """Megatron's token dispatcher for a layout: alltoall, except TP x EP on CPU (gloo refuses alltoall's uneven
-    all_gather there, so allgather, which gives the same results)."""
+    """Megatron's token dispatcher for a layout: alltoall, except where a learner on CPU cannot run it
+    (`models.options.gloo_dispatcher_problem`: TP x EP), so allgather, which gives the same results."""
     import torch
 
-    return "allgather" if tp > 1 and ep > 1 and not torch.cuda.is_available() else "alltoall"
+    on_gloo = not torch.cuda.is_available()
+    return "allgather" if on_gloo and gloo_dispatcher_problem(tp, ep, "alltoall") else "alltoall"
 
 
 def megatron_logprobs(megatron_dir: str, tp: int, ep: int, pp: int, seqs: list[np.ndarray],

@@ -115,8 +115,8 @@ def _train(run: RunConfig, run_dir: str, learner_cls: type | None, config_yaml: 
         if isinstance(e, (EngineFailedError, RecordWriteError)):
             hint = driver._checkpoint_hint() if driver else "no run checkpoint was written"
             raise type(e)(f"{e}; {hint}{low_disk_note(run_dir)}") from e
-        if isinstance(e, LearnerFailedError) and low_disk_note(run_dir):  # a checkpoint's write failing on it
-            raise LearnerFailedError(f"{e}{low_disk_note(run_dir)}", died=e.died) from e
+        if isinstance(e, LearnerFailedError) and (note := low_disk_note(run_dir)):  # a checkpoint's write failing
+            raise LearnerFailedError(f"{e}{note}", died=e.died) from e
         raise
     finally:
         session.close()

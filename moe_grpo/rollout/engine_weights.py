@@ -124,7 +124,7 @@ def check_stages_cover(answers: list[dict], pp_ranks: list[int], adapted: int, e
     weight once (a stage that took a wrong range of layers would leave some unmerged, silently: each worker answers
     a version with its count of the version's weights)."""
     per_stage: dict[int, set[int]] = {}
-    for stage, answer in zip(pp_ranks if len(pp_ranks) == len(answers) else [0] * len(answers), answers):
+    for stage, answer in zip(pp_ranks, answers, strict=True):  # one answer per worker, as the install listed them
         per_stage.setdefault(stage, set()).add(int(answer["weights"]))
     if any(len(counts) != 1 for counts in per_stage.values()) or sum(min(c) for c in per_stage.values()) != adapted:
         raise EngineError(f"engine {engine_id}: the workers' pipeline stages merge {per_stage} adapted weights "

@@ -286,12 +286,12 @@ class RoutingCaptureExtension:
         if lora is None:
             raise RuntimeError("moe_grpo_apply_adapter before moe_grpo_lora_setup (the engine was started "
                                "without lora)")
-        weights = {adapter_weight(key)[0] for key in adapter}
+        weight_of = {key: adapter_weight(key)[0] for key in adapter}
         start, end = self._mg_stage_layers()
-        mine = {key: t for key, t in adapter.items() if on_stage(adapter_weight(key)[0], start, end)}
+        mine = {key: t for key, t in adapter.items() if on_stage(weight_of[key], start, end)}
         for group in lora.merged(mine, float(scale)):
             self.reload_weights(weights_iterator=iter(list(group.items())))  # type: ignore[attr-defined]
-        return len(weights)  # the version's adapted weights: every worker of every stage answers the same count
+        return len(set(weight_of.values()))  # the version's adapted weights: every worker answers the same count
 
 
 PACKED_READBACK_ROWS = 1024
