@@ -15,11 +15,13 @@ import time
 
 import pytest
 
+from moe_grpo.orchestrator.run_checkpoint import complete_checkpoints, load_driver_state
 from runs import Run, shm_entries, shm_left_behind
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.multiprocess]
 
 STEPS = 8
+PROMPTS_PER_STEP = 4  # tests/faults/runs.py SMALL
 CONFIG = (f"steps={STEPS}", "mode=async", "algo.max_staleness=1", "checkpoint.every=2", "checkpoint.keep=3",
           "learner.micro_batch_size=1", "rollout.request_timeout_s=60")
 
@@ -28,7 +30,7 @@ CONFIG = (f"steps={STEPS}", "mode=async", "algo.max_staleness=1", "checkpoint.ev
 def chain(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("preemption") / "run"
     shm_before = shm_entries()
-    out = {"shm_before": shm_before, "run_dir": run_dir}
+    out = {"shm_before": shm_before, "run_dir": run_dir, "accounts": {}}
     first = Run(run_dir, *CONFIG)
     try:
         first.wait_step(3)
@@ -38,6 +40,7 @@ def chain(tmp_path_factory):
     except BaseException:
         first.kill()
         raise
+    out["accounts"].update(checkpoint_accounts(run_dir))
     second = Run(run_dir, *CONFIG, "resume=true")
     try:
         second.wait_for("the resumed run's step 5", lambda: any(r["step"] >= 5 and r["resume/from_step"] >= 0
@@ -55,6 +58,7 @@ def chain(tmp_path_factory):
     except BaseException:
         second.kill()
         raise
+    out["accounts"].update(checkpoint_accounts(run_dir))
     checkpoints = sorted(p for p in (run_dir / "checkpoints").iterdir() if p.name.startswith("step_"))
     newest = checkpoints[-1]
     damaged = newest / "driver.pkl"
@@ -68,6 +72,21 @@ def chain(tmp_path_factory):
         third.kill()
         raise
     return out
+
+
+def checkpoint_accounts(run_dir) -> dict[int, dict[str, int]]:
+    """Per checkpoint on disk (by step): the admitted groups it accounts for, read from its driver state. Every group
+    the driver admitted is trained on (`step` x PROMPTS_PER_STEP), wasted (dropped stale, lost, discarded), or saved:
+    finished in the buffer or as a request in flight."""
+    accounts = {}
+    for path in complete_checkpoints(run_dir):  # (a checkpoint being written when a run died is not one)
+        saved = load_driver_state(path)
+        state = saved["run_state"]
+        accounts[state["step"]] = {
+            "admitted": state["admitted"], "trained": state["step"] * PROMPTS_PER_STEP,
+            "wasted": saved["buffer"]["dropped_stale"] + state["lost_groups"] + state["discarded_groups"],
+            "buffered": len(saved["buffer"]["groups"]), "in_flight": len(saved["engines"]["requests"])}
+    return accounts
 
 
 def test_a_dead_learner_rank_stops_the_run_naming_the_rank_and_the_last_checkpoint(chain):
@@ -119,7 +138,16 @@ def test_the_resumed_async_run_trains_on_the_buffer_it_saved_and_nothing_staler_
     # both). A group still being generated at the checkpoint is in flight, which is timing: so at least one resume.
     came_back = [(r["step"], r["resume/buffered_groups"], r["resume/requests_resubmitted"]) for r in firsts]
     assert any(r["resume/buffered_groups"] > 0 for r in firsts), came_back
-    assert all(r["resume/buffered_groups"] + r["resume/requests_resubmitted"] >= 4 for r in firsts), came_back
+    # Nothing admitted is lost at a checkpoint, and what it saved comes back. (How many groups are outstanding at a
+    # checkpoint is timing: the admission horizon follows the version the engines serve, which under load may lag
+    # a step. Until 2026-11-28 this asserted at least 4 (a step's worth) came back at each resume, which failed once
+    # in a loaded suite.)
+    for r in firsts:
+        saved = chain["accounts"][int(r["resume/from_step"])]
+        outstanding = saved["admitted"] - saved["trained"] - saved["wasted"]
+        assert saved["buffered"] + saved["in_flight"] == outstanding, (r["resume/from_step"], saved)
+        assert (r["resume/buffered_groups"], r["resume/requests_resubmitted"]) == \
+            (saved["buffered"], saved["in_flight"]), (came_back, saved)
     # Training is the slower phase here, so the engine runs ahead of the learner: stale tokens were trained at the
     # bound (max_staleness=1) or dropped. (That none is staler than the bound is the buffer's to enforce; its own
     # tests check it: a row here could not show otherwise.)
