@@ -59,8 +59,8 @@ def config_error(e: ValueError) -> int:
     return 2
 
 
-def refusal(e: ValueError) -> int:
-    """Report a run refused before it started (its inputs, its plan, its resume) in one line and return the exit
+def refusal(e: Exception) -> int:
+    """Report a run refused before it started (its inputs, its plan, its resume, its weight-sync root) in one line and return the exit
     status: 2, as a config error; the message names the file, row, key or numbers."""
     print(f"[moe_grpo] {e}", file=sys.stderr)
     return 2

@@ -26,6 +26,7 @@ from moe_grpo.orchestrator.logs import quiet_libraries
 from moe_grpo.orchestrator.placement_plan import PlanRefused, dry_run
 from moe_grpo.orchestrator.run_checkpoint import ResumeRefused
 from moe_grpo.orchestrator.run_dirs import RunDirTaken, check_run_dir
+from moe_grpo.sync.errors import UnsafeRootError
 from moe_grpo.validate import InputRefused
 
 _exit_code = 0
@@ -46,7 +47,7 @@ def main(cfg: DictConfig) -> None:
     try:
         check_run_dir(run_dir, run.resume)  # again on the resolved directory (set in a YAML file, say)
         summary = train(run, run_dir, config_yaml=OmegaConf.to_yaml(cfg, resolve=True))
-    except (PlanRefused, ResumeRefused, InputRefused, RunDirTaken) as e:  # they name the numbers, files, rows, keys
+    except (PlanRefused, ResumeRefused, InputRefused, RunDirTaken, UnsafeRootError) as e:  # they name what to change
         _exit_code = refusal(e)
         return
     except PART_FAILURES as e:  # a part failed past repair: the reason, not the driver's traceback

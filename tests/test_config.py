@@ -251,3 +251,20 @@ def test_help_says_what_a_null_default_means():
                          timeout=60)
     assert "clip_ratio_low: null" in out.stdout and 'null is not "unset"' in out.stdout
     assert "the preset of algo.loss" in out.stdout
+
+
+def test_a_weight_sync_root_others_can_write_is_one_line_exit_2_before_anything_starts(tmp_path):
+    """`sync.root` on a directory writable by others (a shared tmpfs mounted 1777): refused in one line, exit 2.
+
+    Would have caught: the refusal (sync.transport.secure_root, made when the run's session opens) ending in Hydra's
+    ~15-line traceback with exit status 1 (2026-11-28)."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o1777)
+    out = subprocess.run([sys.executable, "-m", "moe_grpo.train", "model=deepseek_moe", f"sync.root={shared}",
+                          f"hydra.run.dir={tmp_path}/run"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert "Traceback" not in out.stderr, out.stderr[-3000:]
+    last = out.stderr.strip().splitlines()[-1]
+    assert last == (f"[moe_grpo] weight-sync root {shared} has mode 0o1777, writable by group and others; expected "
+                    "0700 (remove it, or chmod 700 it if every file in it is yours)"), last

@@ -108,6 +108,9 @@ class CudaIpcTransport(SharedMemoryTransport):
         self._opened: dict[tuple[str, int], torch.Tensor] = {}
         self._views: dict[tuple[str, int, torch.dtype, int], dict[str, torch.Tensor]] = {}
 
+    def check_room(self, version_bytes: int) -> None:
+        """Nothing to check under the root: the versions' buffers are in rank 0's GPU memory."""
+
     # ------------------------------------------------------------------ sending side
     def claim(self, version: int, plan: BucketPlan, rank: int, world: int, timeout_s: float = 60.0) -> str:
         """The slot for `version`; rank 0 (re)allocates its device buffers and publishes their handles."""

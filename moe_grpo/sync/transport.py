@@ -29,6 +29,7 @@ file and directory the transport creates is 0600 / 0700 whatever the umask.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
 import mmap
@@ -45,15 +46,8 @@ from typing import Collection, Iterator, Protocol
 import torch
 
 from moe_grpo.processes import process_alive
+from moe_grpo.sync.errors import SyncError, SyncRootFull, UnsafeRootError  # noqa: F401 - SyncError: its importers
 from moe_grpo.sync.plan import Bucket, BucketPlan
-
-
-class SyncError(RuntimeError):
-    """A weight sync was refused or failed; names the part (rank, engine, tensor) and the version."""
-
-
-class UnsafeRootError(SyncError):
-    """A transport root another local user could write to or replace; names the path and what is wrong."""
 
 
 class WeightTransport(Protocol):
@@ -134,6 +128,30 @@ def _open_private(path: Path | str, flags: int) -> int:
         os.close(fd)
         raise
     return fd
+
+
+ROOM_ADVICE = ("give it more room (a container: docker run --shm-size; Kubernetes: an emptyDir of medium Memory "
+               "with a sizeLimit) or point sync.root at a larger tmpfs")
+
+
+def reserve(fd: int, nbytes: int, root: Path | str) -> None:
+    """Grow the open file `fd` to `nbytes` with its memory taken now (`posix_fallocate`), or raise `SyncRootFull`.
+
+    A file only `ftruncate`d is sparse: on a full tmpfs the first write through a map of it is a SIGBUS, which
+    killed the learner rank with no word of /dev/shm (a 4 MiB sync root, 2026-11-28: "learner rank 0 died during
+    step 2"; Docker gives a container 64 MiB of /dev/shm unless told `--shm-size`). On tmpfs the size becomes
+    `nbytes` only once every page is taken, so another rank that finds the file at its size writes into memory
+    that is there; ranks growing the same file at once take the same pages."""
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        free = shutil.disk_usage(root).free
+        raise SyncRootFull(
+            f"weight-sync root {root} is full: a bucket of {nbytes / 2**20:.1f} MiB does not fit in the "
+            f"{free / 2**20:.1f} MiB free there (each host keeps sync.slots versions, plus what vLLM and others put "
+            f"there); {ROOM_ADVICE}") from e
 
 
 def _check_parent(root: Path) -> None:
@@ -350,11 +368,24 @@ class SharedMemoryTransport:
             shutil.rmtree(slot, ignore_errors=True)
             slots.remove(slot)
 
+    def check_room(self, version_bytes: int) -> None:
+        """Before the first version: refuse a root whose filesystem cannot hold `slots` versions of
+        `version_bytes` (raises `SyncRootFull`), rather than fail at the version that no longer fits, minutes in."""
+        need, free = self.slots * version_bytes, shutil.disk_usage(self.root).free
+        if free < need:
+            raise SyncRootFull(
+                f"weight-sync root {self.root} has {free / 2**20:.1f} MiB free; this host keeps sync.slots="
+                f"{self.slots} versions of {version_bytes / 2**20:.1f} MiB there ({need / 2**20:.1f} MiB), and "
+                f"vLLM's engines put their own buffers in /dev/shm too; {ROOM_ADVICE}")
+
     def _bucket_file(self, slot: str, bucket: Bucket) -> str:
         path = bucket_path(slot, bucket.index)
         fd = _open_private(path, os.O_RDWR)
         try:
-            if os.fstat(fd).st_size != bucket.nbytes:
+            size = os.fstat(fd).st_size
+            if size < bucket.nbytes:
+                reserve(fd, bucket.nbytes, self.root)
+            elif size > bucket.nbytes:
                 os.ftruncate(fd, bucket.nbytes)
         finally:
             os.close(fd)

@@ -85,6 +85,10 @@ class RelayPublisher:
     def writes_locally(self) -> bool:
         return self.local is not None
 
+    def check_room(self, version_bytes: int) -> None:
+        if self.local is not None:
+            self.local.check_room(version_bytes)
+
     def bind(self, plan: BucketPlan, writes: dict[int, list[Any]], adapter_plan: BucketPlan | None = None,
              adapter_writes: dict[int, list[Any]] | None = None) -> None:
         """The rank's shard writes (fixed for the run; with LoRA also those of its adapter-only versions): their

@@ -189,3 +189,85 @@ def test_an_existing_root_of_ours_is_narrowed_to_0700(tmp_path):
     os.chmod(root, 0o755)  # what earlier versions created
     SharedMemoryTransport(str(root))
     assert stat.S_IMODE(os.stat(root).st_mode) == 0o700
+
+
+# ---------------------------------------------------------------------- a root too small (Docker's /dev/shm is 64 MiB
+# unless told --shm-size)
+
+_SMALL_ROOT = """
+import os, sys, torch
+from moe_grpo.sync.plan import plan_buckets
+from moe_grpo.sync.transport import SharedMemoryTransport, SyncRootFull
+from layout_scenarios import tiny_spec
+plan = plan_buckets(tiny_spec(), torch.float32, 1 << 30)  # one bucket, the whole version
+t = SharedMemoryTransport(os.path.join(sys.argv[1], "sync"), slots=2)
+need = plan.total_bytes
+print("version", need, "free", os.statvfs(t.root).f_bavail * os.statvfs(t.root).f_frsize, flush=True)
+try:
+    t.check_room(need)
+except SyncRootFull as e:
+    print("at start:", e, flush=True)
+for version in (1, 2):
+    slot = t.claim(version, plan, 0, 1)
+    try:
+        with t.bucket_views(slot, plan.buckets[0], torch.float32) as views:
+            for view in views.values():
+                view.fill_(1.0)
+    except SyncRootFull as e:
+        print(f"version {version}:", e, flush=True)
+        break
+    print(f"version {version}: written", flush=True)
+"""
+
+
+def _on_small_tmpfs(tmp_path, size: str, script: str, paths: list[str] = ()) -> subprocess.CompletedProcess:
+    """`script` run with argv[1] a tmpfs of `size` mounted in a mount namespace of its own (`unshare`: as root, or
+    as a user where user namespaces are allowed), this directory and `paths` on its import path; skips where
+    neither works."""
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    probe = subprocess.run(["unshare", "-rm", "sh", "-c", f"mount -t tmpfs -o size={size} tmpfs {mnt}"],
+                           capture_output=True, text=True)
+    if probe.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs in a namespace here: {probe.stderr.strip()}")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), *paths,
+                                                        os.environ.get("PYTHONPATH", "")])}
+    return subprocess.run(["unshare", "-rm", "sh", "-c", f'mount -t tmpfs -o size={size} tmpfs "$0" && exec "$1" -c "$2" "$0"',
+                           str(mnt), sys.executable, script], capture_output=True, text=True, env=env, timeout=120)
+
+
+def test_a_root_too_small_for_the_versions_is_named_at_the_start_and_a_full_one_at_the_write(tmp_path):
+    """A version of the tests' tiny model in fp32 is 4.4 MiB: a 5 MiB tmpfs holds one of the two slots. Before, nothing looked at the
+    room and the second version's write through its map of a sparse file was a SIGBUS that killed the writer (a run:
+    "learner rank 0 died during step 2")."""
+    out = _on_small_tmpfs(tmp_path, "5m", _SMALL_ROOT)
+    assert out.returncode == 0, f"exit {out.returncode} (-7: SIGBUS)\n{out.stdout}\n{out.stderr[-3000:]}"
+    lines = out.stdout.splitlines()
+    assert lines[1].startswith("at start: weight-sync root ") and "keeps sync.slots=2 versions" in lines[1], lines
+    assert "--shm-size" in lines[1] and "sync.root" in lines[1]
+    assert lines[2] == "version 1: written", lines
+    assert lines[3].startswith("version 2: weight-sync root ") and " is full: a bucket of 4.4 MiB" in lines[3], lines
+
+
+_LEARNER_ON_SMALL_ROOT = """
+import os, sys
+from moe_grpo.learner.spawn import DistributedRunError, run_distributed
+import layout_scenarios as S
+try:
+    run_distributed(S.sync_and_save, 1, 1, 1, 1, {}, 1, os.path.join(sys.argv[1], "sync"), os.path.join(sys.argv[1], "ckpt"))
+    print("published", flush=True)
+except DistributedRunError as e:
+    print("refused:", " ".join(str(e).split()), flush=True)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_a_learner_rank_names_a_root_too_small_before_its_first_version(tmp_path):
+    """WeightSync asks its transport for the room of `sync.slots` versions when it is made (a run: at the learner
+    rank's start, before the warm start), and the rank fails naming the root and the numbers."""
+    learner_tests = os.path.join(os.path.dirname(os.path.dirname(__file__)), "learner")  # layout_scenarios
+    out = _on_small_tmpfs(tmp_path, "5m", _LEARNER_ON_SMALL_ROOT, paths=[learner_tests])
+    assert out.returncode == 0, f"exit {out.returncode}\n{out.stdout}\n{out.stderr[-3000:]}"
+    assert out.stdout.startswith("refused:") and "SyncRootFull: weight-sync root " in out.stdout, out.stdout
+    assert "keeps sync.slots=2 versions of 4.4 MiB there (8.8 MiB)" in out.stdout, out.stdout
