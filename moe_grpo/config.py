@@ -37,6 +37,9 @@ from moe_grpo.sync.config import SyncConfig
 from moe_grpo.validate import at_least
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+WARM_START_FROM_RANDOM = 100
+"""The warm start of a built-in task's randomly initialised model when `warm_start_steps` is unset: 100 take about
+10 s on 2 cores for the default model; with 50 the default run's start, and its end, varied more by seed."""
 
 
 @dataclass(frozen=True)
@@ -79,9 +82,12 @@ class RunConfig:
     """Optimizer steps the run takes."""
     mode: str = "async"
     """'async': engines generate while the learner trains; 'sync': generate, train, sync in turn (the baseline)."""
-    warm_start_steps: int = 100
-    """Supervised steps on task examples before RL, mostly to teach the answer format; part of the run (100 take
-    about 10 s on 2 cores for the default model; with 50 the default run's start, and its end, varied more by seed)."""
+    warm_start_steps: int | None = None
+    """Supervised steps on the task's answers before RL, to teach a randomly initialised model the answer format
+    (part of the run; needs each row's answer, `data.answer_key`). Unset: `WARM_START_FROM_RANDOM` on a built-in
+    task's model with random weights, 0 where the prompts come from a dataset or the model from a checkpoint
+    (`init.hf`): a pretrained model is not fine-tuned on a dataset's reference answers unless asked (`warm_start` is
+    the number the run takes)."""
     eval_every: int = 25
     """Score the held-out set greedily every this many steps (and at step 0 and the last step); 0 = never."""
     resume: bool = False
@@ -129,8 +135,17 @@ class RunConfig:
         if self.data.eval_path is not None and self.data.train_path is None:  # `evaluate` takes eval_path alone
             raise ValueError(f"data.eval_path={self.data.eval_path!r} without data.train_path: held-out rows need "
                              "training rows of the same format")
-        at_least("warm_start_steps", self.warm_start_steps, 0)
+        if self.warm_start_steps is not None:
+            at_least("warm_start_steps", self.warm_start_steps, 0)
         at_least("eval_every", self.eval_every, 0, "(0 = never)")
+
+    @property
+    def warm_start(self) -> int:
+        """The supervised steps this run takes before RL (`warm_start_steps`, or its default where unset)."""
+        if self.warm_start_steps is not None:
+            return self.warm_start_steps
+        from_random = not (self.data.train_path or self.init.hf)  # (init.megatron comes with init.hf)
+        return WARM_START_FROM_RANDOM if from_random else 0
 
     def learner_world_size(self) -> int:
         return self.cluster.learner_ranks or self.parallel.world_size()

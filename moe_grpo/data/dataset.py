@@ -87,10 +87,11 @@ def log_skipped(bad: Sequence[BadRow], what: str, path: str | Path) -> None:
 
 
 def read_rows(path: str | Path, required: Sequence[str],
-              check: Callable[[dict[str, Any]], str | None] | None = None) -> Rows:
+              check: Callable[[dict[str, Any]], str | None] | None = None, why: str | None = None) -> Rows:
     """Every row of `path` that is an object with each `required` field present and non-empty.
 
-    `check(row)` may refuse a row with a reason (e.g. a GSM8K answer without `#### N`)."""
+    `check(row)` may refuse a row with a reason (e.g. a GSM8K answer without `#### N`). `why`: what needs the
+    fields beyond the first, said when no row has them."""
     p = Path(path)
     if not p.is_file():
         raise FileNotFoundError(f"dataset {path} does not exist")
@@ -118,5 +119,5 @@ def read_rows(path: str | Path, required: Sequence[str],
     log_skipped(out.bad, "bad rows", path)
     if not out.rows:
         raise ValueError(f"dataset {path} has no usable row ({len(out.bad)} bad; first: "
-                         f"{out.bad[0] if out.bad else 'the file is empty'})")
+                         f"{out.bad[0] if out.bad else 'the file is empty'})" + (f"; {why}" if why and out.bad else ""))
     return out

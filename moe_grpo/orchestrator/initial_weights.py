@@ -26,11 +26,11 @@ log = logging.getLogger("moe_grpo")
 
 
 def warm_start(run: RunConfig, learners: LearnerGroup, tokenizer: Any, source: Any) -> list[float]:
-    """`warm_start_steps` supervised steps on the task's answers (one learner call); the answer NLL of each."""
+    """`run.warm_start` supervised steps on the task's answers (one learner call); the answer NLL of each."""
     from moe_grpo.learner.batch import LearnerSequence
 
     batches = []
-    for _ in range(run.warm_start_steps):
+    for _ in range(run.warm_start):
         pairs = supervised_sequences(source.take(run.algo.prompts_per_step), tokenizer)
         batches.append([LearnerSequence(np.asarray(t), prompt_len=p, advantage=1.0) for t, p in pairs])
     if not batches:

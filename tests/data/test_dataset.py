@@ -155,6 +155,7 @@ def test_command_line_names_task_data_reward_and_init(tmp_path):
                               "reward.fn=[user_rewards:length_penalty,moe_grpo.reward.math_answer:math_answer_reward]",
                               "reward.weights=[0.5,1]"]))
     assert run.task.name == "gsm8k" and run.data.train_path == str(data)
+    assert run.warm_start == 0 and from_hydra(compose([f"init.hf={hf}"])).warm_start == 0  # a pretrained model
     assert run.reward.fn == ("user_rewards:length_penalty", "moe_grpo.reward.math_answer:math_answer_reward")
     assert run.reward.weights == (0.5, 1.0)
     # the model description is the checkpoint's config.json, whatever `model=` says
@@ -199,3 +200,27 @@ def test_a_resume_on_a_dataset_whose_rows_changed_is_refused_before_anything_sta
         with pytest.raises(ResumeRefused, match=r"resume=true from .*step_000004: data.train_path's 2 usable rows "
                                                 r"are not the checkpoint's"):
             resume_point(resumed, str(tmp_path), RunState(), source_of(changed))
+
+
+def test_a_prompts_only_dataset_with_a_reward_function_runs_without_a_warm_start_unless_one_is_asked_for(tmp_path):
+    """A dataset of prompts alone and a user reward (a user's usual RL setup) was refused: "has no usable row
+    (... missing field(s) ['answer'])", because the warm start (100 supervised steps by default, meant for the
+    embedded model's random weights) read each row's answer, and it silently fine-tuned a pretrained `init.hf` model
+    on a dataset's reference answers (a newcomer's trial, 2026-11-28). Unset, the warm start now runs only on a
+    built-in task's randomly initialised model; asked for on rows without answers, the refusal says why."""
+    import dataclasses
+
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ["abc", "defg", "hij"]))
+    tree = {"model": dataclasses.asdict(load_model_spec("deepseek_moe")), "reward": {"fn": "user_rewards:length_penalty"},
+            "data": {"train_path": str(path)}}
+    run = from_hydra(tree)
+    assert run.warm_start == 0
+    assert [e.prompt for e in prompt_source(run, ByteTokenizer(512), np.random.default_rng(0)).train] == \
+        ["abc", "defg", "hij"]
+    assert from_hydra({"model": tree["model"]}).warm_start == 100  # the built-in task on random weights
+    asked = from_hydra({**tree, "warm_start_steps": 5})
+    assert asked.warm_start == 5
+    with pytest.raises(ValueError, match=r"missing field\(s\) \['answer'\].*warm_start_steps=5 trains on each row's "
+                                         r"'answer'; warm_start_steps=0 runs without"):
+        prompt_source(asked, ByteTokenizer(512), np.random.default_rng(0))
