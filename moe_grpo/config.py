@@ -261,9 +261,10 @@ def _checked(key: str, value: Any, hint: Any) -> Any:
     raise ValueError(f"{key}={value!r}: expected {_EXPECTED[hint]}")
 
 
-def command_line_keys() -> dict[str, set[str] | None]:
-    """What a training command line may set: each section's fields (the model's too), and the plain fields."""
-    keys: dict[str, set[str] | None] = {name: {f.name for f in fields(cls)} for name, cls in _SECTIONS.items()}
+def command_line_keys() -> dict[str, Any]:
+    """What a training command line may set: each section's fields (the model's too; a section's own sections,
+    `logger.wandb`), and the plain fields."""
+    keys: dict[str, Any] = {name: validate.dataclass_keys(cls) for name, cls in _SECTIONS.items()}
     keys["model"] = {f.name for f in fields(MoEModelSpec)} | {"hf_path"}
     keys.update({f.name: None for f in fields(RunConfig) if f.name not in keys})
     return keys

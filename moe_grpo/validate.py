@@ -75,20 +75,36 @@ def between(key: str, value: Any, low: float, high: float, *, low_open: bool = F
 
 
 def unknown_key(key: str, keys: Mapping[str, Any], renamed: Mapping[str, str] | None = None) -> str | None:
-    """Why the command line's dotted `key` names nothing in `keys` (a section's name -> its field names, or None
-    for a plain field), or None when it does: a message naming it, the nearest known key (difflib) and the section's
-    keys. `renamed` maps keys of older configs to what to write instead. Below a section's field (a list's index,
-    `model.extra_hf_config.<key>`) is left to the conversion."""
+    """Why the command line's dotted `key` names nothing in `keys`, or None when it does: a message naming it, the
+    nearest known key (difflib) and the section's keys. `keys` maps a name to None (a plain field), to its section's
+    field names, or to its section's own mapping of this shape (`logger.wandb.mode`). `renamed` maps keys of older
+    configs to what to write instead. Below a plain field (a list's index, `model.extra_hf_config.<key>`) is left to
+    the conversion."""
     if renamed and key in renamed:
         return renamed[key]
-    top, _, rest = key.partition(".")
-    if top not in keys:
-        return _no_such_key(key, top, "", keys) + "; `--help` lists every key"
-    name = rest.partition(".")[0]
-    fields_of = keys[top]
-    if rest and fields_of is not None and name not in fields_of:
-        return _no_such_key(key, name, f"{top}.", fields_of) + f"; {top}'s keys: {', '.join(sorted(fields_of))}"
+    level: Any = keys
+    parts = key.split(".")
+    for depth, name in enumerate(parts):
+        if level is None:  # below a plain field
+            return None
+        if name not in level:
+            if depth == 0:
+                return _no_such_key(key, name, "", level) + "; `--help` lists every key"
+            section = ".".join(parts[:depth])
+            return _no_such_key(key, name, f"{section}.", level) + f"; {section}'s keys: {', '.join(sorted(level))}"
+        level = level[name] if isinstance(level, Mapping) else None
     return None
+
+
+def dataclass_keys(cls: type) -> dict[str, Any]:
+    """`unknown_key`'s shape of a config dataclass: each field's name -> None, or for a field that is a dataclass
+    itself, that one's keys."""
+    import dataclasses
+    import typing
+
+    hints = typing.get_type_hints(cls)
+    return {f.name: dataclass_keys(hints[f.name]) if dataclasses.is_dataclass(hints[f.name]) else None
+            for f in dataclasses.fields(cls)}
 
 
 def _no_such_key(key: str, name: str, prefix: str, known: Any) -> str:

@@ -174,6 +174,11 @@ def test_a_mistyped_key_is_named_with_the_nearest_known_one():
     assert unknown_key("rollout.zzz") == ("unknown key rollout.zzz; rollout's keys: " + ", ".join(
         sorted(f.name for f in fields(RolloutConfig))))
     assert unknown_key("replay").startswith("replay= was replaced by routing.replay")
+    # A section inside a section: logger.wandb.mod got Hydra's six-line error, exit 1 (a newcomer's trial, 2026-11-28)
+    assert unknown_key("logger.wandb.mode") is None
+    assert unknown_key("logger.wandb.mod").startswith("unknown key logger.wandb.mod (did you mean logger.wandb.mode?); "
+                                                      "logger.wandb's keys: ")
+    assert unknown_key("logger.wandbb.mode").startswith("unknown key logger.wandbb.mode (did you mean logger.wandb?)")
 
 
 def test_a_refused_resume_is_one_line_exit_2_before_anything_starts(tmp_path):

@@ -81,8 +81,8 @@ def defaults_tree() -> dict[str, Any]:
 
 def unknown_key(key: str) -> str | None:
     """Why the evaluation command line's `key` names nothing `EvaluateConfig` reads, or None."""
-    keys: dict[str, set[str] | None] = {f.name: None for f in fields(EvaluateConfig)}
-    keys.update({name: {f.name for f in fields(cls)} for name, cls in _SECTIONS.items()})
+    keys: dict[str, Any] = {f.name: None for f in fields(EvaluateConfig)}
+    keys.update({name: validate.dataclass_keys(cls) for name, cls in _SECTIONS.items()})
     return validate.unknown_key(key, keys)
 
 
