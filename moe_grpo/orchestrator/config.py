@@ -130,7 +130,7 @@ class ClusterConfig:
     stage's workers on one node) through vLLM's Ray executor (GPU only, unrun; vLLM 0.32's CPU platform refuses it):
     an engine holds TP x PP GPUs (or core sets on CPU), weights / (TP x PP) per engine GPU. Each stage captures the
     routing of its own layers, joined in layer order; a version is served only when every stage loaded it. At most
-    one stage per decoder layer; not with LoRA."""
+    one stage per decoder layer; with LoRA only as `sync.lora_apply=merge` (each stage merges its own layers)."""
     engine_expert_parallel: bool = False
     """vLLM expert parallelism inside each engine (vLLM `enable_expert_parallel`): the routed experts of each MoE
     layer are sharded whole over the engine's `engine_tensor_parallel` workers (x vLLM data-parallel ranks, 1 here)
