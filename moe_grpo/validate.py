@@ -8,8 +8,10 @@ still refuse NaN and infinity themselves because a dataclass may also be built d
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import difflib
 import math
+import typing
 from typing import Any, Iterator, Mapping
 
 
@@ -99,9 +101,6 @@ def unknown_key(key: str, keys: Mapping[str, Any], renamed: Mapping[str, str] | 
 def dataclass_keys(cls: type) -> dict[str, Any]:
     """`unknown_key`'s shape of a config dataclass: each field's name -> None, or for a field that is a dataclass
     itself, that one's keys."""
-    import dataclasses
-    import typing
-
     hints = typing.get_type_hints(cls)
     return {f.name: dataclass_keys(hints[f.name]) if dataclasses.is_dataclass(hints[f.name]) else None
             for f in dataclasses.fields(cls)}
