@@ -143,7 +143,7 @@ def test_the_start_up_publish_of_a_hung_rank_stops_the_run_naming_it(local_ray):
     from moe_grpo.orchestrator.state import RunState
 
     group = start("ok", "hang", timeout_s=2.0)
-    run = SimpleNamespace(warm_start_steps=0, routing=SimpleNamespace(probe_prompts=0, probe_every=1),
+    run = SimpleNamespace(warm_start=0, routing=SimpleNamespace(probe_prompts=0, probe_every=1),
                           algo=SimpleNamespace(sync_every=1, kl_coef=0.0), init=InitConfig())
     with pytest.raises(LearnerFailedError, match=r"learner rank\(s\) \[1\] did not finish publishing 0 within "
                                                  r"cluster.learner_timeout_s=2 s"):
