@@ -151,3 +151,29 @@ def unlink_same(name: str, inode: int) -> bool:
 def entries_phrase(names: list[str]) -> str:
     """'2 /dev/shm entries (a, b)' for a log line."""
     return f"{len(names)} /dev/shm entr{'y' if len(names) == 1 else 'ies'} ({', '.join(names)})"
+
+
+def oom_kills() -> int | None:
+    """How many processes the kernel's OOM killer has ended on this machine since it booted (/proc/vmstat
+    `oom_kill`, Linux >= 4.13; a memory cgroup's limit counts as well as the machine running out); None where it
+    cannot be read. Machine-wide: in a container it counts the host's other containers too."""
+    try:
+        with open("/proc/vmstat") as f:
+            for line in f:
+                if line.startswith("oom_kill "):
+                    return int(line.split()[1])
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def oom_note(since: int | None) -> str:
+    """For the message of a process that died: '' or a clause saying the OOM killer ended processes on this host
+    after `since` (an `oom_kills()` taken before the process could die). A process the OOM killer ends is
+    SIGKILLed: nothing of it says why, and what reports its death (Ray, vLLM) says only that it is gone."""
+    now = oom_kills()
+    if since is None or now is None or now <= since:
+        return ""
+    n = now - since
+    return (f" (the kernel's OOM killer ended {n} process{'es' if n > 1 else ''} on this host meanwhile, "
+            "/proc/vmstat oom_kill: out of memory, most likely; `dmesg` names the process)")

@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence, TypeVar
 
-from moe_grpo.processes import process_alive
+from moe_grpo.processes import oom_kills, oom_note, process_alive
 
 T = TypeVar("T")
 
@@ -116,11 +116,16 @@ class LearnerCall:
 class LearnerGroup:
     """The learner ranks of a run: their actors (rank order), their `RankInfo`, and every call to them."""
 
-    def __init__(self, actors: Sequence[Any], infos: Sequence[RankInfo], timeout_s: float) -> None:
-        """`timeout_s`: how long a call may take (`cluster.learner_timeout_s`)."""
+    def __init__(self, actors: Sequence[Any], infos: Sequence[RankInfo], timeout_s: float,
+                 oom_since: int | None = None) -> None:
+        """`timeout_s`: how long a call may take (`cluster.learner_timeout_s`). `oom_since`: this host's OOM kills
+        before the ranks started (None: now)."""
         self.actors = list(actors)
         self.infos = list(infos)
         self.timeout_s = timeout_s
+        self.oom_since = oom_kills() if oom_since is None else oom_since
+        """This host's OOM-kill count before the ranks started: a rank here that died names the OOM killer when it
+        has ended processes since."""
         self.hint: Callable[[], str] = lambda: NO_CHECKPOINT_HINT
         """What the run can go on from, said at the end of every failure (the driver's last checkpoint)."""
 
@@ -131,7 +136,8 @@ class LearnerGroup:
         starting = cls(actors, [], timeout_s)
         infos = starting.submit("info", what=f"starting ({where})", timeout_s=start_timeout_s,
                                 timeout_name="cluster.start_timeout_s").wait()
-        return cls(actors, [RankInfo.of(rank, info) for rank, info in enumerate(infos)], timeout_s)
+        return cls(actors, [RankInfo.of(rank, info) for rank, info in enumerate(infos)], timeout_s,
+                   starting.oom_since)
 
     def __len__(self) -> int:
         return len(self.actors)
@@ -199,8 +205,12 @@ class LearnerGroup:
                 raise self._rank_died(info.rank, what)
 
     def _rank_died(self, rank: int, what: str) -> LearnerFailedError:
-        pid = self.infos[rank].pid if rank < len(self.infos) and self.infos[rank].pid is not None else "?"
-        return LearnerFailedError(f"learner rank {rank} (pid {pid}) died during {what}; {self.hint()}", died=True)
+        info = self.infos[rank] if rank < len(self.infos) else None
+        pid = info.pid if info is not None and info.pid is not None else "?"
+        here = info is None or info.host in ("", socket.gethostname())  # the count is this host's
+        oom = oom_note(self.oom_since) if here else ""
+        return LearnerFailedError(f"learner rank {rank} (pid {pid}) died during {what}{oom}; {self.hint()}",
+                                  died=True)
 
 
 def failure_line(text: str) -> str:

@@ -6,6 +6,7 @@ import contextlib
 import ipaddress
 import logging
 import os
+import re
 import secrets
 import shutil
 import time
@@ -16,10 +17,11 @@ from moe_grpo.learner.spawn import free_port
 from moe_grpo.orchestrator.config import ClusterConfig
 from moe_grpo.orchestrator.engine_actor import EngineWorker
 from moe_grpo.orchestrator.learner_actor import LearnerWorker
-from moe_grpo.orchestrator.learner_group import LearnerGroup
+from moe_grpo.orchestrator.learner_group import LearnerGroup, failure_line
 from moe_grpo.orchestrator.placement_plan import pin_bundles
 from moe_grpo.orchestrator.ray_loopback import loopback_node
 from moe_grpo.orchestrator.run_dirs import make_private_dir, remove_orphaned_private_dirs
+from moe_grpo.processes import oom_kills, oom_note
 from moe_grpo.rollout.engine_error import EngineError
 
 if TYPE_CHECKING:  # the run's config composes the orchestrator's: it is a layer above (pyproject.toml)
@@ -317,6 +319,7 @@ def _start_actors(run: RunConfig, run_dir: str, pg: Any, layout: Any, agents: li
     # The engines' actors are asked for first: they get ready (vLLM's import: ~10 s of a run's start-up on CPU)
     # while the learner ranks start and build the weights; each starts its engine once the model directory is
     # written.
+    oom_since = oom_kills()  # this host's OOM kills before the engines' actors start (their death's message)
     make_engine = EngineFactory(run, run_dir, layout, None, pg, engine_groups, agents)
     engines = [(f"engine{i}", make_engine(i)) for i in range(c.num_engines)]
     addr, port = rendezvous(at(c.num_engines))
@@ -339,7 +342,21 @@ def _start_actors(run: RunConfig, run_dir: str, pg: Any, layout: Any, agents: li
         except ray.exceptions.GetTimeoutError as e:
             raise EngineError(f"{name} (vLLM) did not start within cluster.start_timeout_s="
                               f"{c.start_timeout_s:.0f} s") from e
+        except ray.exceptions.RayActorError as e:  # Ray's traceback named neither the engine nor a cause, and
+            # escaped the run's one-line report (an engine's actor OOM-killed at start: a user's trial, 2026-11-28)
+            raise EngineError(actor_died_at_start(name, e, oom_since)) from e
     return Pools(engines, group, pg, make_engine, pids, layout, agents, engine_groups)
+
+
+def actor_died_at_start(name: str, e: BaseException, oom_since: int | None) -> str:
+    """The message of engine `name`'s Ray actor gone before its vLLM served (`e`: Ray's RayActorError): its
+    `__init__`'s error, or the process that died, and the OOM killer's part where it had one on this host."""
+    text = str(e)
+    if getattr(e, "actor_init_failed", False):
+        return f"engine {name}: its Ray actor failed to start: {failure_line(text)}"
+    pid = re.search(r"^\s*pid: (\d+)$", text, re.MULTILINE)
+    return (f"engine {name}: its Ray actor (pid {pid.group(1) if pid else '?'}) died while vLLM started"
+            f"{oom_note(oom_since)}")
 
 
 def stop_pools(pools: Pools | None, engines: list[Any] | None = None, *, release: bool = False,

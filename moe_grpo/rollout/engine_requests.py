@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 
+from moe_grpo.processes import oom_note
 from moe_grpo.rollout import engine_adapters
 from moe_grpo.rollout.engine_error import EngineError
 from moe_grpo.rollout.engine_outputs import (completion_of, join_segments, join_stage_routing, sampling_params,
@@ -46,6 +47,13 @@ async def sample(engine: VllmEngine, prompt: list[int], sampling: SamplingSettin
     return done
 
 
+def died(engine: VllmEngine, pid: int | None, when: str) -> str:
+    """The message of the engine's vLLM process `pid` found dead `when`, saying so where the kernel's OOM killer
+    ended processes on this host since the engine (re)started (a user's trial, 2026-11-28: four OOM kills under a
+    memory limit were each "died during generation (EngineDeadError)", the kill only in vLLM's log)."""
+    return f"engine {engine.engine_id}: vLLM process {pid} died {when}{oom_note(engine._oom_since)}"
+
+
 def failure(engine: VllmEngine, e: BaseException, what: str) -> EngineError:
     """The EngineError for a vLLM call that raised `e`: the engine shut down, its process died, or vLLM failed."""
     dead = engine._dead_pid()
@@ -53,8 +61,7 @@ def failure(engine: VllmEngine, e: BaseException, what: str) -> EngineError:
     if engine._closing:
         return EngineError(f"engine {engine.engine_id}: {what} was lost: {engine._closing}")
     if type(e).__name__ == "EngineDeadError" or dead is not None:
-        return EngineError(f"engine {engine.engine_id}: vLLM process {pid} died during {what} "
-                           f"({type(e).__name__})")
+        return EngineError(died(engine, pid, f"during {what} ({type(e).__name__})"))
     return EngineError(f"engine {engine.engine_id}: {what} failed: {e}")
 
 

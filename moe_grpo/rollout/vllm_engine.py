@@ -55,7 +55,7 @@ import torch
 
 from moe_grpo.models.spec import MoEModelSpec
 from moe_grpo.process_ties import started_processes_die_with_this_thread
-from moe_grpo.processes import process_alive
+from moe_grpo.processes import oom_kills, process_alive
 from moe_grpo.rollout import engine_requests, engine_weights, lora_serving
 from moe_grpo.rollout.engine_error import EngineError
 from moe_grpo.rollout.engine_log import log_size, root_cause, vllm_log_file
@@ -163,6 +163,8 @@ class VllmEngine:
         self.engine_id = name or f"vllm-{os.getpid()}-{next(_ENGINE_IDS)}"
         self.broken, self.weight_source = None, "model_dir"
         self.stats = {"requests": 0, "resubmitted": 0, "capture_errors": 0, "restarts": 0}
+        self._oom_since: int | None = oom_kills()
+        """The host's OOM-kill count when the engine (re)started (`engine_requests.died`)."""
         self._omp_bind = None if on_gpu else prepare_cpu(spec, kv_cache_gib, self.num_workers)
         self._engine_args = engine_args(
             self.model_dir, spec, dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs, seed=seed,
@@ -215,7 +217,7 @@ class VllmEngine:
             pid = self._dead_pid()
             if pid is not None:
                 future.cancel()
-                raise EngineError(f"engine {self.engine_id}: vLLM process {pid} died during {what}")
+                raise EngineError(engine_requests.died(self, pid, f"during {what}"))
             if deadline is not None and time.monotonic() > deadline:
                 future.cancel()
                 raise EngineError(f"engine {self.engine_id}: {what} did not finish within {timeout_s:.0f} s "
@@ -229,11 +231,12 @@ class VllmEngine:
         """A worker call that cannot hang on a dead engine (vLLM 0.32 leaves it pending forever)."""
         dead = self._dead_pid()
         if dead is not None:
-            raise EngineError(f"engine {self.engine_id}: vLLM process {dead} died ({method} not sent)")
+            raise EngineError(engine_requests.died(self, dead, f"({method} not sent)"))
         return self._call(self._collective_rpc(method, args), method, timeout_s)
 
     def _start(self, timeout_s: float | None = None) -> None:
         t0 = time.perf_counter()
+        self._oom_since = oom_kills()
         self.worker_pid: int | None = None
         self._model_pids, self._capture_indices, self._tp_ranks, self._pp_ranks = [], [0], [0], [0]
         self._closing = None

@@ -315,3 +315,44 @@ def test_nothing_of_the_run_is_left_behind(faulted_run):
         assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z"
     assert shm_left_behind(faulted_run.shm_before) == set()
     assert run.shm_left() == [], "the run's own entries, the killed and the hung engine's included"
+
+
+def test_an_engine_actor_killed_while_it_starts_stops_the_run_in_one_line_naming_it(tmp_path):
+    """SIGKILL to the engine's Ray actor before its vLLM served (the OOM killer does this under a memory limit: a
+    user's trial, 2026-11-28). Before: exit 1 after Hydra's print of Ray's ActorDiedError, naming neither the
+    engine nor a cause, and nothing of it in train.log. Now: the run's one line naming the engine and its process,
+    the traceback in train.log, nothing left behind."""
+    run = Run(tmp_path / "run", "steps=3", own_ray=True)  # the actor is then below the run's own processes
+    try:
+        found: list[psutil.Process] = []
+
+        def engine_actor() -> bool:
+            run.note_descendants()
+            try:
+                below = psutil.Process(run.proc.pid).children(recursive=True)
+            except psutil.NoSuchProcess:
+                return False
+            found[:] = [p for p in below if _cmdline(p).startswith("ray::EngineWorker")]
+            return bool(found)
+
+        run.wait_for("the engine's Ray actor", engine_actor, 300)
+        actor = found[0].pid
+        os.kill(actor, signal.SIGKILL)
+        code = run.finish(300)
+    except BaseException:
+        run.kill()
+        raise
+    last = run.output.strip().splitlines()[-1]
+    assert code == 1 and last.startswith(f"[moe_grpo] stopped: engine engine0: its Ray actor (pid {actor}) died "
+                                         "while vLLM started"), run.output[-4000:]
+    assert "Traceback" not in run.output.split("[moe_grpo] stopped:")[-1]
+    assert "ActorDiedError" in (run.run_dir / "train.log").read_text(), "the traceback goes to the run's log"
+    assert not run.leftovers(), run.leftovers()
+    assert run.shm_left() == []
+
+
+def _cmdline(p: psutil.Process) -> str:
+    try:
+        return " ".join(p.cmdline())
+    except psutil.Error:
+        return ""

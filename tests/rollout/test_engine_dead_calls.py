@@ -39,6 +39,7 @@ def engine():
     e.engine_id, e.request_timeout_s, e.policy_version = "engine0", 5.0, 6
     e.worker_pid = _dead_pid()
     e._model_pids, e._closing, e._restarting, e._served, e.broken = [e.worker_pid], None, False, None, None
+    e._oom_since = None  # (VllmEngine._start takes the host's OOM-kill count)
     e.weight_source = ("slot", "plan", None)  # version 6 came from published buckets: a rollback would re-read them
     e._loop = asyncio.new_event_loop()
     thread = threading.Thread(target=e._loop.run_forever, daemon=True)

@@ -29,6 +29,7 @@ class StandInEngine:
         self.dead = dead
         self.engine_id, self.worker_pid, self.policy_version = "engine0", 4242, 3
         self._ids, self._inflight, self._served, self._closing = itertools.count(), {}, None, None
+        self._oom_since = None  # (no OOM kill counted: the message stays as it was)
         self.stats = {"requests": 0, "capture_errors": 0}
         self.capture, self.native, self.extension = True, False, "moe_grpo"
         self.request_timeout_s, self._capture_indices, self.spec = 5.0, [0], SimpleNamespace(num_experts=4)
