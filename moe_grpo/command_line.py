@@ -18,7 +18,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
 
 from moe_grpo import config
-from moe_grpo.orchestrator.run_dirs import RunDirTaken, check_run_dir, driving
+from moe_grpo.orchestrator.run_dirs import RunDirTaken, check_run_dir, driving, unwritable
 
 
 def refuse_bad_config(argv: list[str], config_name: str = "config",
@@ -109,15 +109,21 @@ def _score(value: float | None) -> str:
 
 
 def refuse_taken_run_dir(argv: list[str]) -> None:
-    """Exit (code 2) when `hydra.run.dir=` on the command line names a directory holding another run's record and
-    `resume=true` is not given, or one whose driver is running (`run_dirs.driving`). Runs before Hydra, which writes
-    `.hydra/` into the run directory before `main`: a refused run writes nothing. (Parsed with Hydra's own override
-    grammar; `main` checks again on the resolved directory.)"""
+    """Exit (code 2) when `hydra.run.dir=` on the command line names a directory that cannot be written (a
+    read-only file system), one holding another run's record and `resume=true` is not given, or one whose driver is
+    running (`run_dirs.driving`). Runs before Hydra, which writes `.hydra/` into the run directory before `main`: a
+    refused run writes nothing. (Parsed with Hydra's own override grammar; `main` checks again on the resolved
+    directory.)"""
     overrides = parse_overrides(argv)
     if str(overrides.get("cluster.dry_run", "false")).lower() == "true":
         return  # a dry run writes no record
     run_dir = overrides.get("hydra.run.dir")
     resume = str(overrides.get("resume", "false")).lower() == "true"
+    why = unwritable(run_dir if isinstance(run_dir, str) else "outputs")  # conf/config.yaml's default is under it
+    if why is not None:  # Hydra's traceback otherwise (a read-only mount: a user's trial, 2026-11-28)
+        what = f"hydra.run.dir={run_dir}" if isinstance(run_dir, str) else "the run directory (under outputs/)"
+        print(f"[moe_grpo] {what} cannot be written: {why}; choose a writable directory", file=sys.stderr)
+        sys.exit(2)
     if isinstance(run_dir, str):
         try:
             check_run_dir(os.path.abspath(run_dir), resume)

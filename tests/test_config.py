@@ -273,3 +273,29 @@ def test_a_weight_sync_root_others_can_write_is_one_line_exit_2_before_anything_
     last = out.stderr.strip().splitlines()[-1]
     assert last == (f"[moe_grpo] weight-sync root {shared} has mode 0o1777, writable by group and others; expected "
                     "0700 (remove it, or chmod 700 it if every file in it is yours)"), last
+
+
+def test_a_run_directory_on_a_read_only_file_system_is_one_line_exit_2_before_anything_starts(tmp_path):
+    """`hydra.run.dir` on a read-only mount: Hydra's traceback ending in `OSError: [Errno 30] Read-only file system`
+    (a directory that did not exist), or, for one that existed, a warning that a second driver would not be refused
+    and a 33-line traceback ending `Unable to configure handler 'file'` (a user's trial, 2026-11-28). Now one line
+    naming the directory, exit 2, either way. (A read-only tmpfs in a mount namespace of its own: skipped where
+    `unshare` cannot make one.)"""
+    mnt = tmp_path / "ro"
+    mnt.mkdir()
+    script = (f'mount -t tmpfs tmpfs "$0" && mkdir "$0/existing" && mount -o remount,ro "$0" && '
+              f'for d in "$0/new/run" "$0/existing"; do "$1" -m moe_grpo.train model=deepseek_moe "hydra.run.dir=$d"; '
+              f'echo "exit $?"; done')
+    probe = subprocess.run(["unshare", "-rm", "sh", "-c", f'mount -t tmpfs tmpfs "$0" && mount -o remount,ro "$0"',
+                            str(mnt)], capture_output=True, text=True)
+    if probe.returncode != 0:
+        pytest.skip(f"cannot mount a read-only tmpfs in a namespace here: {probe.stderr.strip()}")
+    out = subprocess.run(["unshare", "-rm", "sh", "-c", script, str(mnt), sys.executable], cwd=ROOT,
+                         capture_output=True, text=True, timeout=300)
+    lines = [line for line in out.stderr.splitlines() if line.startswith("[moe_grpo]")]
+    assert out.stdout.split() == ["exit", "2", "exit", "2"], out.stdout + out.stderr[-3000:]
+    assert "Traceback" not in out.stderr and "would not be refused" not in out.stderr, out.stderr[-3000:]
+    assert lines == [f"[moe_grpo] hydra.run.dir={mnt}/new/run cannot be written: {mnt} is on a read-only file "
+                     "system; choose a writable directory",
+                     f"[moe_grpo] hydra.run.dir={mnt}/existing cannot be written: {mnt}/existing is on a read-only "
+                     "file system; choose a writable directory"], out.stderr[-3000:]

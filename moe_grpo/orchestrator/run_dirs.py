@@ -250,6 +250,22 @@ class RunDirTaken(RuntimeError):
     """The run directory holds another run's record and `resume=true` was not given."""
 
 
+def unwritable(run_dir: str) -> str | None:
+    """Why `run_dir` cannot be made or written (the directory, or its nearest existing parent, is on a read-only
+    file system or not writable by this user), or None."""
+    where = os.path.abspath(run_dir)
+    while not os.path.exists(where) and os.path.dirname(where) != where:
+        where = os.path.dirname(where)
+    try:
+        if os.statvfs(where).f_flag & os.ST_RDONLY:
+            return f"{where} is on a read-only file system"
+    except OSError as e:
+        return f"{where}: {e.strerror}"
+    if not os.access(where, os.W_OK | os.X_OK):
+        return f"{where} is not writable by this user"
+    return None
+
+
 def check_run_dir(run_dir: str, resume: bool) -> None:
     """Refuse `run_dir` when it holds a run's record (`metrics.jsonl`, `checkpoints/`) unless `resume`: two runs
     in one directory interleave their metrics and overwrite each other's config and policy."""
