@@ -60,8 +60,8 @@ def config_error(e: ValueError) -> int:
 
 
 def refusal(e: Exception) -> int:
-    """Report a run refused before it started (its inputs, its plan, its resume, its weight-sync root) in one line and return the exit
-    status: 2, as a config error; the message names the file, row, key or numbers."""
+    """Report a run refused before it started (its inputs, its plan, its resume, its weight-sync root) in one line
+    and return the exit status: 2, as a config error; the message names the file, row, key or numbers."""
     print(f"[moe_grpo] {e}", file=sys.stderr)
     return 2
 

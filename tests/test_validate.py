@@ -46,5 +46,5 @@ def test_an_unknown_key_is_named_with_the_nearest_one_and_its_sections_keys():
     assert unknown_key("replay", keys, {"replay": "use routing.replay"}) == "use routing.replay"
     nested = {"logger": {"wandb": {"mode", "project"}, "every": None}}
     assert unknown_key("logger.wandb.mode", nested) is None and unknown_key("logger.every", nested) is None
-    assert unknown_key("logger.wandb.mod", nested) == ("unknown key logger.wandb.mod (did you mean logger.wandb.mode?); "
-                                                       "logger.wandb's keys: mode, project")
+    assert unknown_key("logger.wandb.mod", nested) == (
+        "unknown key logger.wandb.mod (did you mean logger.wandb.mode?); logger.wandb's keys: mode, project")

@@ -391,7 +391,28 @@ def stop_pools(pools: Pools | None, engines: list[Any] | None = None, *, release
     if release and pools is not None:
         release_actors(pools, handles, timeout_s)
     if disconnect:
+        shutdown_ray()
+
+
+def shutdown_ray() -> None:
+    """`ray.shutdown()` with Python's cyclic garbage collector held off while it runs, after a collection on this
+    thread while Ray is still up. The collector runs in whichever thread allocates: a cycle holding an ObjectRef or
+    an actor handle that it frees in another thread while Ray shuts down (the run record's PNG is drawn on a thread
+    beside the cleanup) reaches Ray's core worker mid-shutdown, and Ray ends the process on the spot with exit
+    status 1 and nothing printed ("The core worker has already been shutdown ... The process will exit", in Ray's
+    driver log only: a whole test session ended so, 2026-11-28, during a run's cleanup in-process)."""
+    import gc
+
+    import ray
+
+    gc.collect()
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
         ray.shutdown()
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 def _actor_dead(actor: Any) -> bool:

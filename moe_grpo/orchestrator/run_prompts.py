@@ -38,8 +38,8 @@ def _why_fields(run: RunConfig | EvaluateConfig) -> str:
     """What reads the answer field, for a dataset refused for lacking it."""
     if not run.reward.fn or run.task.name == "gsm8k":
         return f"the built-in reward scores against each row's {run.data.answer_key!r}"
-    return (f"warm_start_steps={getattr(run, 'warm_start', 0)} trains on each row's {run.data.answer_key!r}; warm_start_steps=0 "
-            "runs without")
+    return (f"warm_start_steps={getattr(run, 'warm_start', 0)} trains on each row's {run.data.answer_key!r}; "
+            "warm_start_steps=0 runs without")
 
 
 def prompt_source(run: RunConfig, tokenizer: Any, rng: np.random.Generator, run_dir: str | None = None) -> PromptSource:

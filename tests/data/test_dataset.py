@@ -212,8 +212,8 @@ def test_a_prompts_only_dataset_with_a_reward_function_runs_without_a_warm_start
 
     path = tmp_path / "prompts.jsonl"
     path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ["abc", "defg", "hij"]))
-    tree = {"model": dataclasses.asdict(load_model_spec("deepseek_moe")), "reward": {"fn": "user_rewards:length_penalty"},
-            "data": {"train_path": str(path)}}
+    tree = {"model": dataclasses.asdict(load_model_spec("deepseek_moe")),
+            "reward": {"fn": "user_rewards:length_penalty"}, "data": {"train_path": str(path)}}
     run = from_hydra(tree)
     assert run.warm_start == 0
     assert [e.prompt for e in prompt_source(run, ByteTokenizer(512), np.random.default_rng(0)).train] == \

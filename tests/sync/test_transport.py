@@ -232,14 +232,15 @@ def _on_small_tmpfs(tmp_path, size: str, script: str, paths: list[str] = ()) -> 
         pytest.skip(f"cannot mount a tmpfs in a namespace here: {probe.stderr.strip()}")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), *paths,
                                                         os.environ.get("PYTHONPATH", "")])}
-    return subprocess.run(["unshare", "-rm", "sh", "-c", f'mount -t tmpfs -o size={size} tmpfs "$0" && exec "$1" -c "$2" "$0"',
-                           str(mnt), sys.executable, script], capture_output=True, text=True, env=env, timeout=120)
+    mount_then_run = f'mount -t tmpfs -o size={size} tmpfs "$0" && exec "$1" -c "$2" "$0"'
+    return subprocess.run(["unshare", "-rm", "sh", "-c", mount_then_run, str(mnt), sys.executable, script],
+                          capture_output=True, text=True, env=env, timeout=120)
 
 
 def test_a_root_too_small_for_the_versions_is_named_at_the_start_and_a_full_one_at_the_write(tmp_path):
-    """A version of the tests' tiny model in fp32 is 4.4 MiB: a 5 MiB tmpfs holds one of the two slots. Before, nothing looked at the
-    room and the second version's write through its map of a sparse file was a SIGBUS that killed the writer (a run:
-    "learner rank 0 died during step 2")."""
+    """A version of the tests' tiny model in fp32 is 4.4 MiB: a 5 MiB tmpfs holds one of the two slots. Before,
+    nothing looked at the room and the second version's write through its map of a sparse file was a SIGBUS that
+    killed the writer (a run: "learner rank 0 died during step 2")."""
     out = _on_small_tmpfs(tmp_path, "5m", _SMALL_ROOT)
     assert out.returncode == 0, f"exit {out.returncode} (-7: SIGBUS)\n{out.stdout}\n{out.stderr[-3000:]}"
     lines = out.stdout.splitlines()
@@ -254,7 +255,8 @@ import os, sys
 from moe_grpo.learner.spawn import DistributedRunError, run_distributed
 import layout_scenarios as S
 try:
-    run_distributed(S.sync_and_save, 1, 1, 1, 1, {}, 1, os.path.join(sys.argv[1], "sync"), os.path.join(sys.argv[1], "ckpt"))
+    run_distributed(S.sync_and_save, 1, 1, 1, 1, {}, 1, os.path.join(sys.argv[1], "sync"),
+                    os.path.join(sys.argv[1], "ckpt"))
     print("published", flush=True)
 except DistributedRunError as e:
     print("refused:", " ".join(str(e).split()), flush=True)
