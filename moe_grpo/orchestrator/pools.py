@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import ipaddress
 import logging
 import os
@@ -401,8 +402,6 @@ def shutdown_ray() -> None:
     beside the cleanup) reaches Ray's core worker mid-shutdown, and Ray ends the process on the spot with exit
     status 1 and nothing printed ("The core worker has already been shutdown ... The process will exit", in Ray's
     driver log only: a whole test session ended so, 2026-11-28, during a run's cleanup in-process)."""
-    import gc
-
     import ray
 
     gc.collect()
