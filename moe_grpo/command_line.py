@@ -119,11 +119,15 @@ def refuse_taken_run_dir(argv: list[str]) -> None:
         return  # a dry run writes no record
     run_dir = overrides.get("hydra.run.dir")
     resume = str(overrides.get("resume", "false")).lower() == "true"
-    why = unwritable(run_dir if isinstance(run_dir, str) else "outputs")  # conf/config.yaml's default is under it
-    if why is not None:  # Hydra's traceback otherwise (a read-only mount: a user's trial, 2026-11-28)
-        what = f"hydra.run.dir={run_dir}" if isinstance(run_dir, str) else "the run directory (under outputs/)"
-        print(f"[moe_grpo] {what} cannot be written: {why}; choose a writable directory", file=sys.stderr)
-        sys.exit(2)
+    # Hydra's traceback otherwise (a read-only mount: a user's trial, 2026-11-28). Only where the directory is known
+    # here: no flags (--help writes nothing, --cfg and -m choose otherwise), no interpolation in the value.
+    literal = run_dir if isinstance(run_dir, str) else "outputs"  # conf/config.yaml's default is under outputs/
+    if not any(a.startswith("-") for a in argv) and "${" not in literal:
+        why = unwritable(literal)
+        if why is not None:
+            what = f"hydra.run.dir={run_dir}" if isinstance(run_dir, str) else "the run directory (under outputs/)"
+            print(f"[moe_grpo] {what} cannot be written: {why}; choose a writable directory", file=sys.stderr)
+            sys.exit(2)
     if isinstance(run_dir, str):
         try:
             check_run_dir(os.path.abspath(run_dir), resume)

@@ -119,5 +119,6 @@ def read_rows(path: str | Path, required: Sequence[str],
     log_skipped(out.bad, "bad rows", path)
     if not out.rows:
         raise ValueError(f"dataset {path} has no usable row ({len(out.bad)} bad; first: "
-                         f"{out.bad[0] if out.bad else 'the file is empty'})" + (f"; {why}" if why and out.bad else ""))
+                         f"{out.bad[0] if out.bad else 'the file is empty'})" + (f"; {why}" if why and any(
+                             repr(k) in b.reason for b in out.bad for k in required[1:]) else ""))
     return out

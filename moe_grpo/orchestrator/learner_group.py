@@ -207,7 +207,7 @@ class LearnerGroup:
     def _rank_died(self, rank: int, what: str) -> LearnerFailedError:
         info = self.infos[rank] if rank < len(self.infos) else None
         pid = info.pid if info is not None and info.pid is not None else "?"
-        here = info is None or info.host in ("", socket.gethostname())  # the count is this host's
+        here = info is not None and info.host in ("", socket.gethostname())  # the count is this host's
         oom = oom_note(self.oom_since) if here else ""
         return LearnerFailedError(f"learner rank {rank} (pid {pid}) died during {what}{oom}; {self.hint()}",
                                   died=True)

@@ -356,8 +356,20 @@ def actor_died_at_start(name: str, e: BaseException, oom_since: int | None) -> s
     if getattr(e, "actor_init_failed", False):
         return f"engine {name}: its Ray actor failed to start: {failure_line(text)}"
     pid = re.search(r"^\s*pid: (\d+)$", text, re.MULTILINE)
+    ip = re.search(r"^\s*ip: (\S+)$", text, re.MULTILINE)
+    here = ip is not None and ip.group(1) == _node_ip()  # the OOM-kill count is this host's
     return (f"engine {name}: its Ray actor (pid {pid.group(1) if pid else '?'}) died while vLLM started"
-            f"{oom_note(oom_since)}")
+            f"{oom_note(oom_since) if here else ''}")
+
+
+def _node_ip() -> str | None:
+    """This process's Ray node address (None outside Ray)."""
+    try:
+        import ray
+
+        return ray.util.get_node_ip_address()
+    except Exception:  # noqa: BLE001 - only a message depends on it
+        return None
 
 
 def stop_pools(pools: Pools | None, engines: list[Any] | None = None, *, release: bool = False,

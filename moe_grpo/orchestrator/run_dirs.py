@@ -254,8 +254,10 @@ def unwritable(run_dir: str) -> str | None:
     """Why `run_dir` cannot be made or written (the directory, or its nearest existing parent, is on a read-only
     file system or not writable by this user), or None."""
     where = os.path.abspath(run_dir)
-    while not os.path.exists(where) and os.path.dirname(where) != where:
+    while not os.path.lexists(where) and os.path.dirname(where) != where:
         where = os.path.dirname(where)
+    if not os.path.isdir(where):  # a file, or a symlink to nothing
+        return f"{where} is not a directory"
     try:
         if os.statvfs(where).f_flag & os.ST_RDONLY:
             return f"{where} is on a read-only file system"

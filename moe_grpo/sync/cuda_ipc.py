@@ -108,7 +108,7 @@ class CudaIpcTransport(SharedMemoryTransport):
         self._opened: dict[tuple[str, int], torch.Tensor] = {}
         self._views: dict[tuple[str, int, torch.dtype, int], dict[str, torch.Tensor]] = {}
 
-    def check_room(self, version_bytes: int) -> None:
+    def check_room(self, version_bytes: int, later_bytes: int | None = None) -> None:
         """Nothing to check under the root: the versions' buffers are in rank 0's GPU memory."""
 
     # ------------------------------------------------------------------ sending side

@@ -368,15 +368,20 @@ class SharedMemoryTransport:
             shutil.rmtree(slot, ignore_errors=True)
             slots.remove(slot)
 
-    def check_room(self, version_bytes: int) -> None:
-        """Before the first version: refuse a root whose filesystem cannot hold `slots` versions of
-        `version_bytes` (raises `SyncRootFull`), rather than fail at the version that no longer fits, minutes in."""
-        need, free = self.slots * version_bytes, shutil.disk_usage(self.root).free
-        if free < need:
+    def check_room(self, version_bytes: int, later_bytes: int | None = None) -> None:
+        """Before the first version: refuse a root whose filesystem cannot hold the first version (`version_bytes`)
+        and `slots` - 1 more of `later_bytes` (default: as large; a LoRA run's later versions are its adapters),
+        raising `SyncRootFull`, rather than fail at the version that no longer fits, minutes in. A filesystem that
+        reports no size (ramfs, a tmpfs mounted without a limit) is not checked."""
+        later = version_bytes if later_bytes is None else later_bytes
+        need = version_bytes + (self.slots - 1) * later
+        st = os.statvfs(self.root)
+        free = st.f_bavail * st.f_frsize
+        if st.f_blocks and free < need:
             raise SyncRootFull(
                 f"weight-sync root {self.root} has {free / 2**20:.1f} MiB free; this host keeps sync.slots="
-                f"{self.slots} versions of {version_bytes / 2**20:.1f} MiB there ({need / 2**20:.1f} MiB), and "
-                f"vLLM's engines put their own buffers in /dev/shm too; {ROOM_ADVICE}")
+                f"{self.slots} versions there ({need / 2**20:.1f} MiB; the first {version_bytes / 2**20:.1f} MiB), "
+                f"and vLLM's engines put their own buffers in /dev/shm too; {ROOM_ADVICE}")
 
     def _bucket_file(self, slot: str, bucket: Bucket) -> str:
         path = bucket_path(slot, bucket.index)

@@ -85,9 +85,9 @@ class RelayPublisher:
     def writes_locally(self) -> bool:
         return self.local is not None
 
-    def check_room(self, version_bytes: int) -> None:
+    def check_room(self, version_bytes: int, later_bytes: int | None = None) -> None:
         if self.local is not None:
-            self.local.check_room(version_bytes)
+            self.local.check_room(version_bytes, later_bytes)
 
     def bind(self, plan: BucketPlan, writes: dict[int, list[Any]], adapter_plan: BucketPlan | None = None,
              adapter_writes: dict[int, list[Any]] | None = None) -> None:

@@ -182,7 +182,7 @@ class WeightSync:
         """Whether this rank writes into its host's buffers, and where its shards go besides (transports.py)."""
         check_room = getattr(self.transport, "check_room", None)
         if self._local and check_room is not None:  # a root too small for the versions is named at the start
-            check_room(self.plan.total_bytes)
+            check_room(self.plan.total_bytes, self.adapter_plan.total_bytes if self.adapter_plan is not None else None)
         self._pending: SyncHandle | None = None
         self._bound: dict[tuple[str, Any], tuple[int, BoundCopy]] = {}
         item = self.plan.torch_dtype.itemsize

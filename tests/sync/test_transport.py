@@ -272,4 +272,4 @@ def test_a_learner_rank_names_a_root_too_small_before_its_first_version(tmp_path
     out = _on_small_tmpfs(tmp_path, "5m", _LEARNER_ON_SMALL_ROOT, paths=[learner_tests])
     assert out.returncode == 0, f"exit {out.returncode}\n{out.stdout}\n{out.stderr[-3000:]}"
     assert out.stdout.startswith("refused:") and "SyncRootFull: weight-sync root " in out.stdout, out.stdout
-    assert "keeps sync.slots=2 versions of 4.4 MiB there (8.8 MiB)" in out.stdout, out.stdout
+    assert "keeps sync.slots=2 versions there (8.8 MiB; the first 4.4 MiB)" in out.stdout, out.stdout
