@@ -472,12 +472,12 @@ class Driver:
         assert not self.training, "a checkpoint is taken between steps"
         t0 = time.perf_counter()
         self.take_finished()
-        tmp = run_checkpoint.begin(self.run_dir, self.state.step)
-        self.learners.call("save_run_state", str(tmp / "learner"), what=f"checkpoint of step {self.state.step}")
-        meta = {"step": self.state.step, "reason": reason, "learner_ranks": len(self.learners),
-                "parallel": dataclasses.asdict(self.run.parallel), "written": time.strftime("%Y-%m-%dT%H:%M:%S"),
-                "jump_in_a_row": self.watch.in_a_row}  # > 0: inside a jump window, never a rollback target
-        self.last_checkpoint = run_checkpoint.finish(tmp, self.state_dict(), meta, self.run.checkpoint.keep)
+        with run_checkpoint.writing(self.run_dir, self.state.step) as tmp:
+            self.learners.call("save_run_state", str(tmp / "learner"), what=f"checkpoint of step {self.state.step}")
+            meta = {"step": self.state.step, "reason": reason, "learner_ranks": len(self.learners),
+                    "parallel": dataclasses.asdict(self.run.parallel), "written": time.strftime("%Y-%m-%dT%H:%M:%S"),
+                    "jump_in_a_row": self.watch.in_a_row}  # > 0: inside a jump window, never a rollback target
+            self.last_checkpoint = run_checkpoint.finish(tmp, self.state_dict(), meta, self.run.checkpoint.keep)
         log.info("checkpoint of step %d written to %s (%.1f s%s)", self.state.step, self.last_checkpoint,
                  time.perf_counter() - t0, "" if reason == "every" else f", on {reason}")
         self.due = None

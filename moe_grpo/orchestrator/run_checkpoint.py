@@ -19,6 +19,7 @@ on load, whatever its size.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -27,7 +28,7 @@ import pickle
 import shutil
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from moe_grpo.hashing import HashingWriter
 from moe_grpo.learner.megatron_write_digests import DIGEST_SUFFIX, Digest, read_digest
@@ -62,6 +63,18 @@ def begin(run_dir: str | Path, step: int) -> Path:
     tmp.mkdir(parents=True)
     (tmp / "learner").mkdir()
     return tmp
+
+
+@contextlib.contextmanager
+def writing(run_dir: str | Path, step: int) -> Iterator[Path]:
+    """`begin`'s directory for the checkpoint of `step`, removed if the write fails: on a full disk the partial
+    checkpoint stayed and held the room (a user's trial, 2026-11-28); a resume never reads a `.tmp`."""
+    tmp = begin(run_dir, step)
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 def _sha256(path: Path, *, fsync: bool = False) -> str:

@@ -90,3 +90,28 @@ def test_a_sigterm_after_the_last_step_with_its_checkpoint_already_written_still
     driver = EndingDriver(signal_after_last=signal.SIGTERM, every=STEPS)
     assert run_to_end(driver) is None
     assert driver.written == [] and driver.calls == ["export_version", "finish_probes"]
+
+
+def test_a_checkpoint_whose_write_fails_leaves_no_partial_directory(tmp_path):
+    """A learner rank failing to write its part (a full disk) stops the run; the partial `step_N.tmp` stayed on the
+    full disk, holding the room (a user's trial, 2026-11-28). `Driver.checkpoint` is the real one."""
+    import pytest
+
+    class Failing:
+        checkpoint = Driver.checkpoint
+        training, run_dir, state = None, tmp_path, RunState(step=4)
+
+        def take_finished(self):
+            pass
+
+        @property
+        def learners(self):
+            return self
+
+        def call(self, method, path, what):
+            (Path(path) / "0_0.distcp").write_bytes(b"x" * 1024)  # part of the write, then the disk is full
+            raise OSError(28, "No space left on device")
+
+    with pytest.raises(OSError, match="No space left"):
+        Failing().checkpoint("every")
+    assert list((tmp_path / "checkpoints").iterdir()) == []
