@@ -145,6 +145,9 @@ def reserve(fd: int, nbytes: int, root: Path | str) -> None:
     try:
         os.posix_fallocate(fd, 0, nbytes)
     except OSError as e:
+        if e.errno in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):  # a filesystem that cannot: sparse, as before
+            os.ftruncate(fd, nbytes)
+            return
         if e.errno not in (errno.ENOSPC, errno.EDQUOT):
             raise
         free = shutil.disk_usage(root).free
