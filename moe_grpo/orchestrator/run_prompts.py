@@ -26,20 +26,24 @@ log = logging.getLogger("moe_grpo")
 
 
 def required_fields(run: RunConfig | EvaluateConfig) -> list[str]:
-    """Fields every row must have: the prompt, and the answer when a built-in reward or a warm start reads it
-    (or the task's format has one: GSM8K)."""
+    """Fields every row must have: the prompt, and the answer where something reads it (`answer_reader`)."""
     fields = [run.data.resolved_prompt_key(run.task.name)]
-    if not run.reward.fn or getattr(run, "warm_start", 0) > 0 or run.task.name == "gsm8k":
+    if answer_reader(run) is not None:
         fields.append(run.data.answer_key)
     return fields
 
 
-def _why_fields(run: RunConfig | EvaluateConfig) -> str:
-    """What reads the answer field, for a dataset refused for lacking it."""
-    if not run.reward.fn or run.task.name == "gsm8k":
-        return f"the built-in reward scores against each row's {run.data.answer_key!r}"
-    return (f"warm_start_steps={getattr(run, 'warm_start', 0)} trains on each row's {run.data.answer_key!r}; "
-            "warm_start_steps=0 runs without")
+def answer_reader(run: RunConfig | EvaluateConfig) -> str | None:
+    """What reads each row's answer, said to a dataset refused for lacking it: GSM8K's format, the built-in reward
+    (no `reward.fn`) or a warm start; None where nothing does."""
+    key = run.data.answer_key
+    if run.task.name == "gsm8k":
+        return f"task=gsm8k reads each row's {key!r} (its format has one)"
+    if not run.reward.fn:
+        return f"the built-in reward scores against each row's {key!r}"
+    if getattr(run, "warm_start", 0) > 0:
+        return f"warm_start_steps={run.warm_start} trains on each row's {key!r}; warm_start_steps=0 runs without"
+    return None
 
 
 def prompt_source(run: RunConfig, tokenizer: Any, rng: np.random.Generator, run_dir: str | None = None) -> PromptSource:
@@ -50,7 +54,7 @@ def prompt_source(run: RunConfig, tokenizer: Any, rng: np.random.Generator, run_
         return TaskPrompts(run.task, tokenizer, rng)
     check = _row_check(run)
     needed = required_fields(run)
-    why = _why_fields(run) if len(needed) > 1 else None
+    why = answer_reader(run)
     train = read_rows(run.data.train_path, needed, check, why=why)
     held_out = read_rows(run.data.eval_path, needed, check, why=why) if run.data.eval_path else None
     source = DatasetPrompts(train, held_out, tokenizer, rng, needed[0], run.data.answer_key, run.data.eval_size,

@@ -163,8 +163,8 @@ class VllmEngine:
         self.engine_id = name or f"vllm-{os.getpid()}-{next(_ENGINE_IDS)}"
         self.broken, self.weight_source = None, "model_dir"
         self.stats = {"requests": 0, "resubmitted": 0, "capture_errors": 0, "restarts": 0}
-        self._oom_since: int | None = oom_kills()
-        """The host's OOM-kill count when the engine (re)started (`engine_requests.died`)."""
+        self._oom_since: int | None = None
+        """The host's OOM-kill count when the engine (re)started (`_start`; read by `engine_requests.died`)."""
         self._omp_bind = None if on_gpu else prepare_cpu(spec, kv_cache_gib, self.num_workers)
         self._engine_args = engine_args(
             self.model_dir, spec, dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs, seed=seed,
