@@ -225,7 +225,7 @@ def _on_small_tmpfs(tmp_path, size: str, script: str, paths: list[str] = ()) -> 
     as a user where user namespaces are allowed), this directory and `paths` on its import path; skips where
     neither works."""
     mnt = tmp_path / "mnt"
-    mnt.mkdir()
+    mnt.mkdir(parents=True)
     probe = subprocess.run(["unshare", "-rm", "sh", "-c", f"mount -t tmpfs -o size={size} tmpfs {mnt}"],
                            capture_output=True, text=True)
     if probe.returncode != 0:
@@ -273,3 +273,26 @@ def test_a_learner_rank_names_a_root_too_small_before_its_first_version(tmp_path
     assert out.returncode == 0, f"exit {out.returncode}\n{out.stdout}\n{out.stderr[-3000:]}"
     assert out.stdout.startswith("refused:") and "SyncRootFull: weight-sync root " in out.stdout, out.stdout
     assert "keeps sync.slots=2 versions there (8.8 MiB; the first 4.4 MiB)" in out.stdout, out.stdout
+
+
+_ROOM_CHECKS = """
+import os, sys
+from moe_grpo.sync.transport import SharedMemoryTransport, SyncRootFull
+t = SharedMemoryTransport(os.path.join(sys.argv[1], "sync"), slots=2)
+for first, later in ((3 << 20, None), (3 << 20, 1 << 20)):
+    try:
+        t.check_room(first, later)
+        print("fits", flush=True)
+    except SyncRootFull:
+        print("refused", flush=True)
+"""
+
+
+def test_the_room_check_counts_a_lora_runs_later_versions_as_adapters_and_skips_a_tmpfs_without_a_size(tmp_path):
+    """A 5 MiB root, 2 slots: two full versions of 3 MiB do not fit, a 3 MiB base and a 1 MiB adapter version do (a
+    LoRA run's later versions are its adapters: refused before, asked for two full versions). A tmpfs mounted
+    without a limit (`size=0`) reports no blocks: it was refused as "0.0 MiB free"."""
+    sized = _on_small_tmpfs(tmp_path / "sized", "5m", _ROOM_CHECKS)
+    assert sized.stdout.split() == ["refused", "fits"], sized.stdout + sized.stderr[-2000:]
+    unlimited = _on_small_tmpfs(tmp_path / "unlimited", "0", _ROOM_CHECKS)
+    assert unlimited.stdout.split() == ["fits", "fits"], unlimited.stdout + unlimited.stderr[-2000:]
