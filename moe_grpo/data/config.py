@@ -21,11 +21,13 @@ class DataConfig:
     """Held-out prompts (same format), scored greedily every `eval_every` steps (a training run needs `train_path`
     with it) and by `python -m moe_grpo.evaluate`; None with `train_path` set = no held-out evaluation."""
     prompt_key: str | None = None
-    """Field holding the prompt; None = 'question' for task.name=gsm8k, else 'prompt'. Every other field of the row
-    is handed to the reward function as a keyword argument."""
+    """Field holding the prompt: text, or a list of chat messages ({"role", "content"}) that the checkpoint's chat
+    template renders; None = 'question' for task.name=gsm8k, else 'prompt'. Every other field of the row is handed
+    to the reward function as a keyword argument. A dotted path reads a nested object's field."""
     answer_key: str = "answer"
-    """Field holding the reference answer: the built-in rewards compare against it and a warm start teaches it.
-    Required in every row only when one of those uses it."""
+    """Field holding the reference answer (a dotted path reads a nested object's: verl's
+    `reward_model.ground_truth`): the built-in rewards compare against it and a warm start teaches it; the reward
+    functions get it as `answer`. Required in every row only when one of those uses it."""
     eval_size: int | None = None
     """Score at most this many held-out rows (the first ones); None = all of `eval_path`."""
     max_prompt_tokens: int | None = None

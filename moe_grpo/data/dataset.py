@@ -1,7 +1,8 @@
 """Rows of a local dataset (JSON Lines or Parquet): good rows kept, bad rows skipped, counted and named.
 
 A bad row is a line that is not a JSON object, or a row whose required field
-is missing or empty (None, "", whitespace, an empty list). It never stops the
+is missing or empty (None, "", whitespace, an empty list). A field is named by
+its key or by a dotted path into nested objects (`reward_model.ground_truth`). It never stops the
 run: it is skipped, counted (`data/bad_rows` in the run record) and reported
 with its line (JSONL) or row number (Parquet, counting from 1). A file that
 cannot be read at all, or that has no good row, is an error that names it.
@@ -50,6 +51,23 @@ def _empty(value: Any) -> bool:
     if isinstance(value, (list, tuple, dict)):
         return len(value) == 0
     return False
+
+
+MISSING = object()
+"""What `field_value` gives for a field a row does not have."""
+
+
+def field_value(row: dict[str, Any], key: str) -> Any:
+    """The row's `key`: the field of that name, else a dotted path into nested objects (verl's datasets keep the
+    answer in `reward_model.ground_truth`); `MISSING` when neither is there."""
+    if key in row:
+        return row[key]
+    value: Any = row
+    for part in key.split("."):
+        if not isinstance(value, dict) or part not in value:
+            return MISSING
+        value = value[part]
+    return value
 
 
 def _records(path: Path) -> Any:
@@ -103,8 +121,9 @@ def read_rows(path: str | Path, required: Sequence[str],
         elif not isinstance(record, dict):
             reason = f"expected a JSON object, got {type(record).__name__}"
         else:
-            missing = [k for k in required if k not in record]
-            empty = [k for k in required if k in record and _empty(record[k])]
+            values = {k: field_value(record, k) for k in required}
+            missing = [k for k, v in values.items() if v is MISSING]
+            empty = [k for k, v in values.items() if v is not MISSING and _empty(v)]
             if missing:
                 reason = f"missing field(s) {missing}"
             elif empty:

@@ -15,7 +15,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from moe_grpo.data.dataset import BadRow, Rows, log_skipped
+from moe_grpo.data.dataset import MISSING, BadRow, Rows, field_value, log_skipped
 from moe_grpo.data.tasks import MARKERS, Example, eval_examples, make_examples
 
 class PromptSource:
@@ -87,33 +87,66 @@ class DatasetPrompts(PromptSource):
         self.tokenizer, self.rng, self.prompt_key, self.answer_key = tokenizer, rng, prompt_key, answer_key
         self.max_prompt_tokens = max_prompt_tokens
         self.bad = train.bad + (held_out.bad if held_out is not None else [])
-        self.train = self._fitting(train, [self._example(train, i) for i in range(len(train.rows))])
+        self._rows: dict[int, dict[str, Any]] = {}  # id(example) -> its row as read (what the fingerprint hashes)
+        self.train = self._fitting(train, self._examples(train))
         self.held_out = []
         if held_out is not None:
-            examples = self._fitting(held_out, [self._example(held_out, i) for i in range(len(held_out.rows))])
+            examples = self._fitting(held_out, self._examples(held_out))
             self.held_out = examples if eval_size is None else examples[:eval_size]
         self._order: list[int] = []
         self._fingerprint: str | None = None
 
-    def _fitting(self, rows: Rows, examples: list[Example]) -> list[Example]:
-        """`examples` (of `rows`) whose prompt fits `max_prompt_tokens`; the others are counted as bad rows."""
+    def _fitting(self, rows: Rows, examples: list[tuple[int, Example]]) -> list[Example]:
+        """`examples` (of `rows`, with their lines) whose prompt fits `max_prompt_tokens`; the others are counted as
+        bad rows."""
         limit = self.max_prompt_tokens
         if limit is None:
-            return examples
+            return [e for _, e in examples]
         skipped = [BadRow(rows.path, line, f"prompt of {len(e.prompt_ids)} tokens, more than "
                                            f"data.max_prompt_tokens={limit}")
-                   for line, e in zip(rows.lines, examples) if len(e.prompt_ids) > limit]
+                   for line, e in examples if len(e.prompt_ids) > limit]
         log_skipped(skipped, "prompts over data.max_prompt_tokens", rows.path)  # as read_rows logs its bad rows
         self.bad += skipped
-        return [e for e in examples if len(e.prompt_ids) <= limit]
+        return [e for _, e in examples if len(e.prompt_ids) <= limit]
 
-    def _example(self, rows: Rows, i: int) -> Example:
-        row = rows.rows[i]
-        prompt = str(row[self.prompt_key])
+    def _examples(self, rows: Rows) -> list[tuple[int, Example]]:
+        """(line, example) per row; a conversation the chat template refuses is a bad row. Chat prompts with no
+        chat template to render them stop the run (every such row would be bad: the configuration's fault)."""
+        if not getattr(self.tokenizer, "has_chat_template", False):
+            chat = next((line for row, line in zip(rows.rows, rows.lines)
+                         if isinstance(field_value(row, self.prompt_key), list)), None)
+            if chat is not None:
+                raise ValueError(f"{rows.path}:{chat}: the prompt is a list of chat messages and the tokenizer has "
+                                 "no chat template to render it (the built-in model's byte tokenizer has none): start "
+                                 "from a checkpoint whose tokenizer has one (init.hf=DIR), or give each prompt as text")
+        out, refused = [], []
+        for row, line in zip(rows.rows, rows.lines):
+            prompt = field_value(row, self.prompt_key)
+            prompt = prompt if isinstance(prompt, list) else str(prompt)
+            try:
+                ids = self.tokenizer.encode_prompt(prompt)
+            except Exception as e:  # noqa: BLE001 - a template's own check (roles must alternate): this row only
+                if isinstance(prompt, str):
+                    raise
+                refused.append(BadRow(rows.path, line, f"field {self.prompt_key!r}: the chat template refused it "
+                                                       f"({type(e).__name__}: {str(e)[:80]})"))
+                continue
+            out.append((line, self._example(rows.path, line, row, prompt, ids)))
+        log_skipped(refused, "rows the chat template refused", rows.path)
+        self.bad += refused
+        return out
+
+    def _example(self, path: str, line: int, row: dict[str, Any], prompt: str | list, ids: list[int]) -> Example:
+        """Every field but the prompt goes to the reward, and the value at `data.answer_key` (another field's name
+        or a dotted path) as `answer` too: the name the built-in rewards read."""
         fields = {k: v for k, v in row.items() if k != self.prompt_key}
-        answer = row.get(self.answer_key)
-        return Example(prompt, tuple(self.tokenizer.encode_prompt(prompt)), "" if answer is None else str(answer),
-                       fields, f"{Path(rows.path).name}:{rows.lines[i]}")
+        answer = field_value(row, self.answer_key)
+        answer = "" if answer is MISSING or answer is None else answer
+        if self.answer_key != "answer" and answer != "":
+            fields["answer"] = answer
+        example = Example(prompt, tuple(ids), str(answer), fields, f"{Path(path).name}:{line}")
+        self._rows[id(example)] = {k: v for k, v in row.items() if k != self.prompt_key}
+        return example
 
     def take(self, n: int) -> list[Example]:
         out = []
@@ -124,12 +157,13 @@ class DatasetPrompts(PromptSource):
         return out
 
     def fingerprint(self) -> str:
-        """sha256 of the usable training rows in their order (prompt text and fields, not tokens: a tokenizer's or
-        chat template's change leaves the rows the same): what a checkpoint's place in the shuffled pass refers to."""
+        """sha256 of the usable training rows in their order (the prompt's text or messages and the other fields as
+        read, not tokens: a tokenizer's or chat template's change leaves the rows the same): what a checkpoint's place
+        in the shuffled pass refers to."""
         if self._fingerprint is None:
             h = hashlib.sha256()
             for e in self.train:
-                h.update(json.dumps([e.prompt, e.fields], sort_keys=True, default=str).encode())
+                h.update(json.dumps([e.prompt, self._rows[id(e)]], sort_keys=True, default=str).encode())
             self._fingerprint = h.hexdigest()
         return self._fingerprint
 

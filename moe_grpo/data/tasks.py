@@ -68,8 +68,9 @@ class TaskConfig:
 class Example:
     """One prompt of a task and what a right answer is."""
 
-    prompt: str
-    """Prompt text (letters + marker)."""
+    prompt: str | list[dict[str, str]]
+    """Prompt text (a task's letters + marker), or a dataset row's chat messages as given (its chat template made
+    `prompt_ids`); the reward functions get it as the prompt."""
     prompt_ids: tuple[int, ...]
     """Prompt token ids, <bos> first."""
     answer: str

@@ -1,7 +1,7 @@
 """Tokenizers: the project's own byte-level one, and a checkpoint's own (`HFTokenizer`, local files only).
 
 Both answer the same four questions the driver asks: `encode_prompt(text)`
-(the ids an engine is given), `encode_answer(text)` (a warm start's target,
+(the ids an engine is given; text, or chat messages where a chat template renders them), `encode_answer(text)` (a warm start's target,
 stop token included), `completion_text(ids)` (what a reward reads) and
 `stop_ids` (what ends a completion).
 
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 if TYPE_CHECKING:  # the model's spec is a layer above data (pyproject.toml)
     from moe_grpo.models.spec import MoEModelSpec
@@ -98,8 +98,13 @@ class ByteTokenizer:
     def stop_ids(self) -> tuple[int, ...]:
         return (self.eos_id,)
 
-    def encode_prompt(self, text: str) -> list[int]:
-        """<bos> + the text's bytes (the byte model has no chat template)."""
+    has_chat_template = False
+    """The byte model has none: a dataset of chat messages is refused at start (data/prompts.py)."""
+
+    def encode_prompt(self, text: str | Sequence[Mapping[str, str]]) -> list[int]:
+        """<bos> + the text's bytes."""
+        if not isinstance(text, str):
+            raise ValueError("the byte tokenizer has no chat template: a prompt of chat messages cannot be encoded")
         return self.encode(text)
 
     def encode_answer(self, text: str) -> list[int]:
@@ -160,11 +165,15 @@ class HFTokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         return self.tok.decode(list(ids), skip_special_tokens=True)
 
-    def encode_prompt(self, text: str) -> list[int]:
+    def encode_prompt(self, text: str | Sequence[Mapping[str, str]]) -> list[int]:
+        """Text goes in as one user turn; chat messages (`[{"role": ..., "content": ...}]`) as they are. Both through
+        the chat template with its generation prompt; without a template, text is encoded plain and messages raise."""
         if self.has_chat_template:
-            rendered = self.tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
-                                                    add_generation_prompt=True)
+            messages = [{"role": "user", "content": text}] if isinstance(text, str) else [dict(m) for m in text]
+            rendered = self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
             return list(self.tok(rendered, add_special_tokens=False)["input_ids"])  # the template wrote them
+        if not isinstance(text, str):
+            raise ValueError(f"{self.directory}: the tokenizer has no chat template to render chat messages")
         return self.encode(text)
 
     def encode_answer(self, text: str) -> list[int]:

@@ -110,7 +110,8 @@ def drop_failed(run: RunConfig, completions: list[Any], example: Any, engine: st
     state.requests_lost += len(bad)
     state.failed_in_a_row += 1
     why = bad[0].error or bad[0].finish_reason
-    log.warning("%s: %d completion(s) of prompt %r failed (%s); group dropped", engine, len(bad), example.prompt, why)
+    log.warning("%s: %d completion(s) of prompt %s failed (%s); group dropped", engine, len(bad),
+                example.where or repr(example.prompt)[:80], why)
     limit = reward_failure_limit(run)
     if state.failed_in_a_row >= limit:
         raise SamplesFailedError(f"{limit} groups in a row came back with failed samples ({state.requests_lost} "

@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
-from moe_grpo.data.dataset import Rows, read_rows
+from moe_grpo.data.chat import kind, message_problem
+from moe_grpo.data.dataset import MISSING, Rows, field_value, read_rows
 from moe_grpo.data.prompts import DatasetPrompts, PromptSource, TaskPrompts
 from moe_grpo.reward.math_answer import gsm8k_row_problem
 from moe_grpo.rollout.context import context_length
@@ -73,18 +74,21 @@ def prompt_source(run: RunConfig, tokenizer: Any, rng: np.random.Generator, run_
 
 
 def _row_check(run: RunConfig | EvaluateConfig) -> Callable[[dict[str, Any]], str | None]:
-    """What makes a row bad beyond a missing field: a prompt that is not text (a list of chat messages, a number:
-    it was trained on as its Python repr), and under GSM8K an answer without a parsable `#### N`."""
+    """What makes a row bad beyond a missing field: a prompt that is neither text nor chat messages (a number was
+    trained on as its Python repr), a malformed message, and under GSM8K an answer without a number."""
     prompt_key, answer_key, gsm8k = run.data.resolved_prompt_key(run.task.name), run.data.answer_key, \
         run.task.name == "gsm8k"
 
     def check(row: dict[str, Any]) -> str | None:
-        prompt = row.get(prompt_key)
-        if prompt is not None and not isinstance(prompt, str):
-            kind = {list: "a list", dict: "an object", bool: "true/false"}.get(type(prompt), "a number")
-            return (f"field {prompt_key!r} is {kind} ({str(prompt)[:40]!r}), expected text "
-                    "(chat messages are not templated here: give the prompt as one string)")
-        return gsm8k_row_problem(row, answer_key) if gsm8k else None
+        prompt = field_value(row, prompt_key)
+        if isinstance(prompt, list):
+            problem = message_problem(prompt)
+            if problem:
+                return f"field {prompt_key!r}: {problem}"
+        elif prompt is not MISSING and prompt is not None and not isinstance(prompt, str):
+            return (f"field {prompt_key!r} is {kind(prompt)} ({str(prompt)[:40]!r}), expected text or a list of chat "
+                    "messages")
+        return gsm8k_row_problem(field_value(row, answer_key), answer_key) if gsm8k else None
 
     return check
 

@@ -34,8 +34,9 @@ class RewardConfig:
 
     fn: tuple[str, ...] = ()
     """'package.module:function' (one, or a list); empty = the task's own reward (data/tasks.py `score`, or the
-    math-answer reward for task.name=gsm8k). Each gets the prompts, the completion texts and, as keyword arguments,
-    every other field of the rows (one list per field; a function without **kwargs gets only those it names)."""
+    math-answer reward for task.name=gsm8k). Each gets the prompts (as the rows hold them: text or chat messages),
+    the completion texts and, as keyword arguments, every other field of the rows (one list per field; `answer` is
+    the value at data.answer_key; a function without **kwargs gets only those it names)."""
     weights: tuple[float, ...] = ()
     """One weight per function (the reward is the weighted sum); empty = 1.0 each."""
     timeout_s: float = 30.0

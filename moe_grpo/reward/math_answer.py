@@ -9,7 +9,8 @@ answer (a `\\boxed{}` first, then the last expression), reads LaTeX (fractions,
   after its last `####` (what follows, e.g. "and 5" or "wait, 73", is not its
   answer);
 - a mixed number `2 1/2` is read as 2 + 1/2 (math-verify reads it as 2 * 1/2);
-- the reference is the number after the last `####` of the dataset's answer.
+- the reference is the number after the last `####` of the dataset's answer, or the answer itself when it is
+  a number alone (verl's prepared GSM8K).
 
 Bad model output never raises (it scores 0); a reference that holds no number
 is a bad row (`gsm8k_row_problem` at load time; `ValueError` naming it here).
@@ -25,6 +26,8 @@ from typing import Any, Sequence
 _MIXED_NUMBER = re.compile(r"(?<![\d.,/])(\d+)\s+(\d+)/(\d+)(?![\d/])")
 _LEADING_NUMBER = re.compile(r"\s*[-\u2212]?\s*[$\u20ac\u00a3]?\s*\d[\d,]*(?:\.\d+)?(?:\s*/\s*\d+)?")
 """GSM8K's final answer after `####`: a number with its sign, currency, separators, decimals, or a fraction."""
+_BARE_NUMBER = re.compile(r"[-\u2212]?\s*[$\u20ac\u00a3]?\s*\d[\d,]*(?:\.\d+)?(?:\s*/\s*\d+)?")
+"""A reference that is a number alone (no `####`): the same forms."""
 
 
 def _normalize(text: str) -> str:
@@ -86,11 +89,14 @@ def math_answer_reward(prompts: Sequence[str], completions: Sequence[str], answe
     return [1.0 if is_correct(str(completion), str(ref)) else 0.0 for completion, ref in zip(completions, answer)]
 
 
-def gsm8k_row_problem(row: dict[str, Any], answer_key: str = "answer") -> str | None:
-    """Why a GSM8K row cannot be scored (its answer has no `#### N`), or None."""
-    ans = str(row.get(answer_key, ""))
+def gsm8k_row_problem(answer: Any, answer_key: str = "answer") -> str | None:
+    """Why a GSM8K row's answer (the value at `answer_key`) cannot be scored, or None: it needs GSM8K's `#### N`
+    or to be a number alone (verl's prepared GSM8K keeps the bare number in `reward_model.ground_truth`)."""
+    ans = str(answer)
     if "####" not in ans:
-        return f"field {answer_key!r} has no '#### N' final answer"
+        if _BARE_NUMBER.fullmatch(ans.strip()):
+            return None
+        return f"field {answer_key!r} has no '#### N' final answer and is not a number"
     if not reference_answer(ans):
         return f"field {answer_key!r}: no number after '####' ({ans.rsplit('####', 1)[-1].strip()[:40]!r})"
     return None

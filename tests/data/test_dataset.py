@@ -60,22 +60,126 @@ def test_gsm8k_jsonl_keeps_good_rows_and_names_each_bad_one_by_line(tmp_path, ca
     assert sorted(taken[:2]) == sorted(taken[2:4]) == sorted(r["question"] for r in GOOD)
 
 
-def test_a_prompt_that_is_not_text_is_a_bad_row_named_by_its_type(tmp_path):
-    """A JSONL of chat messages (`"prompt": [{"role": ...}]`) or a number was trained on as its Python repr
-    ("[{'role': ...}]"), silently (a user's trial, 2026-11-28). Now such a row is skipped as a bad row saying what it
-    is and what is expected."""
-    rows = [{"prompt": "abc"}, {"prompt": [{"role": "user", "content": "hi"}]}, {"prompt": 12345}, {"prompt": "de"}]
+def test_a_prompt_that_is_not_text_or_chat_messages_is_a_bad_row_named_by_its_type(tmp_path):
+    """A number or an object as the prompt was trained on as its Python repr, silently (a user's trial,
+    2026-11-28). Now such a row is skipped as a bad row saying what it is and what is expected."""
+    rows = [{"prompt": "abc"}, {"prompt": {"text": "hi"}}, {"prompt": 12345}, {"prompt": "de"}]
     path = tmp_path / "train.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    source = prompt_source(user_reward_run(path), ByteTokenizer(512), np.random.default_rng(0))
+    assert [e.prompt for e in source.train] == ["abc", "de"]
+    reasons = {b.line: b.reason for b in source.bad}
+    assert reasons[2].startswith("field 'prompt' is an object (") and "expected text or a list of chat" in reasons[2]
+    assert reasons[3].startswith("field 'prompt' is a number ('12345')"), reasons
+
+
+def user_reward_run(path, **data):
+    import dataclasses
+
+    return from_hydra({"model": dataclasses.asdict(load_model_spec("deepseek_moe")), "warm_start_steps": 0,
+                       "reward": {"fn": "user_rewards:length_penalty"}, "data": {"train_path": str(path), **data}})
+
+
+CHAT = [{"role": "system", "content": "Answer with a number."}, {"role": "user", "content": "What is 3 + 4?"}]
+
+
+def test_chat_message_prompts_go_through_the_chat_template_and_reach_the_reward_as_messages(tmp_path):
+    """TRL's and verl's datasets give each prompt as chat messages (`[{"role": ..., "content": ...}]`); they were
+    all bad rows ("expected text"), so such a dataset could not train at all. Now the checkpoint's chat template
+    renders the whole conversation (system turn included, generation prompt added), the reward gets the messages as
+    the row's prompt (as TRL hands conversational prompts to its reward functions), and a malformed message is a
+    bad row naming the message."""
+    from hf_fixtures import make_tokenizer
+    from moe_grpo.data.tokenizer import HFTokenizer
+
+    rows = [{"prompt": CHAT, "answer": "7"},
+            {"prompt": [{"role": "user"}], "answer": "1"},                                        # no content
+            {"prompt": [{"role": "user", "content": [{"type": "image"}]}], "answer": "2"},         # not text
+            {"prompt": [{"content": "hi"}], "answer": "3"},                                       # no role
+            {"prompt": "What is 1 + 1?", "answer": "2"}]
+    path = tmp_path / "train.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    tok = HFTokenizer(make_tokenizer(tmp_path / "chat"))
+    source = prompt_source(user_reward_run(path), tok, np.random.default_rng(0))
+    assert [e.prompt for e in source.train] == [CHAT, "What is 1 + 1?"]
+    chat = source.train[0]
+    assert tok.tok.decode(chat.prompt_ids) == "<|user|>Answer with a number.<|end|><|user|>What is 3 + 4?<|end|><|assistant|>"
+    assert chat.fields == {"answer": "7"} and chat.where == "train.jsonl:1"
+    reasons = {b.line: b.reason for b in source.bad}
+    assert reasons == {2: "field 'prompt': message 1 has no 'content'",
+                       3: "field 'prompt': message 1's 'content' is a list, expected text",
+                       4: "field 'prompt': message 1 has no 'role'"}, reasons
+    # the same rows give the same place in the pass on a resume (messages hashed as they are, not rendered)
+    again = prompt_source(user_reward_run(path), tok, np.random.default_rng(0))
+    assert again.fingerprint() == source.fingerprint()
+
+
+def test_chat_prompts_without_a_chat_template_stop_the_run_at_start_naming_the_row(tmp_path):
+    """The built-in model's byte tokenizer (and a checkpoint's without a template) has no way to render a
+    conversation: refused at start in one line naming the row and the remedies, not skipped row by row."""
+    path = tmp_path / "train.jsonl"
+    path.write_text(json.dumps({"prompt": "text first", "answer": "1"}) + "\n"
+                    + json.dumps({"prompt": CHAT, "answer": "7"}) + "\n")
+    with pytest.raises(ValueError, match=r"train.jsonl:2: the prompt is a list of chat messages and the tokenizer "
+                                         r"has no chat template .*init.hf=.*as text"):
+        prompt_source(user_reward_run(path), ByteTokenizer(512), np.random.default_rng(0))
+
+
+def test_verls_layout_reads_a_nested_ground_truth_and_scores_a_bare_number_reference(tmp_path):
+    """verl's prepared GSM8K (Parquet: `prompt` as chat messages, the answer in `reward_model.ground_truth` as a
+    bare number, `data_source`, `extra_info`) trains as it is with `data.answer_key=reward_model.ground_truth`:
+    before, the dotted key was never found (every row "missing field(s)") and a reference without `#### ` was a bad
+    row."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from hf_fixtures import make_tokenizer
+    from moe_grpo.data.prompts import group_fields
+    from moe_grpo.data.tokenizer import HFTokenizer
+    from moe_grpo.reward.functions import Rewards
+
+    def verl_row(q, truth):
+        return {"data_source": "openai/gsm8k", "prompt": [{"role": "user", "content": q}], "ability": "math",
+                "reward_model": {"ground_truth": truth, "style": "rule"}, "extra_info": {"split": "train", "index": 0}}
+
+    path = tmp_path / "train.parquet"
+    pq.write_table(pa.Table.from_pylist([verl_row("What is 1000 + 250?", "1,250"), verl_row("What is 3 + 4?", "7"),
+                                         verl_row("What is 2 + 3?", "five")]), str(path))
+    run = run_config(train_path=str(path), prompt_key="prompt", answer_key="reward_model.ground_truth")
+    source = prompt_source(run, HFTokenizer(make_tokenizer(tmp_path / "chat")), np.random.default_rng(0))
+    assert [e.answer for e in source.train] == ["1,250", "7"]
+    assert [(b.line, b.reason) for b in source.bad] == [
+        (3, "field 'reward_model.ground_truth' has no '#### N' final answer and is not a number")]
+    rewards = Rewards(*run.reward.resolved(run.task.name))
+    try:
+        scores = rewards.score([source.train[0].prompt] * 3, ["#### 1250", "The answer is \\boxed{1250}", "125"],
+                               group_fields(source.train[0], 3))
+    finally:
+        rewards.close()
+    assert scores.rewards.tolist() == [1.0, 1.0, 0.0] and not scores.failed.any()
+
+
+def test_the_built_in_reward_reads_the_answer_from_data_answer_key(tmp_path):
+    """`data.answer_key=solution` with the built-in reward failed every sample ("score() missing 1 required
+    positional argument: 'answer'") and stopped the run after 64 groups: the row's field reached the reward under
+    its own name. The reward's `answer` is now the value at `data.answer_key`; the row's fields keep their names."""
+    from moe_grpo.data.prompts import group_fields
+    from moe_grpo.reward.functions import Rewards
+
+    path = tmp_path / "train.jsonl"
+    path.write_text(json.dumps({"prompt": "abc=", "solution": "cba"}) + "\n")
     import dataclasses
 
     run = from_hydra({"model": dataclasses.asdict(load_model_spec("deepseek_moe")), "warm_start_steps": 0,
-                      "reward": {"fn": "user_rewards:length_penalty"}, "data": {"train_path": str(path)}})
+                      "data": {"train_path": str(path), "answer_key": "solution"}})
     source = prompt_source(run, ByteTokenizer(512), np.random.default_rng(0))
-    assert [e.prompt for e in source.train] == ["abc", "de"]
-    reasons = {b.line: b.reason for b in source.bad}
-    assert reasons[2].startswith("field 'prompt' is a list (") and "expected text" in reasons[2], reasons
-    assert reasons[3].startswith("field 'prompt' is a number ('12345')"), reasons
+    assert source.train[0].fields == {"solution": "cba", "answer": "cba"}
+    rewards = Rewards(*run.reward.resolved(run.task.name))
+    try:
+        scores = rewards.score(["abc="] * 2, ["cba", "abc"], group_fields(source.train[0], 2))
+    finally:
+        rewards.close()
+    assert not scores.failed.any(), scores.errors
+    assert scores.rewards.tolist() == pytest.approx([1.0, 1 / 3])
 
 
 def test_a_byte_order_mark_keeps_the_first_row_and_a_cut_line_is_named_at_its_end(tmp_path):

@@ -4,7 +4,8 @@ Each run: init.hf -> model from config.json, learner from the cached Megatron co
 checkpoint, prompts through the chat template; 3 steps (Qwen3-MoE at EP=2, DeepSeek-V3 at TP=2; 1 engine + 2 learner actors on 2
 cores); the final policy exported; a fresh vLLM engine serves the export and its sampled log-probs are compared
 with a Megatron learner's at the same layout. The Qwen3-MoE EP=2 run also trains on a GSM8K-format JSONL
-file with bad rows and a user reward that raises or returns NaN on some rows.
+file with bad rows and a user reward that raises or returns NaN on some rows; the DeepSeek-V3 TP=2 run on verl's
+prepared GSM8K layout (Parquet, chat messages, the answer in `reward_model.ground_truth`).
 """
 
 import json
@@ -42,6 +43,19 @@ def write_gsm8k(path):
     return [lines.index(b) + 1 for b in bad]
 
 
+def write_verl_gsm8k(path):
+    """The layout of verl's examples/data_preprocess/gsm8k.py: `prompt` as chat messages, the answer as a bare number
+    in `reward_model.ground_truth`, beside `data_source`, `ability` and `extra_info`."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [{"data_source": "openai/gsm8k", "ability": "math", "extra_info": {"split": "train", "index": i},
+             "prompt": [{"role": "system", "content": "Reply with the number."},
+                        {"role": "user", "content": f"What is {a} + {b}?"}],
+             "reward_model": {"style": "rule", "ground_truth": f"{a + b:,}"}} for i, (a, b) in enumerate(QA)]
+    pq.write_table(pa.Table.from_pylist(rows), str(path))
+
+
 def hf_run(hf, cache, layout, **extra):
     tp, ep = (2, 1) if layout == "TP=2" else (1, 2)
     tree = {"steps": 3, "warm_start_steps": 0, "eval_every": 0, "mode": "sync",
@@ -71,13 +85,13 @@ def test_run_from_a_transformers_checkpoint_trains_exports_and_vllm_serves_the_e
         extra = {"task": {"name": "gsm8k"}, "data": {"train_path": str(data)},
                  "reward": {"fn": ["moe_grpo.reward.math_answer:math_answer_reward", "user_rewards:length_penalty"],
                             "weights": [1.0, 0.5]}}
-    else:
-        data = tmp_path / "train.jsonl"
-        data.write_text("".join(json.dumps({"prompt": f"What is {a} + {b}?", "answer": f"#### {a + b}"}) + "\n"
-                                for a, b in QA))
+    else:  # verl's prepared GSM8K as it is: Parquet, chat messages with a system turn, a bare-number ground truth
+        data = tmp_path / "train.parquet"
+        write_verl_gsm8k(data)
         # A KL penalty without a warm start (the usual set-up from a checkpoint): the reference is the checkpoint's
         # weights (before, no reference was set without a warm start and the first step raised).
-        extra = {"task": {"name": "gsm8k"}, "data": {"train_path": str(data), "prompt_key": "prompt"},
+        extra = {"task": {"name": "gsm8k"},
+                 "data": {"train_path": str(data), "prompt_key": "prompt", "answer_key": "reward_model.ground_truth"},
                  "algo": {"prompts_per_step": 4, "group_size": 4, "kl_coef": 0.05}}
     run, tp, ep = hf_run(paths[kind], root / "cache", layout, **extra)
     assert run.model.architecture == {"qwen3_moe": "Qwen3MoeForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}[kind]
@@ -95,6 +109,10 @@ def test_run_from_a_transformers_checkpoint_trains_exports_and_vllm_serves_the_e
     if not gsm8k:  # the penalty was computed each step (NaN without a reference); the first step's weights are it
         kl = [r["kl/reference"] for r in rows]
         assert all(k >= 0 for k in kl) and abs(kl[0]) < 1e-6, kl  # NaN fails k >= 0
+        # every verl row trained (none bad), the rewards scored (none failed: the built-in reward read the nested
+        # ground truth), through the chat template with the system turn
+        assert "data: 6 training rows" in caplog.text and summary["bad_rows"] == 0
+        assert all(r["reward/failed"] == 0 for r in rows), [r["reward/failed"] for r in rows]
     if gsm8k:
         assert "data: 6 training rows" in caplog.text
         assert summary["bad_rows"] == 4 and all(r["data/bad_rows"] == 4 for r in rows)

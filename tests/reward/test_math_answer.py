@@ -42,8 +42,13 @@ def test_bad_model_output_scores_zero_and_never_raises(garbage):
 def test_gsm8k_references_and_rows_without_a_final_answer():
     assert reference_answer("48/2 = 24\n48+24 = 72\n#### 72")[0] == 72
     assert reference_answer("#### 1,250")[0] == 1250
-    assert gsm8k_row_problem({"answer": "#### 72"}) is None
-    assert "no '#### N'" in gsm8k_row_problem({"answer": "seventy-two"})
-    assert "no number after" in gsm8k_row_problem({"answer": "#### many"})
+    assert gsm8k_row_problem("#### 72") is None
+    assert "no '#### N'" in gsm8k_row_problem("seventy-two")
+    assert "no number after" in gsm8k_row_problem("#### many")
+    # a number alone is a reference too (verl's prepared GSM8K: reward_model.ground_truth = "72")
+    assert [gsm8k_row_problem(n) for n in ("72", " 1,250 ", "-3.5", "$12", "3/4")] == [None] * 5
+    assert "is not a number" in gsm8k_row_problem("72 apples", "reward_model.ground_truth")
+    assert math_answer_reward(["q"] * 2, ["#### 1250", "#### 125"], ["1,250"] * 2) == [1.0, 0.0]
     with pytest.raises(ValueError, match="holds no number"):
         math_answer_reward(["q"], ["1"], ["#### none"])
+

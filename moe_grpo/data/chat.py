@@ -1,0 +1,32 @@
+"""Prompts given as chat messages (`[{"role": "user", "content": "..."}]`), as TRL's and verl's datasets give them.
+
+A checkpoint's chat template renders them (data/tokenizer.py `HFTokenizer.encode_prompt`); the reward functions
+get the messages as the row's prompt. A message is an object with a non-empty text `role` and a text `content`;
+anything else makes the row a bad row, named by the message (counting from 1).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+KINDS = {list: "a list", dict: "an object", bool: "true/false", str: "text"}
+
+
+def kind(value: Any) -> str:
+    """What a value is, in a message's words."""
+    return "null" if value is None else KINDS.get(type(value), "a number")
+
+
+def message_problem(messages: list[Any]) -> str | None:
+    """Why `messages` is not a conversation the chat template can render, or None."""
+    for i, m in enumerate(messages, start=1):
+        if not isinstance(m, dict):
+            return f"message {i} is {kind(m)}, expected an object with 'role' and 'content'"
+        for key in ("role", "content"):
+            if key not in m:
+                return f"message {i} has no {key!r}"
+            if not isinstance(m[key], str):
+                return f"message {i}'s {key!r} is {kind(m[key])}, expected text"
+        if not m["role"].strip():
+            return f"message {i}'s 'role' is empty"
+    return None
