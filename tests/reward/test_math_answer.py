@@ -52,3 +52,15 @@ def test_gsm8k_references_and_rows_without_a_final_answer():
     with pytest.raises(ValueError, match="holds no number"):
         math_answer_reward(["q"], ["1"], ["#### none"])
 
+
+def test_math_verifys_notice_that_its_own_timeouts_are_off_stays_off_the_console(capfd):
+    """Every reward worker of a gsm8k run printed "Timeout is disabled as parsing_timeout is None ... you must
+    provide the logic for timeout interuption yourself" (twice per worker, up to 8 lines per run): reward.timeout_s is
+    that logic, so nothing there was for a user to act on."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", "from moe_grpo.reward.math_answer import math_answer_reward as f; "
+                          "print(f(['q'], ['#### 7'], ['#### 7']))"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "[1.0]", out
+    assert "Timeout is disabled" not in out.stderr, out.stderr
