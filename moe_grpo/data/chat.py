@@ -29,4 +29,21 @@ def message_problem(messages: list[Any]) -> str | None:
                 return f"message {i}'s {key!r} is {kind(m[key])}, expected text"
         if not m["role"].strip():
             return f"message {i}'s 'role' is empty"
+    if not any(m["content"].strip() for m in messages):
+        return "no message has any text"
     return None
+
+
+class MessageDropped(ValueError):
+    """The chat template rendered a conversation without one of its messages' text (e.g. Qwen's template skips a
+    role it does not know, such as ShareGPT's "human"): the prompt would be the generation prompt alone."""
+
+
+def check_rendered(messages: list[dict[str, str]], rendered: str) -> None:
+    """Raise `MessageDropped` when a message's text (other than an assistant turn's, which templates may rewrite,
+    e.g. drop its reasoning) is not in what the template rendered."""
+    for i, m in enumerate(messages, start=1):
+        text = m["content"].strip()
+        if text and m["role"] != "assistant" and text not in rendered:
+            raise MessageDropped(f"message {i} (role {m['role']!r}) is not in the rendered prompt: the chat "
+                                 "template dropped it (a role it does not know?)")

@@ -82,7 +82,8 @@ def _records(path: Path) -> Any:
             table = pq.read_table(str(path))
         except Exception as e:  # noqa: BLE001 - the whole file is unreadable: not a row's fault
             raise ValueError(f"{path}: not a readable Parquet file ({type(e).__name__}: {e})") from e
-        for i, row in enumerate(table.to_pylist(), start=1):
+        # maps as dicts: chat messages stored as map<string, string> read as messages, not lists of pairs
+        for i, row in enumerate(table.to_pylist(maps_as_pydicts="lossy"), start=1):
             yield i, row
         return
     # utf-8-sig: a file saved with a byte-order mark (Windows editors) keeps its first row.

@@ -15,6 +15,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from moe_grpo.data.chat import MessageDropped
 from moe_grpo.data.dataset import MISSING, BadRow, Rows, field_value, log_skipped
 from moe_grpo.data.tasks import MARKERS, Example, eval_examples, make_examples
 
@@ -87,31 +88,33 @@ class DatasetPrompts(PromptSource):
         self.tokenizer, self.rng, self.prompt_key, self.answer_key = tokenizer, rng, prompt_key, answer_key
         self.max_prompt_tokens = max_prompt_tokens
         self.bad = train.bad + (held_out.bad if held_out is not None else [])
-        self._rows: dict[int, dict[str, Any]] = {}  # id(example) -> its row as read (what the fingerprint hashes)
-        self.train = self._fitting(train, self._examples(train))
+        train_rows = self._fitting(train, self._examples(train))
+        self.train = [e for e, _ in train_rows]
+        self._hashed = [row for _, row in train_rows]  # what the fingerprint hashes, beside `train`
         self.held_out = []
         if held_out is not None:
-            examples = self._fitting(held_out, self._examples(held_out))
+            examples = [e for e, _ in self._fitting(held_out, self._examples(held_out))]
             self.held_out = examples if eval_size is None else examples[:eval_size]
         self._order: list[int] = []
         self._fingerprint: str | None = None
 
-    def _fitting(self, rows: Rows, examples: list[tuple[int, Example]]) -> list[Example]:
-        """`examples` (of `rows`, with their lines) whose prompt fits `max_prompt_tokens`; the others are counted as
-        bad rows."""
+    def _fitting(self, rows: Rows, examples: list[tuple[int, Example, dict]]) -> list[tuple[Example, dict]]:
+        """(example, hashed row) of `examples` (of `rows`, with their lines) whose prompt fits `max_prompt_tokens`;
+        the others are counted as bad rows."""
         limit = self.max_prompt_tokens
         if limit is None:
-            return [e for _, e in examples]
+            return [(e, row) for _, e, row in examples]
         skipped = [BadRow(rows.path, line, f"prompt of {len(e.prompt_ids)} tokens, more than "
                                            f"data.max_prompt_tokens={limit}")
-                   for line, e in examples if len(e.prompt_ids) > limit]
+                   for line, e, _ in examples if len(e.prompt_ids) > limit]
         log_skipped(skipped, "prompts over data.max_prompt_tokens", rows.path)  # as read_rows logs its bad rows
         self.bad += skipped
-        return [e for _, e in examples if len(e.prompt_ids) <= limit]
+        return [(e, row) for _, e, row in examples if len(e.prompt_ids) <= limit]
 
-    def _examples(self, rows: Rows) -> list[tuple[int, Example]]:
-        """(line, example) per row; a conversation the chat template refuses is a bad row. Chat prompts with no
-        chat template to render them stop the run (every such row would be bad: the configuration's fault)."""
+    def _examples(self, rows: Rows) -> list[tuple[int, Example, dict]]:
+        """(line, example, the row without its prompt) per row; a conversation the chat template refuses or drops
+        a message of is a bad row. Chat prompts with no chat template to render them stop the run (every such row
+        would be bad: the configuration's fault)."""
         if not getattr(self.tokenizer, "has_chat_template", False):
             chat = next((line for row, line in zip(rows.rows, rows.lines)
                          if isinstance(field_value(row, self.prompt_key), list)), None)
@@ -128,25 +131,26 @@ class DatasetPrompts(PromptSource):
             except Exception as e:  # noqa: BLE001 - a template's own check (roles must alternate): this row only
                 if isinstance(prompt, str):
                     raise
-                refused.append(BadRow(rows.path, line, f"field {self.prompt_key!r}: the chat template refused it "
-                                                       f"({type(e).__name__}: {str(e)[:80]})"))
+                why = str(e) if isinstance(e, MessageDropped) else \
+                    f"the chat template refused it ({type(e).__name__}: {str(e)[:80]})"
+                refused.append(BadRow(rows.path, line, f"field {self.prompt_key!r}: {why}"))
                 continue
-            out.append((line, self._example(rows.path, line, row, prompt, ids)))
+            out.append((line, self._example(rows.path, line, row, prompt, ids),
+                        {k: v for k, v in row.items() if k != self.prompt_key}))
         log_skipped(refused, "rows the chat template refused", rows.path)
         self.bad += refused
         return out
 
     def _example(self, path: str, line: int, row: dict[str, Any], prompt: str | list, ids: list[int]) -> Example:
-        """Every field but the prompt goes to the reward, and the value at `data.answer_key` (another field's name
-        or a dotted path) as `answer` too: the name the built-in rewards read."""
+        """Every field but the prompt goes to the reward; the value at `data.answer_key` (another field's name or a
+        dotted path) also as `answer`, the name the built-in rewards read, unless the row has an `answer` of its
+        own (kept: run_prompts.py refuses that pairing where a built-in reward would read it)."""
         fields = {k: v for k, v in row.items() if k != self.prompt_key}
         answer = field_value(row, self.answer_key)
         answer = "" if answer is MISSING or answer is None else answer
-        if self.answer_key != "answer" and answer != "":
+        if self.answer_key != "answer" and "answer" not in row:
             fields["answer"] = answer
-        example = Example(prompt, tuple(ids), str(answer), fields, f"{Path(path).name}:{line}")
-        self._rows[id(example)] = {k: v for k, v in row.items() if k != self.prompt_key}
-        return example
+        return Example(prompt, tuple(ids), str(answer), fields, f"{Path(path).name}:{line}")
 
     def take(self, n: int) -> list[Example]:
         out = []
@@ -162,8 +166,8 @@ class DatasetPrompts(PromptSource):
         in the shuffled pass refers to."""
         if self._fingerprint is None:
             h = hashlib.sha256()
-            for e in self.train:
-                h.update(json.dumps([e.prompt, self._rows[id(e)]], sort_keys=True, default=str).encode())
+            for e, row in zip(self.train, self._hashed):
+                h.update(json.dumps([e.prompt, row], sort_keys=True, default=str).encode())
             self._fingerprint = h.hexdigest()
         return self._fingerprint
 

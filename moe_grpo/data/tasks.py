@@ -115,6 +115,7 @@ def score(prompts: Sequence[str], completions: Sequence[str], answer: Sequence[s
     del prompts  # the answer already says what the prompt asked
     out = []
     for completion, want in zip(completions, answer):
+        completion, want = str(completion), str(want)  # a dataset's answer may be a number (JSON, Parquet)
         longest = max(len(want), len(completion))
         if longest == 0:
             out.append(1.0)

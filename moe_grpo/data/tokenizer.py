@@ -19,6 +19,8 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
+from moe_grpo.data.chat import check_rendered
+
 if TYPE_CHECKING:  # the model's spec is a layer above data (pyproject.toml)
     from moe_grpo.models.spec import MoEModelSpec
 
@@ -167,10 +169,13 @@ class HFTokenizer:
 
     def encode_prompt(self, text: str | Sequence[Mapping[str, str]]) -> list[int]:
         """Text goes in as one user turn; chat messages (`[{"role": ..., "content": ...}]`) as they are. Both through
-        the chat template with its generation prompt; without a template, text is encoded plain and messages raise."""
+        the chat template with its generation prompt; without a template, text is encoded plain and messages raise.
+        A message the template left out raises `MessageDropped`."""
         if self.has_chat_template:
             messages = [{"role": "user", "content": text}] if isinstance(text, str) else [dict(m) for m in text]
             rendered = self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            if not isinstance(text, str):
+                check_rendered(messages, rendered)
             return list(self.tok(rendered, add_special_tokens=False)["input_ids"])  # the template wrote them
         if not isinstance(text, str):
             raise ValueError(f"{self.directory}: the tokenizer has no chat template to render chat messages")

@@ -16,6 +16,7 @@ import numpy as np
 from moe_grpo.data.chat import kind, message_problem
 from moe_grpo.data.dataset import MISSING, Rows, field_value, read_rows
 from moe_grpo.data.prompts import DatasetPrompts, PromptSource, TaskPrompts
+from moe_grpo.reward.config import TASK_REWARDS
 from moe_grpo.reward.math_answer import gsm8k_row_problem
 from moe_grpo.rollout.context import context_length
 
@@ -58,11 +59,12 @@ def prompt_source(run: RunConfig, tokenizer: Any, rng: np.random.Generator, run_
     why = answer_reader(run)
     train = read_rows(run.data.train_path, needed, check, why=why)
     held_out = read_rows(run.data.eval_path, needed, check, why=why) if run.data.eval_path else None
+    refuse_a_second_answer(run, train, held_out)
     source = DatasetPrompts(train, held_out, tokenizer, rng, needed[0], run.data.answer_key, run.data.eval_size,
                             run.data.max_prompt_tokens)
-    if not source.train:
-        raise ValueError(f"data.train_path={run.data.train_path!r}: no prompt of its {len(train.rows)} usable rows "
-                         f"fits data.max_prompt_tokens={run.data.max_prompt_tokens}")
+    refuse_unusable("train_path", train, source.train, source.bad)
+    if held_out is not None:
+        refuse_unusable("eval_path", held_out, source.held_out, source.bad)
     held_out_bad = sum(b.path == run.data.eval_path for b in source.bad) if held_out is not None else 0
     log.info("data: %d training rows from %s%s; %d bad row(s) skipped%s", len(source.train), run.data.train_path,
              f", {len(source.held_out)} held-out rows from {run.data.eval_path}" if held_out is not None else "",
@@ -71,6 +73,30 @@ def prompt_source(run: RunConfig, tokenizer: Any, rng: np.random.Generator, run_
     if run_dir is not None and source.bad:
         Path(run_dir, "bad_rows.txt").write_text("".join(f"{b}\n" for b in source.bad))
     return source
+
+
+def refuse_unusable(name: str, rows: Rows, usable: list[Any], bad: list[Any]) -> None:
+    """Refuse `data.<name>` when rows were read but none is left after encoding, naming the first one dropped then
+    (the chat template refused it, or it is over data.max_prompt_tokens)."""
+    if not usable:
+        dropped = [b for b in bad if b.path == rows.path and b not in rows.bad]
+        raise ValueError(f"data.{name}={rows.path!r}: none of its {len(rows.rows)} readable rows is usable (first: "
+                         f"{dropped[0] if dropped else '?'})")
+
+
+def refuse_a_second_answer(run: RunConfig | EvaluateConfig, *files: Rows | None) -> None:
+    """A built-in reward reads its reference from the field `answer`, which is the value at `data.answer_key` unless
+    the row has an `answer` of its own (data/prompts.py): refuse that pairing rather than score against the other."""
+    key = run.data.answer_key
+    builtin = [f for f in run.reward.resolved(run.task.name)[0] if f in TASK_REWARDS.values()]
+    if key == "answer" or not builtin:
+        return
+    for rows in filter(None, files):
+        line = next((line for row, line in zip(rows.rows, rows.lines) if "answer" in row), None)
+        if line is not None:
+            raise ValueError(f"data.answer_key={key!r}, but {rows.path}:{line} also has a field 'answer', where "
+                             f"{builtin[0]} would read the reference: rename that field, or set "
+                             "data.answer_key=answer")
 
 
 def _row_check(run: RunConfig | EvaluateConfig) -> Callable[[dict[str, Any]], str | None]:
@@ -101,8 +127,11 @@ def held_out_source(run: RunConfig | EvaluateConfig, tokenizer: Any) -> PromptSo
         return TaskPrompts(run.task, tokenizer, np.random.default_rng(0))
     needed = required_fields(run)
     rows = read_rows(run.data.eval_path, needed, _row_check(run))
-    return DatasetPrompts(Rows(run.data.eval_path), rows, tokenizer, np.random.default_rng(0), needed[0],
-                          run.data.answer_key, run.data.eval_size, run.data.max_prompt_tokens)
+    refuse_a_second_answer(run, rows)
+    source = DatasetPrompts(Rows(run.data.eval_path), rows, tokenizer, np.random.default_rng(0), needed[0],
+                            run.data.answer_key, run.data.eval_size, run.data.max_prompt_tokens)
+    refuse_unusable("eval_path", rows, source.held_out, source.bad)
+    return source
 
 
 def engine_context(run: RunConfig, source: PromptSource) -> int:

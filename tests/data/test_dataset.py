@@ -114,6 +114,66 @@ def test_chat_message_prompts_go_through_the_chat_template_and_reach_the_reward_
     assert again.fingerprint() == source.fingerprint()
 
 
+QWEN_LIKE = ("{% for m in messages %}{% if m['role'] in ['system', 'user', 'assistant', 'tool'] %}<|user|>"
+             "{{ m['content'] }}<|end|>{% endif %}{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
+"""Qwen's templates' shape: a role they do not know is left out without an error."""
+NO_SYSTEM = ("{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('System role not supported') }}"
+             "{% endif %}<|user|>{{ m['content'] }}<|end|>{% endfor %}{% if add_generation_prompt %}<|assistant|>"
+             "{% endif %}")
+"""Gemma's templates' shape: a system turn raises."""
+
+
+def test_a_message_the_template_leaves_out_or_refuses_is_a_bad_row_and_a_file_of_them_is_refused_by_its_cause(
+        tmp_path):
+    """From a review of the chat-prompt change: a ShareGPT role ("human") that Qwen's template skips rendered every
+    prompt as the generation prompt alone, with no bad row; a template refusing system turns on every row ended in
+    "no prompt of its 3 usable rows fits data.max_prompt_tokens=None", and a held-out file refused whole in "no
+    held-out set (data.eval_path is not set)"; a conversation of blank messages was accepted."""
+    from hf_fixtures import make_tokenizer
+    from moe_grpo.data.tokenizer import HFTokenizer
+
+    rows = [{"prompt": [{"role": "human", "content": "What is 3 + 4?"}]}, {"prompt": CHAT},
+            {"prompt": [{"role": "user", "content": "  "}]}]
+    path = tmp_path / "train.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    tok = HFTokenizer(make_tokenizer(tmp_path / "chat"))
+    tok.tok.chat_template = QWEN_LIKE
+    source = prompt_source(user_reward_run(path), tok, np.random.default_rng(0))
+    assert [e.prompt for e in source.train] == [CHAT]
+    assert {b.line: b.reason for b in source.bad} == {
+        1: "field 'prompt': message 1 (role 'human') is not in the rendered prompt: the chat template dropped it "
+           "(a role it does not know?)",
+        3: "field 'prompt': no message has any text"}
+    tok.tok.chat_template = NO_SYSTEM
+    path.write_text(json.dumps({"prompt": CHAT}) + "\n")
+    with pytest.raises(ValueError, match=r"data.train_path='.*train.jsonl': none of its 1 readable rows is usable "
+                                         r"\(first: .*train.jsonl:1: field 'prompt': the chat template refused it "
+                                         r"\(TemplateError: System role not supported\)\)"):
+        prompt_source(user_reward_run(path), tok, np.random.default_rng(0))
+    held_out = tmp_path / "eval.jsonl"
+    held_out.write_text(json.dumps({"prompt": CHAT}) + "\n")
+    (tmp_path / "text.jsonl").write_text(json.dumps({"prompt": "What is 3 + 4?"}) + "\n")
+    with pytest.raises(ValueError, match=r"data.eval_path='.*eval.jsonl': none of its 1 readable rows is usable"):
+        prompt_source(user_reward_run(tmp_path / "text.jsonl", eval_path=str(held_out)), tok,
+                      np.random.default_rng(0))
+
+
+def test_chat_messages_stored_as_parquet_maps_read_as_messages(tmp_path):
+    """A `list<map<string, string>>` prompt column came back from pyarrow as lists of (key, value) pairs: every row
+    bad ("message 1 is a list")."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from hf_fixtures import make_tokenizer
+    from moe_grpo.data.tokenizer import HFTokenizer
+
+    messages = pa.array([[{"role": "user", "content": "What is 3 + 4?"}]], pa.list_(pa.map_(pa.string(), pa.string())))
+    path = tmp_path / "train.parquet"
+    pq.write_table(pa.table({"prompt": messages, "answer": ["7"]}), str(path))
+    source = prompt_source(user_reward_run(path), HFTokenizer(make_tokenizer(tmp_path / "chat")),
+                           np.random.default_rng(0))
+    assert [e.prompt for e in source.train] == [[{"role": "user", "content": "What is 3 + 4?"}]] and not source.bad
+
+
 def test_chat_prompts_without_a_chat_template_stop_the_run_at_start_naming_the_row(tmp_path):
     """The built-in model's byte tokenizer (and a checkpoint's without a template) has no way to render a
     conversation: refused at start in one line naming the row and the remedies, not skipped row by row."""
@@ -161,14 +221,17 @@ def test_verls_layout_reads_a_nested_ground_truth_and_scores_a_bare_number_refer
 def test_the_built_in_reward_reads_the_answer_from_data_answer_key(tmp_path):
     """`data.answer_key=solution` with the built-in reward failed every sample ("score() missing 1 required
     positional argument: 'answer'") and stopped the run after 64 groups: the row's field reached the reward under
-    its own name. The reward's `answer` is now the value at `data.answer_key`; the row's fields keep their names."""
+    its own name. The reward's `answer` is now the value at `data.answer_key`; the row's fields keep their names, a
+    row's own `answer` included (a review: it was overwritten, on some rows only), and a built-in reward that would
+    read that one is refused. A number as the answer (JSON, Parquet) failed every sample too (`len(4)`)."""
+    import dataclasses
+
     from moe_grpo.data.prompts import group_fields
     from moe_grpo.reward.functions import Rewards
 
     path = tmp_path / "train.jsonl"
-    path.write_text(json.dumps({"prompt": "abc=", "solution": "cba"}) + "\n")
-    import dataclasses
-
+    path.write_text(json.dumps({"prompt": "abc=", "solution": "cba"}) + "\n"
+                    + json.dumps({"prompt": "2+2=", "solution": 4}) + "\n")
     run = from_hydra({"model": dataclasses.asdict(load_model_spec("deepseek_moe")), "warm_start_steps": 0,
                       "data": {"train_path": str(path), "answer_key": "solution"}})
     source = prompt_source(run, ByteTokenizer(512), np.random.default_rng(0))
@@ -176,10 +239,21 @@ def test_the_built_in_reward_reads_the_answer_from_data_answer_key(tmp_path):
     rewards = Rewards(*run.reward.resolved(run.task.name))
     try:
         scores = rewards.score(["abc="] * 2, ["cba", "abc"], group_fields(source.train[0], 2))
+        numeric = rewards.score(["2+2="] * 2, ["4", "5"], group_fields(source.train[1], 2))
     finally:
         rewards.close()
-    assert not scores.failed.any(), scores.errors
-    assert scores.rewards.tolist() == pytest.approx([1.0, 1 / 3])
+    assert not scores.failed.any() and not numeric.failed.any(), (scores.errors, numeric.errors)
+    assert scores.rewards.tolist() == pytest.approx([1.0, 1 / 3]) and numeric.rewards.tolist() == [1.0, 0.0]
+    both = tmp_path / "both.jsonl"
+    both.write_text(json.dumps({"prompt": "abc=", "solution": "cba", "answer": "worked: c, b, a"}) + "\n")
+    mine = user_reward_run(both, answer_key="solution")
+    assert prompt_source(mine, ByteTokenizer(512), np.random.default_rng(0)).train[0].fields == {
+        "solution": "cba", "answer": "worked: c, b, a"}
+    builtin = from_hydra({"model": dataclasses.asdict(load_model_spec("deepseek_moe")), "warm_start_steps": 0,
+                          "data": {"train_path": str(both), "answer_key": "solution"}})
+    with pytest.raises(ValueError, match=r"data.answer_key='solution', but .*both.jsonl:1 also has a field 'answer', "
+                                         r"where moe_grpo.data.tasks:score would read the reference"):
+        prompt_source(builtin, ByteTokenizer(512), np.random.default_rng(0))
 
 
 def test_a_byte_order_mark_keeps_the_first_row_and_a_cut_line_is_named_at_its_end(tmp_path):

@@ -98,7 +98,9 @@ def test_data_max_prompt_tokens_skips_longer_prompts_as_bad_rows_and_the_run_fit
     assert engine_context(run, source) == source.longest_prompt()[0] + run.rollout.max_tokens
     run = from_hydra({"model": spec, "warm_start_steps": 0, "reward": {"fn": "user_rewards:length_penalty"},
                       "data": {**data, "max_prompt_tokens": 1}})
-    with pytest.raises(ValueError, match="no prompt of its 3 usable rows fits data.max_prompt_tokens=1"):
+    with pytest.raises(ValueError, match=r"data.train_path='.*train.jsonl': none of its 3 readable rows is usable "
+                                         r"\(first: .*train.jsonl:1: prompt of \d+ tokens, more than "
+                                         r"data.max_prompt_tokens=1\)"):
         prompt_source(run, tokenizer, np.random.default_rng(0))
 
 
