@@ -3,8 +3,11 @@ driver check when a child or an actor may have died without the library in betwe
 
 from __future__ import annotations
 
+import contextlib
 import os
-from typing import Iterable
+import signal
+import threading
+from typing import Iterable, Iterator
 
 import psutil
 
@@ -177,3 +180,22 @@ def oom_note(since: int | None) -> str:
     n = now - since
     return (f" (the kernel's OOM killer ended {n} process{'es' if n > 1 else ''} on this host meanwhile, "
             "/proc/vmstat oom_kill: out of memory, most likely; `dmesg` names the process)")
+
+
+
+@contextlib.contextmanager
+def ctrl_c_left_to_this_process() -> Iterator[None]:
+    """Processes started inside (a local Ray cluster's servers, and the workers they start later) ignore SIGINT:
+    an ignored signal stays ignored across fork and exec. A Ctrl-C in the driver's terminal reaches every process of
+    the terminal's group, and in Ray's workers it raised KeyboardInterrupt inside a running task: Ray's core worker
+    crashed ("An unexpected system state", a 30-line stack dump) and a learner rank could be gone before the
+    driver's checkpoint (a user's trial, 2026-11-28). The driver decides what a Ctrl-C does. A Ctrl-C inside (Ray's
+    start, a few seconds) is lost: this process ignores it too meanwhile."""
+    if threading.current_thread() is not threading.main_thread():  # signal.signal's rule
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)

@@ -189,7 +189,8 @@ class CheckpointConfig:
     """Run checkpoints (config group `checkpoint`): what `resume=true` continues from."""
 
     every: int = 50
-    """Write a run checkpoint every this many optimizer steps (0 = only on SIGTERM / SIGUSR1 and at the end)."""
+    """Write a run checkpoint every this many optimizer steps (0 = only on SIGTERM / SIGUSR1 / a first Ctrl-C and at
+    the end)."""
     keep: int = 2
     """Complete checkpoints kept in `<run dir>/checkpoints`; older ones are deleted once a newer one is whole."""
     at_end: bool = True

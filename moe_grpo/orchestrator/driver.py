@@ -492,8 +492,8 @@ class Driver:
 
     # ------------------------------------------------------------------ signals
     def on_signal(self, signum: int) -> None:
-        """SIGUSR1: checkpoint at the next step boundary, go on; SIGTERM, SIGHUP: then stop. Flags only (no lock)."""
+        """SIGUSR1: checkpoint at the next step boundary, go on; SIGTERM, SIGHUP, SIGINT: then stop. Flags only."""
         self.due = signal.Signals(signum).name
-        if signum in (signal.SIGTERM, signal.SIGHUP):
+        if signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
             self.stop_after_checkpoint = self.due
             self.engines.stopping = True

@@ -22,7 +22,7 @@ from moe_grpo.orchestrator.learner_group import LearnerGroup, failure_line
 from moe_grpo.orchestrator.placement_plan import pin_bundles
 from moe_grpo.orchestrator.ray_loopback import loopback_node
 from moe_grpo.orchestrator.run_dirs import make_private_dir, remove_orphaned_private_dirs
-from moe_grpo.processes import oom_kills, oom_note
+from moe_grpo.processes import ctrl_c_left_to_this_process, oom_kills, oom_note
 from moe_grpo.rollout.engine_error import EngineError
 
 if TYPE_CHECKING:  # the run's config composes the orchestrator's: it is a layer above (pyproject.toml)
@@ -164,7 +164,7 @@ def start_local_ray(num_cpus: int | None = None) -> str:
     try:
         os.mkdir(rpc, 0o700)
         os.environ[VLLM_RPC_ENV] = rpc  # inherited by Ray's processes, and by the workers they start
-        with loopback_node():
+        with loopback_node(), ctrl_c_left_to_this_process():
             ray.init(address="local", num_cpus=num_cpus or os.cpu_count() or 2, _temp_dir=os.path.join(private, "ray"),
                      **RAY_INIT)
     except BaseException:

@@ -92,13 +92,16 @@ def _train(run: RunConfig, run_dir: str, learner_cls: type | None, config_yaml: 
                                                    trackers=session.trackers)
         stopped = run_to_end(driver)
         session.outcome = "KILLED" if stopped else "FINISHED"
-    except KeyboardInterrupt:  # SIGTERM during start-up, Ctrl-C
+    except KeyboardInterrupt:  # SIGTERM during start-up, Ctrl-C then, or a second Ctrl-C
         session.outcome = "KILLED"
         if session.signals.stopped_start:  # a scheduler's stop, not a Ctrl-C: exit as any SIGTERM stop does
             raise SignalledTogether(f"stopped by {session.signals.stopped_start} during start-up, before step "
                                     f"{state.step + 1}: nothing new to checkpoint; run the same command again",
                                     session.signals.stopped_start) from None
-        raise
+        driver = session.driver
+        where = f"after step {state.step}" if driver is not None and driver.record is not None else "during start-up"
+        hint = driver._checkpoint_hint() if driver is not None else "no run checkpoint was written yet"
+        raise SignalledTogether(f"interrupted by Ctrl-C {where}, without a checkpoint; {hint}", "SIGINT") from None
     except Exception as e:
         driver = session.driver
         died = isinstance(e, EngineFailedError) or getattr(e, "died", False)  # a process, not an error in one

@@ -210,6 +210,30 @@ def test_a_sigterm_during_start_up_exits_143_in_one_line(tmp_path):
     assert "cleanup done" in run.output and not run.leftovers(), run.leftovers()
 
 
+def test_a_ctrl_c_checkpoints_at_the_steps_end_and_exits_130_in_one_line(tmp_path):
+    """Ctrl-C as a terminal sends it: SIGINT to every process of the run's group, its own Ray cluster's included.
+    Before 2026-11-28 the run stopped without a checkpoint (every step since the last periodic one lost: 11 of them
+    in a user's trial) after a 50-line KeyboardInterrupt traceback, and Ray's workers, hit inside a task, crashed
+    with a stack dump; `resume=true` then blamed `checkpoint.every=0`."""
+    run = Run(tmp_path / "run", "steps=40", own_ray=True)
+    try:
+        run.wait_step(3)
+        os.killpg(run.proc.pid, signal.SIGINT)
+        code = run.finish(300)
+    except BaseException:
+        run.kill()
+        raise
+    assert code == 130, run.output[-4000:]
+    last = run.output.strip().splitlines()[-1]
+    step = int(max(r["step"] for r in run.rows()))
+    assert last == (f"[moe_grpo] stopped by SIGINT after step {step}; checkpoint {run.run_dir}/checkpoints/"
+                    f"step_{step:06d}; continue with the same command and resume=true hydra.run.dir={run.run_dir}"), last
+    assert step < 40 and "Traceback" not in run.output and "unexpected system state" not in run.output
+    assert "Ctrl-C: stopping after a checkpoint at the end of this step" in run.output
+    assert complete_checkpoints(run.run_dir)[0].name == f"step_{step:06d}"  # newest first
+    assert not run.leftovers(), run.leftovers()
+
+
 def stopped_line(run: Run, code: int) -> str:
     """The last line of a run that a SIGTERM stopped, which exits 143 whichever way it stops."""
     assert code == 143, run.output[-4000:]

@@ -202,3 +202,60 @@ def test_a_run_started_under_nohup_keeps_ignoring_sighup():
         relay.restore()
     finally:
         signal.signal(signal.SIGHUP, before)
+
+
+def test_a_first_ctrl_c_asks_the_driver_for_a_checkpoint_and_a_second_stops_at_once(relay, capfd):
+    """A Ctrl-C stopped the run at once, without a checkpoint: every step since the last periodic one (50 by default)
+    was lost, after a 50-line KeyboardInterrupt traceback (a user's trial, 2026-11-28: 11 steps). Now the first is
+    a SIGTERM's stop (a checkpoint at the step's end, then the cleanup; the terminal says so) and a second one
+    stops at once. Before the schedule, there is nothing to checkpoint: a Ctrl-C stops the start-up."""
+    relay, _, _ = relay
+    if relay.original[signal.SIGINT] == signal.SIG_IGN:  # a suite started in the background: as a terminal would
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        relay = SignalRelay()
+        relay.install()
+    with pytest.raises(KeyboardInterrupt):
+        os.kill(os.getpid(), signal.SIGINT)
+    assert relay.stopped_start is None, "a Ctrl-C, not a scheduler's stop"
+
+    class Driver:
+        record = object()
+        stop_after_checkpoint = None
+
+        def on_signal(self, signum):
+            self.stop_after_checkpoint = signal.Signals(signum).name
+
+    relay.driver = Driver()
+    os.kill(os.getpid(), signal.SIGINT)  # no exception: the driver checkpoints at the step's end, then stops
+    assert relay.driver.stop_after_checkpoint == "SIGINT"
+    assert "Ctrl-C: stopping after a checkpoint at the end of this step (Ctrl-C again stops at once" in \
+        capfd.readouterr().err
+    with pytest.raises(KeyboardInterrupt):
+        os.kill(os.getpid(), signal.SIGINT)
+
+
+def test_processes_started_while_ray_starts_ignore_ctrl_c_and_the_driver_keeps_its_handler():
+    """A Ctrl-C reaches every process of the terminal's group; in a Ray worker it raised KeyboardInterrupt inside a
+    running task and Ray's core worker crashed with a 30-line stack dump (a user's trial, 2026-11-28). What starts
+    inside `ctrl_c_left_to_this_process` (`ray.init`'s servers, and the workers they start) ignores it."""
+    import subprocess
+    import sys
+
+    from moe_grpo.processes import ctrl_c_left_to_this_process
+
+    def ignores_sigint(pid):
+        mask = next(line for line in open(f"/proc/{pid}/status") if line.startswith("SigIgn:")).split()[1]
+        return bool(int(mask, 16) & (1 << (signal.SIGINT - 1)))
+
+    before = signal.getsignal(signal.SIGINT)
+    with ctrl_c_left_to_this_process():
+        inside = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    outside = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        assert ignores_sigint(inside.pid) and ignores_sigint(outside.pid) == (before == signal.SIG_IGN)
+        assert signal.getsignal(signal.SIGINT) is before
+    finally:
+        inside.kill()
+        outside.kill()
+        inside.wait()
+        outside.wait()
