@@ -26,7 +26,8 @@ def message_problem(messages: list[Any]) -> str | None:
             if key not in m:
                 return f"message {i} has no {key!r}"
             if not isinstance(m[key], str):
-                return f"message {i}'s {key!r} is {kind(m[key])}, expected text"
+                parts = " (a list of parts: join their text into one string)" if isinstance(m[key], list) else ""
+                return f"message {i}'s {key!r} is {kind(m[key])}, expected text{parts}"
         if not m["role"].strip():
             return f"message {i}'s 'role' is empty"
     if not any(m["content"].strip() for m in messages):
@@ -47,3 +48,10 @@ def check_rendered(messages: list[dict[str, str]], rendered: str) -> None:
         if text and m["role"] != "assistant" and text not in rendered:
             raise MessageDropped(f"message {i} (role {m['role']!r}) is not in the rendered prompt: the chat "
                                  "template dropped it (a role it does not know?)")
+
+
+def without_nulls(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The messages without their keys whose value is null: Parquet stores a file's messages as one struct type, so a
+    key one message has (`tool_calls`) is null in all the others, and a template that tests for the key (`{% if
+    'tool_calls' in m %}`) then iterates None and refuses every row (a user's trial, 2026-11-28)."""
+    return [{k: v for k, v in m.items() if v is not None} for m in messages]

@@ -15,7 +15,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from moe_grpo.data.chat import MessageDropped
+from moe_grpo.data.chat import MessageDropped, without_nulls
 from moe_grpo.data.dataset import MISSING, BadRow, Rows, field_value, log_skipped
 from moe_grpo.data.tasks import MARKERS, Example, eval_examples, make_examples
 
@@ -125,7 +125,7 @@ class DatasetPrompts(PromptSource):
         out, refused = [], []
         for row, line in zip(rows.rows, rows.lines):
             prompt = field_value(row, self.prompt_key)
-            prompt = prompt if isinstance(prompt, list) else str(prompt)
+            prompt = without_nulls(prompt) if isinstance(prompt, list) else str(prompt)
             try:
                 ids = self.tokenizer.encode_prompt(prompt)
             except Exception as e:  # noqa: BLE001 - a template's own check (roles must alternate): this row only

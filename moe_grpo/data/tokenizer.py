@@ -169,11 +169,15 @@ class HFTokenizer:
 
     def encode_prompt(self, text: str | Sequence[Mapping[str, str]]) -> list[int]:
         """Text goes in as one user turn; chat messages (`[{"role": ..., "content": ...}]`) as they are. Both through
-        the chat template with its generation prompt; without a template, text is encoded plain and messages raise.
-        A message the template left out raises `MessageDropped`."""
+        the chat template with its generation prompt (a final assistant turn is continued instead); without a
+        template, text is encoded plain and messages raise. A message the template left out raises `MessageDropped`."""
         if self.has_chat_template:
             messages = [{"role": "user", "content": text}] if isinstance(text, str) else [dict(m) for m in text]
-            rendered = self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            # A conversation that ends with an assistant turn (a prefilled "<think>" or "The answer is") is
+            # continued, as TRL does, not closed for a new turn.
+            prefilled = messages[-1]["role"] == "assistant"
+            rendered = self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=not prefilled,
+                                                    continue_final_message=prefilled)
             if not isinstance(text, str):
                 check_rendered(messages, rendered)
             return list(self.tok(rendered, add_special_tokens=False)["input_ids"])  # the template wrote them

@@ -107,7 +107,8 @@ def test_chat_message_prompts_go_through_the_chat_template_and_reach_the_reward_
     assert chat.fields == {"answer": "7"} and chat.where == "train.jsonl:1"
     reasons = {b.line: b.reason for b in source.bad}
     assert reasons == {2: "field 'prompt': message 1 has no 'content'",
-                       3: "field 'prompt': message 1's 'content' is a list, expected text",
+                       3: "field 'prompt': message 1's 'content' is a list, expected text (a list of parts: join "
+                          "their text into one string)",
                        4: "field 'prompt': message 1 has no 'role'"}, reasons
     # the same rows give the same place in the pass on a resume (messages hashed as they are, not rendered)
     again = prompt_source(user_reward_run(path), tok, np.random.default_rng(0))
@@ -156,6 +157,38 @@ def test_a_message_the_template_leaves_out_or_refuses_is_a_bad_row_and_a_file_of
     with pytest.raises(ValueError, match=r"data.eval_path='.*eval.jsonl': none of its 1 readable rows is usable"):
         prompt_source(user_reward_run(tmp_path / "text.jsonl", eval_path=str(held_out)), tok,
                       np.random.default_rng(0))
+
+
+TOOLS_AWARE = ("{% for m in messages %}<|user|>{{ m['content'] }}{% if 'tool_calls' in m %}{% for t in m['tool_calls'] %}"
+               "[{{ t['name'] }}]{% endfor %}{% endif %}<|end|>{% endfor %}{% if add_generation_prompt %}<|assistant|>"
+               "{% endif %}")
+"""Llama 3's templates' shape: a message's `tool_calls` rendered when the key is there."""
+
+
+def test_parquet_messages_lose_the_null_keys_of_their_schema_and_a_final_assistant_turn_is_continued(tmp_path):
+    """Parquet stores a file's messages as one struct: one message with `tool_calls` gave every other message
+    `tool_calls: None`, and a template testing for the key refused every row ("'NoneType' object is not iterable");
+    a conversation ending with an assistant turn was closed and a new turn opened, its prefill thrown away (TRL
+    continues it). Both from a user's trial, 2026-11-28."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from hf_fixtures import make_tokenizer
+    from moe_grpo.data.tokenizer import HFTokenizer
+
+    rows = [{"prompt": [{"role": "user", "content": "What is 3 + 4?"}]},
+            {"prompt": [{"role": "user", "content": "Add 3 and 4."},
+                        {"role": "assistant", "content": "Calling.", "tool_calls": [{"name": "add"}]},
+                        {"role": "tool", "content": "7"}, {"role": "user", "content": "So?"}]},
+            {"prompt": [{"role": "user", "content": "What is 2 + 2?"}, {"role": "assistant", "content": "It is"}]}]
+    path = tmp_path / "train.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), str(path))
+    tok = HFTokenizer(make_tokenizer(tmp_path / "chat"))
+    tok.tok.chat_template = TOOLS_AWARE
+    source = prompt_source(user_reward_run(path), tok, np.random.default_rng(0))
+    assert not source.bad and source.train[0].prompt == rows[0]["prompt"], source.bad
+    rendered = [tok.tok.decode(e.prompt_ids) for e in source.train]
+    assert rendered[1] == "<|user|>Add 3 and 4.<|end|><|user|>Calling.[add]<|end|><|user|>7<|end|><|user|>So?<|end|><|assistant|>"
+    assert rendered[2] == "<|user|>What is 2 + 2?<|end|><|user|>It is", "continued, no new turn opened"
 
 
 def test_chat_messages_stored_as_parquet_maps_read_as_messages(tmp_path):
