@@ -55,6 +55,13 @@ through (zero advantage, so they only dilute the step) with a warning, instead o
 solved or hopeless."""
 
 
+NO_SIGNAL_STEPS = 10
+"""Without dynamic sampling: after this many steps' worth of groups in a row whose samples all scored the same (no
+advantage, nothing trained), the run warns once: a user's trial ran 4 steps of reward 0, loss 0 and grad_norm 0
+from a random checkpoint and was told nothing (expected there; a real model with a broken answer format looks the
+same)."""
+
+
 def sampling_settings(run: RunConfig | EvaluateConfig, tokenizer: Any, *, greedy: bool = False,
                       seed: int | None = None) -> SamplingSettings:
     """The engines' sampling for training rollouts (or greedy, for evaluation)."""
@@ -164,6 +171,15 @@ def shape_group(run: RunConfig, group: Any, state: Any) -> Any:
             log.warning("dynamic sampling: %d groups in a row had all-equal rewards; letting such groups through "
                         "(zero advantage) until one with signal arrives", state.uniform_in_a_row)
             state.uniform_in_a_row += 1
+        return group
+    if not carries_signal(shaped):
+        state.uniform_in_a_row += 1
+        if state.uniform_in_a_row == NO_SIGNAL_STEPS * run.algo.prompts_per_step:
+            log.warning("no signal: the last %d groups (%d steps' worth) each gave all their samples the same reward, "
+                        "so every advantage is 0 and nothing trains (loss and grad_norm 0). Check that a completion "
+                        "can earn the reward: rollout.max_tokens=%d long enough for the answer's format, the reward "
+                        "reading the right answer (data.answer_key, task=), a right answer scoring higher by hand",
+                        state.uniform_in_a_row, NO_SIGNAL_STEPS, run.rollout.max_tokens)
         return group
     state.uniform_in_a_row = 0
     return group

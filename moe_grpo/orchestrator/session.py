@@ -314,6 +314,7 @@ def check_reward_paths(run: RunConfig | EvaluateConfig) -> None:
             RewardFunction.load(path)
         except TypeError as e:  # the path names something that is no function: an input, not a bug
             raise InputRefused(str(e)) from e
+    log.info("reward: %s", run.reward.describe(run.task.name))
 
 
 def run_rewards(run: RunConfig) -> Rewards:

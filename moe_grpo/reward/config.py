@@ -18,6 +18,12 @@ TASK_REWARDS = {
     "gsm8k": "moe_grpo.reward.math_answer:math_answer_reward",
 }
 """The reward each task uses when `reward.fn` is empty."""
+BUILT_IN = {
+    "moe_grpo.data.tasks:score": "the fraction of the answer's characters in place, 1 only for the exact answer",
+    "moe_grpo.reward.math_answer:math_answer_reward": "1 where math-verify finds the completion's answer equal to "
+                                                      "the reference, else 0",
+}
+"""What each built-in reward computes, in the run's start-up line (`RewardConfig.describe`)."""
 
 
 def _as_tuple(value: Any) -> tuple:
@@ -63,6 +69,14 @@ class RewardConfig:
         positive("reward.timeout_s", self.timeout_s)
         if isinstance(self.workers, bool) or not isinstance(self.workers, int) or self.workers < 1:
             raise ValueError(f"reward.workers={self.workers!r}, expected an integer >= 1")
+
+    def describe(self, task_name: str) -> str:
+        """What scores the completions, for the start-up's log line and an evaluation's record: a dataset without
+        `task=` or `reward.fn` is scored by the toy tasks' position score, which a user should see named."""
+        fns, weights = self.resolved(task_name)
+        parts = [f"{w:g} x {fn}" if len(fns) > 1 else fn for fn, w in zip(fns, weights)]
+        parts = [f"{p} ({BUILT_IN[fn]})" if fn in BUILT_IN else p for p, fn in zip(parts, fns)]
+        return " + ".join(parts) + ("" if self.fn else f" (task {task_name}'s own, no reward.fn given)")
 
     def resolved(self, task_name: str) -> tuple[tuple[str, ...], tuple[float, ...]]:
         """(functions, weights) with the task's default filled in."""

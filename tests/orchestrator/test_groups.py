@@ -102,3 +102,32 @@ def test_samples_failing_in_their_engine_on_every_group_stop_the_run_and_scatter
     with pytest.raises(SamplesFailedError, match=r"32 groups in a row came back with failed samples .* from engine0: "
                                                  r"routing captured by 2 of 3 pipeline stages"):
         drop_failed(run, failed, example, "engine0", state)
+
+
+def test_ten_steps_of_groups_without_signal_warn_once_and_a_group_with_signal_resets_the_count(caplog):
+    """A run whose reward gives every sample of a prompt the same score trains nothing (advantages 0, loss and
+    grad_norm 0) and said nothing about it (a user's trial, 2026-11-28: reward 0 at every step from a random
+    checkpoint; a real model with a broken answer format looks the same)."""
+    from test_loop import small_run
+
+    from moe_grpo.orchestrator.groups import NO_SIGNAL_STEPS, shape_group
+    from moe_grpo.orchestrator.state import RunState
+
+    run = small_run()  # 4 prompts a step, no dynamic sampling
+    flat = SimpleNamespace(rewards=np.zeros(4, np.float32), completions=[])
+    signal_ = SimpleNamespace(rewards=np.array([0, 1, 0, 0], np.float32), completions=[])
+    state = RunState()
+    with caplog.at_level("WARNING", logger="moe_grpo"):
+        for _ in range(NO_SIGNAL_STEPS * 4 - 1):
+            assert shape_group(run, flat, state) is flat
+        assert "no signal" not in caplog.text
+        shape_group(run, flat, state)
+        assert caplog.text.count("no signal: the last 40 groups (10 steps' worth) each gave all their samples the same "
+                                 "reward") == 1
+        for _ in range(20):
+            shape_group(run, flat, state)
+        assert caplog.text.count("no signal") == 1, "once, not at every group after"
+        shape_group(run, signal_, state)
+        for _ in range(NO_SIGNAL_STEPS * 4):
+            shape_group(run, flat, state)
+        assert caplog.text.count("no signal") == 2, "a group with signal starts the count again"

@@ -4,6 +4,7 @@ import math
 import os
 import sys
 import time
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -77,3 +78,21 @@ def test_default_is_the_task_reward():
     r = Rewards(*RewardConfig().resolved("gsm8k"))
     assert r.score(["q"], ["#### 1250"], {"answer": ["#### 1,250"]}).rewards.tolist() == [1.0]
     assert np.isnan(r.score(["q"], ["1"], {"answer": ["#### x"]}).rewards).all()
+
+
+def test_the_reward_in_use_is_named_at_start_the_toy_score_as_what_it_is(caplog):
+    """A dataset without `task=` or `reward.fn` is scored by the toy tasks' position score (" 49" scores 0 against
+    "49"), and nothing named it: a user's trial took it for a math reward (2026-11-28)."""
+    from moe_grpo.orchestrator.session import check_reward_paths
+    from moe_grpo.reward.config import RewardConfig
+
+    run = SimpleNamespace(reward=RewardConfig(), task=SimpleNamespace(name="reverse"))
+    with caplog.at_level("INFO", logger="moe_grpo"):
+        check_reward_paths(run)
+    assert ("reward: moe_grpo.data.tasks:score (the fraction of the answer's characters in place, 1 only for the "
+            "exact answer) (task reverse's own, no reward.fn given)") in caplog.text
+    two = RewardConfig(fn=("user_rewards:length_penalty", "moe_grpo.reward.math_answer:math_answer_reward"),
+                       weights=(0.5, 1.0))
+    assert two.describe("gsm8k") == ("0.5 x user_rewards:length_penalty + 1 x moe_grpo.reward.math_answer:"
+                                     "math_answer_reward (1 where math-verify finds the completion's answer equal to "
+                                     "the reference, else 0)")
