@@ -1,4 +1,5 @@
-"""Rows of a local dataset (JSON Lines or Parquet): good rows kept, bad rows skipped, counted and named.
+"""Rows of a local dataset (JSON Lines, a JSON array, or Parquet; one file or a glob of a split's shards): good rows
+kept, bad rows skipped, counted and named.
 
 A bad row is a line that is not a JSON object, or a row whose required field
 is missing or empty (None, "", whitespace, an empty list). A field is named by
@@ -10,6 +11,7 @@ cannot be read at all, or that has no good row, is an error that names it.
 
 from __future__ import annotations
 
+import glob
 import json
 import logging
 from dataclasses import dataclass, field
@@ -35,12 +37,20 @@ class BadRow:
 
 @dataclass
 class Rows:
-    """The good rows of one file with their line numbers, and the bad ones."""
+    """The good rows of a dataset (one file, or the files a glob names, in name order) with their places, and the
+    bad ones."""
 
     path: str
+    """The dataset as configured: a file, or a glob of files (a split's shards)."""
     rows: list[dict[str, Any]] = field(default_factory=list)
     lines: list[int] = field(default_factory=list)
     bad: list[BadRow] = field(default_factory=list)
+    files: list[str] = field(default_factory=list)
+    """The file each row came from (empty: `path` for every row)."""
+
+    def place(self, i: int) -> tuple[str, int]:
+        """(file, line) of row `i`."""
+        return (self.files[i] if self.files else self.path), self.lines[i]
 
 
 def _empty(value: Any) -> bool:
@@ -73,6 +83,14 @@ def field_value(row: dict[str, Any], key: str) -> Any:
 def _records(path: Path) -> Any:
     """(line, record or an error message) in file order."""
     suffix = path.suffix.lower()
+    if suffix != ".parquet" and _starts_with(path, "["):  # one JSON array of objects, whatever its name says
+        try:                                                # (`.json` is JSON Lines too: datasets' `to_json`)
+            records = json.loads(path.read_text(encoding="utf-8-sig", errors="replace"))
+        except json.JSONDecodeError:
+            records = None  # JSON Lines whose first row is an array: read line by line below
+        if isinstance(records, list):
+            yield from ((i, _object_or_reason(r)) for i, r in enumerate(records, start=1))  # numbered as Parquet's
+            return
     if suffix == ".parquet":
         try:
             import pyarrow.parquet as pq
@@ -92,9 +110,40 @@ def _records(path: Path) -> Any:
             if not line.strip():
                 continue  # blank lines (a trailing newline) are not rows
             try:  # without its line end: an error at the end of the line is reported at its column, not at 1
-                yield i, json.loads(line.rstrip("\r\n"))
+                yield i, _object_or_reason(json.loads(line.rstrip("\r\n")))
             except json.JSONDecodeError as e:
                 yield i, f"not valid JSON ({e.msg} at column {e.colno})"
+
+
+def _object_or_reason(record: Any) -> Any:
+    """A JSON row, or why it is none: a string here is a reason (a JSON string row must not read as one)."""
+    return record if isinstance(record, dict) else f"expected a JSON object, got {type(record).__name__}"
+
+
+def _starts_with(path: Path, char: str) -> bool:
+    with open(path, encoding="utf-8-sig", errors="replace") as f:
+        while block := f.read(4096):
+            if block.strip():
+                return block.lstrip().startswith(char)
+    return False
+
+
+def dataset_files(path: str | Path) -> list[Path]:
+    """The files of a dataset: the file itself, or those a glob names (`train-*.parquet`, the shards of one split
+    as a Hugging Face hub download leaves them), in name order."""
+    text = str(path)
+    if any(c in text for c in "*?["):
+        files = sorted(Path(f) for f in glob.glob(text) if Path(f).is_file())
+        if not files:
+            raise FileNotFoundError(f"dataset {path}: no file matches")
+        return files
+    p = Path(path)
+    if p.is_dir():
+        raise FileNotFoundError(f"dataset {path} is a directory: name its files, e.g. '{p / 'train-*.parquet'}' (a "
+                                "glob of one split's shards)")
+    if not p.is_file():
+        raise FileNotFoundError(f"dataset {path} does not exist")
+    return [p]
 
 
 def log_skipped(bad: Sequence[BadRow], what: str, path: str | Path) -> None:
@@ -111,11 +160,9 @@ def read_rows(path: str | Path, required: Sequence[str],
 
     `check(row)` may refuse a row with a reason (e.g. a GSM8K answer without `#### N`). `why`: what needs the
     fields beyond the first, said when no row has them."""
-    p = Path(path)
-    if not p.is_file():
-        raise FileNotFoundError(f"dataset {path} does not exist")
+    files = dataset_files(path)
     out = Rows(str(path))
-    for line, record in _records(p):
+    for file, line, record in ((f, line, record) for f in files for line, record in _records(f)):
         reason = None
         if isinstance(record, str):
             reason = record
@@ -134,8 +181,9 @@ def read_rows(path: str | Path, required: Sequence[str],
         if reason is None:
             out.rows.append(record)
             out.lines.append(line)
+            out.files.append(str(file))
         else:
-            out.bad.append(BadRow(str(path), line, reason))
+            out.bad.append(BadRow(str(file), line, reason))
     log_skipped(out.bad, "bad rows", path)
     if not out.rows:
         raise ValueError(f"dataset {path} has no usable row ({len(out.bad)} bad; first: "

@@ -98,32 +98,33 @@ class DatasetPrompts(PromptSource):
         self._order: list[int] = []
         self._fingerprint: str | None = None
 
-    def _fitting(self, rows: Rows, examples: list[tuple[int, Example, dict]]) -> list[tuple[Example, dict]]:
-        """(example, hashed row) of `examples` (of `rows`, with their lines) whose prompt fits `max_prompt_tokens`;
+    def _fitting(self, rows: Rows, examples: list[tuple[tuple[str, int], Example, dict]]) -> list[tuple[Example, dict]]:
+        """(example, hashed row) of `examples` (of `rows`, with their places) whose prompt fits `max_prompt_tokens`;
         the others are counted as bad rows."""
         limit = self.max_prompt_tokens
         if limit is None:
             return [(e, row) for _, e, row in examples]
-        skipped = [BadRow(rows.path, line, f"prompt of {len(e.prompt_ids)} tokens, more than "
-                                           f"data.max_prompt_tokens={limit}")
-                   for line, e, _ in examples if len(e.prompt_ids) > limit]
+        skipped = [BadRow(*place, f"prompt of {len(e.prompt_ids)} tokens, more than data.max_prompt_tokens={limit}")
+                   for place, e, _ in examples if len(e.prompt_ids) > limit]
         log_skipped(skipped, "prompts over data.max_prompt_tokens", rows.path)  # as read_rows logs its bad rows
         self.bad += skipped
         return [(e, row) for _, e, row in examples if len(e.prompt_ids) <= limit]
 
-    def _examples(self, rows: Rows) -> list[tuple[int, Example, dict]]:
-        """(line, example, the row without its prompt) per row; a conversation the chat template refuses or drops
+    def _examples(self, rows: Rows) -> list[tuple[tuple[str, int], Example, dict]]:
+        """((file, line), example, the row without its prompt) per row; a conversation the chat template refuses or drops
         a message of is a bad row. Chat prompts with no chat template to render them stop the run (every such row
         would be bad: the configuration's fault)."""
         if not getattr(self.tokenizer, "has_chat_template", False):
-            chat = next((line for row, line in zip(rows.rows, rows.lines)
-                         if isinstance(field_value(row, self.prompt_key), list)), None)
+            chat = next((i for i, row in enumerate(rows.rows) if isinstance(field_value(row, self.prompt_key), list)),
+                        None)
             if chat is not None:
-                raise ValueError(f"{rows.path}:{chat}: the prompt is a list of chat messages and the tokenizer has "
+                file, line = rows.place(chat)
+                raise ValueError(f"{file}:{line}: the prompt is a list of chat messages and the tokenizer has "
                                  "no chat template to render it (the built-in model's byte tokenizer has none): start "
                                  "from a checkpoint whose tokenizer has one (init.hf=DIR), or give each prompt as text")
         out, refused = [], []
-        for row, line in zip(rows.rows, rows.lines):
+        for i, row in enumerate(rows.rows):
+            place = rows.place(i)
             prompt = field_value(row, self.prompt_key)
             prompt = without_nulls(prompt) if isinstance(prompt, list) else str(prompt)
             try:
@@ -133,9 +134,9 @@ class DatasetPrompts(PromptSource):
                     raise
                 why = str(e) if isinstance(e, MessageDropped) else \
                     f"the chat template refused it ({type(e).__name__}: {str(e)[:80]})"
-                refused.append(BadRow(rows.path, line, f"field {self.prompt_key!r}: {why}"))
+                refused.append(BadRow(*place, f"field {self.prompt_key!r}: {why}"))
                 continue
-            out.append((line, self._example(rows.path, line, row, prompt, ids),
+            out.append((place, self._example(*place, row, prompt, ids),
                         {k: v for k, v in row.items() if k != self.prompt_key}))
         log_skipped(refused, "rows the chat template refused", rows.path)
         self.bad += refused

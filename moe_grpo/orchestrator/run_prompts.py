@@ -79,7 +79,8 @@ def refuse_unusable(name: str, rows: Rows, usable: list[Any], bad: list[Any]) ->
     """Refuse `data.<name>` when rows were read but none is left after encoding, naming the first one dropped then
     (the chat template refused it, or it is over data.max_prompt_tokens)."""
     if not usable:
-        dropped = [b for b in bad if b.path == rows.path and b not in rows.bad]
+        files = set(rows.files) or {rows.path}
+        dropped = [b for b in bad if b.path in files and b not in rows.bad]
         raise ValueError(f"data.{name}={rows.path!r}: none of its {len(rows.rows)} readable rows is usable (first: "
                          f"{dropped[0] if dropped else '?'})")
 
@@ -92,9 +93,10 @@ def refuse_a_second_answer(run: RunConfig | EvaluateConfig, *files: Rows | None)
     if key == "answer" or not builtin:
         return
     for rows in filter(None, files):
-        line = next((line for row, line in zip(rows.rows, rows.lines) if "answer" in row), None)
-        if line is not None:
-            raise ValueError(f"data.answer_key={key!r}, but {rows.path}:{line} also has a field 'answer', where "
+        i = next((i for i, row in enumerate(rows.rows) if "answer" in row), None)
+        if i is not None:
+            file, line = rows.place(i)
+            raise ValueError(f"data.answer_key={key!r}, but {file}:{line} also has a field 'answer', where "
                              f"{builtin[0]} would read the reference: rename that field, or set "
                              "data.answer_key=answer")
 

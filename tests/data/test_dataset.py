@@ -435,3 +435,35 @@ def test_a_prompts_only_dataset_with_a_reward_function_runs_without_a_warm_start
     with pytest.raises(ValueError, match=r"missing field\(s\) \['answer'\].*warm_start_steps=5 trains on each row's "
                                          r"'answer'; warm_start_steps=0 runs without"):
         prompt_source(asked, ByteTokenizer(512), np.random.default_rng(0))
+
+
+def test_a_glob_of_shards_and_json_arrays_read_as_one_dataset_each_row_named_by_its_file(tmp_path):
+    """A Hugging Face hub download leaves a split as shards (`data/train-00000-of-00002.parquet`, ...), and many
+    datasets come as one JSON array (`.json`, or a `.jsonl` that holds an array): the shards' glob was "does not
+    exist", a directory and `.json` were refused by suffix, and the array in a `.jsonl` was 82 bad rows (a user's
+    trial, 2026-11-28). Now a glob reads its files in name order, each row (and each bad row) named by its own
+    file; a `.json` is JSON Lines or an array; a directory is refused naming a glob to give instead."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    shards = tmp_path / "hub" / "data"
+    shards.mkdir(parents=True)
+    pq.write_table(pa.Table.from_pylist([{"prompt": "ab"}, {"prompt": "cd"}]), str(shards / "train-00000-of-00002.parquet"))
+    pq.write_table(pa.Table.from_pylist([{"prompt": "ef"}, {"prompt": None}]), str(shards / "train-00001-of-00002.parquet"))
+    pq.write_table(pa.Table.from_pylist([{"prompt": "test"}]), str(shards / "test-00000-of-00001.parquet"))
+    source = prompt_source(user_reward_run(shards / "train-*.parquet"), ByteTokenizer(512), np.random.default_rng(0))
+    assert [(e.prompt, e.where) for e in source.train] == [
+        ("ab", "train-00000-of-00002.parquet:1"), ("cd", "train-00000-of-00002.parquet:2"),
+        ("ef", "train-00001-of-00002.parquet:1")]
+    assert [str(b) for b in source.bad] == [f"{shards}/train-00001-of-00002.parquet:2: empty field(s) ['prompt']"]
+    with pytest.raises(FileNotFoundError, match=r"is a directory: name its files, e.g. '.*/data/train-\*.parquet'"):
+        read_rows(shards, ["prompt"])
+    with pytest.raises(FileNotFoundError, match="valid-\\*.parquet: no file matches"):
+        read_rows(shards / "valid-*.parquet", ["prompt"])
+    rows = [{"prompt": "ab"}, {"prompt": "cd"}, "not an object"]
+    for name, text in (("a.json", json.dumps(rows, indent=2)), ("b.jsonl", json.dumps(rows, indent=2)),
+                       ("c.json", "".join(json.dumps(r) + "\n" for r in rows))):
+        (tmp_path / name).write_text(text)
+        read = read_rows(tmp_path / name, ["prompt"])
+        assert [r["prompt"] for r in read.rows] == ["ab", "cd"], name
+        assert [(b.line, b.reason) for b in read.bad] == [(3, "expected a JSON object, got str")], name
