@@ -111,11 +111,13 @@ class RunRecord:
                 self._drop_tensorboard(e)
         for tracker in self._trackers:
             tracker.log(clean)
-        if self._bar is not None:
-            self._bar.update(1)
+        if self._bar is not None:  # the step's figures, then the count (its refresh shows both: before, a step late)
+            held_out = row["eval/reward/mean"]
             self._bar.set_postfix_str(
-                f"reward {row['reward/mean']:.3f} eval {row['eval/reward/mean']:.3f} "
-                f"tok/s {row['throughput/rollout_tokens_per_s']:.0f} stale {row['staleness/mean']:.2f}", refresh=False)
+                f"reward {row['reward/mean']:.3f}" + (f" eval {held_out:.3f}" if math.isfinite(held_out) else "")
+                + f" tok/s {row['throughput/rollout_tokens_per_s']:.0f} stale {row['staleness/mean']:.2f}",
+                refresh=False)
+            self._bar.update(1)
 
     def close(self) -> Path | None:
         """Close the files and draw the PNG; its path (None without rows)."""

@@ -114,3 +114,24 @@ def test_a_record_file_removed_under_the_run_stops_it(tmp_path):
     with pytest.raises(RecordWriteError, match=r"could not be written at step 2: FileNotFoundError: .* was removed"):
         record.log(full | {"step": 2.0})
     record.close_files()
+
+
+def test_the_progress_bar_shows_each_steps_figures_with_its_count_and_no_eval_without_a_held_out_set(tmp_path, capsys):
+    """The bar showed `eval nan` for a whole run without a held-out set, and each step's figures one step late (the
+    postfix was set after the count's refresh; a user's trial, 2026-11-28)."""
+    import math
+
+    from moe_grpo.orchestrator.run_record import REQUIRED_KEYS, RunRecord
+
+    record = RunRecord(tmp_path, 3, progress=True)
+    record._bar.mininterval = 0  # a real step takes longer than tqdm's 0.1 s between refreshes
+    try:
+        row = {k: 0.0 for k in REQUIRED_KEYS} | {"step": 1.0, "reward/mean": 0.25, "eval/reward/mean": math.nan}
+        record.log(row)
+        shown = capsys.readouterr().err.rsplit("\r", 1)[-1]
+        assert "1/3" in shown and "reward 0.250 tok/s 0" in shown and "eval" not in shown, shown
+        record.log(row | {"step": 2.0, "reward/mean": 0.5, "eval/reward/mean": 0.75})
+        shown = capsys.readouterr().err.rsplit("\r", 1)[-1]
+        assert "2/3" in shown and "reward 0.500 eval 0.750" in shown, shown
+    finally:
+        record.close_files()
