@@ -154,6 +154,14 @@ def log_skipped(bad: Sequence[BadRow], what: str, path: str | Path) -> None:
         log.warning("data: ... and %d more %s in %s", len(bad) - MAX_LOGGED, what, path)
 
 
+class NoUsableRows(ValueError):
+    """A dataset none of whose rows can be used; `bad` holds them all, with their reasons."""
+
+    def __init__(self, bad: list[BadRow], message: str) -> None:
+        super().__init__(message)
+        self.bad = bad
+
+
 def read_rows(path: str | Path, required: Sequence[str],
               check: Callable[[dict[str, Any]], str | None] | None = None, why: str | None = None) -> Rows:
     """Every row of `path` that is an object with each `required` field present and non-empty.
@@ -186,7 +194,7 @@ def read_rows(path: str | Path, required: Sequence[str],
             out.bad.append(BadRow(str(file), line, reason))
     log_skipped(out.bad, "bad rows", path)
     if not out.rows:
-        raise ValueError(f"dataset {path} has no usable row ({len(out.bad)} bad; first: "
+        raise NoUsableRows(out.bad, f"dataset {path} has no usable row ({len(out.bad)} bad; first: "
                          f"{out.bad[0] if out.bad else 'the file is empty'})" + (f"; {why}" if why and any(
                              repr(k) in b.reason for b in out.bad for k in required[1:]) else ""))
     return out

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import numpy as np
 
 from moe_grpo.data.chat import kind, message_problem
-from moe_grpo.data.dataset import MISSING, Rows, field_value, read_rows
+from moe_grpo.data.dataset import MISSING, NoUsableRows, Rows, field_value, read_rows
 from moe_grpo.data.prompts import DatasetPrompts, PromptSource, TaskPrompts
 from moe_grpo.reward.config import TASK_REWARDS
 from moe_grpo.reward.math_answer import gsm8k_row_problem
@@ -39,12 +39,14 @@ def answer_reader(run: RunConfig | EvaluateConfig) -> str | None:
     """What reads each row's answer, said to a dataset refused for lacking it: GSM8K's format, the built-in reward
     (no `reward.fn`) or a warm start; None where nothing does."""
     key = run.data.answer_key
+    other = "data.answer_key=FIELD names the field that holds them"
     if run.task.name == "gsm8k":
-        return f"task=gsm8k reads each row's {key!r} (its format has one)"
+        return f"task=gsm8k reads each row's {key!r} (its format has one); {other}"
     if not run.reward.fn:
-        return f"the built-in reward scores against each row's {key!r}"
+        return f"the built-in reward scores against each row's {key!r}; {other}"
     if getattr(run, "warm_start", 0) > 0:
-        return f"warm_start_steps={run.warm_start} trains on each row's {key!r}; warm_start_steps=0 runs without"
+        return (f"warm_start_steps={run.warm_start} trains on each row's {key!r}; {other}, or warm_start_steps=0 "
+                "runs without")
     return None
 
 
@@ -57,11 +59,14 @@ def prompt_source(run: RunConfig, tokenizer: Any, rng: np.random.Generator, run_
     check = _row_check(run)
     needed = required_fields(run)
     why = answer_reader(run)
-    train = read_rows(run.data.train_path, needed, check, why=why)
-    held_out = read_rows(run.data.eval_path, needed, check, why=why) if run.data.eval_path else None
+    train = _or_list_bad_rows(lambda: read_rows(run.data.train_path, needed, check, why=why), run_dir)
+    held_out = _or_list_bad_rows(lambda: read_rows(run.data.eval_path, needed, check, why=why), run_dir, train.bad) \
+        if run.data.eval_path else None
     refuse_a_second_answer(run, train, held_out)
     source = DatasetPrompts(train, held_out, tokenizer, rng, needed[0], run.data.answer_key, run.data.eval_size,
                             run.data.max_prompt_tokens)
+    if run_dir is not None and source.bad:
+        Path(run_dir, "bad_rows.txt").write_text("".join(f"{b}\n" for b in source.bad))
     refuse_unusable("train_path", train, source.train, source.bad)
     if held_out is not None:
         refuse_unusable("eval_path", held_out, source.held_out, source.bad)
@@ -70,9 +75,18 @@ def prompt_source(run: RunConfig, tokenizer: Any, rng: np.random.Generator, run_
              f", {len(source.held_out)} held-out rows from {run.data.eval_path}" if held_out is not None else "",
              source.bad_rows, f" ({source.bad_rows - held_out_bad} training, {held_out_bad} held-out)"
              if held_out_bad and held_out_bad < source.bad_rows else " (held-out)" if held_out_bad else "")
-    if run_dir is not None and source.bad:
-        Path(run_dir, "bad_rows.txt").write_text("".join(f"{b}\n" for b in source.bad))
     return source
+
+
+def _or_list_bad_rows(read: Callable[[], Rows], run_dir: str | None, earlier: list[Any] = ()) -> Rows:
+    """`read()`; a dataset refused for having no usable row still lists its bad rows (after `earlier` ones) in
+    run_dir/bad_rows.txt, as a run that goes on does."""
+    try:
+        return read()
+    except NoUsableRows as e:
+        if run_dir is not None:
+            Path(run_dir, "bad_rows.txt").write_text("".join(f"{b}\n" for b in [*earlier, *e.bad]))
+        raise
 
 
 def refuse_unusable(name: str, rows: Rows, usable: list[Any], bad: list[Any]) -> None:

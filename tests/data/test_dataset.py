@@ -433,8 +433,11 @@ def test_a_prompts_only_dataset_with_a_reward_function_runs_without_a_warm_start
     asked = from_hydra({**tree, "warm_start_steps": 5})
     assert asked.warm_start == 5
     with pytest.raises(ValueError, match=r"missing field\(s\) \['answer'\].*warm_start_steps=5 trains on each row's "
-                                         r"'answer'; warm_start_steps=0 runs without"):
-        prompt_source(asked, ByteTokenizer(512), np.random.default_rng(0))
+                                         r"'answer'; data.answer_key=FIELD names the field that holds them, or "
+                                         r"warm_start_steps=0 runs without"):
+        prompt_source(asked, ByteTokenizer(512), np.random.default_rng(0), str(tmp_path))
+    # a refused dataset still lists its rows and why (a user's trial, 2026-11-28: no bad_rows.txt then)
+    assert (tmp_path / "bad_rows.txt").read_text().count("missing field(s) ['answer']") == 3
 
 
 def test_a_glob_of_shards_and_json_arrays_read_as_one_dataset_each_row_named_by_its_file(tmp_path):
