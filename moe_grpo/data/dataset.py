@@ -132,7 +132,7 @@ def dataset_files(path: str | Path) -> list[Path]:
     """The files of a dataset: the file itself, or those a glob names (`train-*.parquet`, the shards of one split
     as a Hugging Face hub download leaves them), in name order."""
     text = str(path)
-    if any(c in text for c in "*?["):
+    if any(c in text for c in "*?[") and not Path(path).is_file():  # a file named data[1].jsonl is that file
         files = sorted(Path(f) for f in glob.glob(text) if Path(f).is_file())
         if not files:
             raise FileNotFoundError(f"dataset {path}: no file matches")

@@ -98,7 +98,7 @@ class DatasetPrompts(PromptSource):
         self._order: list[int] = []
         self._fingerprint: str | None = None
 
-    def _fitting(self, rows: Rows, examples: list[tuple[tuple[str, int], Example, dict]]) -> list[tuple[Example, dict]]:
+    def _fitting(self, rows: Rows, examples: list[tuple[tuple[str, int], Example, list]]) -> list[tuple[Example, list]]:
         """(example, hashed row) of `examples` (of `rows`, with their places) whose prompt fits `max_prompt_tokens`;
         the others are counted as bad rows."""
         limit = self.max_prompt_tokens
@@ -110,8 +110,8 @@ class DatasetPrompts(PromptSource):
         self.bad += skipped
         return [(e, row) for _, e, row in examples if len(e.prompt_ids) <= limit]
 
-    def _examples(self, rows: Rows) -> list[tuple[tuple[str, int], Example, dict]]:
-        """((file, line), example, the row without its prompt) per row; a conversation the chat template refuses or drops
+    def _examples(self, rows: Rows) -> list[tuple[tuple[str, int], Example, list]]:
+        """((file, line), example, [the prompt as read, the rest of the row]: what the fingerprint hashes) per row; a conversation the chat template refuses or drops
         a message of is a bad row. Chat prompts with no chat template to render them stop the run (every such row
         would be bad: the configuration's fault)."""
         if not getattr(self.tokenizer, "has_chat_template", False):
@@ -125,8 +125,8 @@ class DatasetPrompts(PromptSource):
         out, refused = [], []
         for i, row in enumerate(rows.rows):
             place = rows.place(i)
-            prompt = field_value(row, self.prompt_key)
-            prompt = without_nulls(prompt) if isinstance(prompt, list) else str(prompt)
+            read = field_value(row, self.prompt_key)
+            prompt = without_nulls(read) if isinstance(read, list) else str(read)
             try:
                 ids = self.tokenizer.encode_prompt(prompt)
             except Exception as e:  # noqa: BLE001 - a template's own check (roles must alternate): this row only
@@ -136,8 +136,8 @@ class DatasetPrompts(PromptSource):
                     f"the chat template refused it ({type(e).__name__}: {str(e)[:80]})"
                 refused.append(BadRow(*place, f"field {self.prompt_key!r}: {why}"))
                 continue
-            out.append((place, self._example(*place, row, prompt, ids),
-                        {k: v for k, v in row.items() if k != self.prompt_key}))
+            out.append((place, self._example(*place, row, prompt, ids),  # hashed as read (before nulls dropped)
+                        [read if isinstance(read, list) else prompt, {k: v for k, v in row.items() if k != self.prompt_key}]))
         log_skipped(refused, "rows the chat template refused", rows.path)
         self.bad += refused
         return out
@@ -167,8 +167,8 @@ class DatasetPrompts(PromptSource):
         in the shuffled pass refers to."""
         if self._fingerprint is None:
             h = hashlib.sha256()
-            for e, row in zip(self.train, self._hashed):
-                h.update(json.dumps([e.prompt, row], sort_keys=True, default=str).encode())
+            for hashed in self._hashed:
+                h.update(json.dumps(hashed, sort_keys=True, default=str).encode())
             self._fingerprint = h.hexdigest()
         return self._fingerprint
 

@@ -301,7 +301,7 @@ def resume_point(run_dir: str | Path) -> tuple[Path, dict[str, Any]] | None:
     record = f"{Path(run_dir) / RECORD} records {steps} step(s)" if steps else f"{root} holds checkpoints"
     why = ("; ".join(refused) if refused else
            f"no checkpoint is in {root}: the earlier run ended before its first (written at step checkpoint.every, "
-           "on SIGTERM, SIGUSR1 or a first Ctrl-C, and at the end)")
+           "on SIGTERM, SIGUSR1 or a first Ctrl-C, and at the end unless checkpoint.at_end=false)")
     raise ResumeRefused(f"resume=true: {record} of an earlier run, but no checkpoint to continue from verifies: "
                           f"{why}. Starting from step 0 would record those steps again; start a new run in another "
                           "directory (or remove the record and checkpoints/ to start this one over)")

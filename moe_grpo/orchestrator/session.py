@@ -100,8 +100,11 @@ class SignalRelay:
                 raise KeyboardInterrupt  # the second Ctrl-C: now, without the checkpoint
             self.driver.on_signal(signum)
             if signum == signal.SIGINT:  # os.write: no lock (print's, the log's) the interrupted code may hold
-                os.write(2, b"\n[moe_grpo] Ctrl-C: stopping after a checkpoint at the end of this step "
-                            b"(Ctrl-C again stops at once, without one)\n")
+                done = self.driver.state.step >= self.driver.run.steps  # the final checkpoint, export, probe
+                os.write(2, b"\n[moe_grpo] Ctrl-C: " + (b"the steps are done; finishing the run's end (Ctrl-C "
+                                                         b"again abandons it)\n" if done else
+                                                         b"stopping after a checkpoint at the end of this step "
+                                                         b"(Ctrl-C again stops at once, without one)\n"))
         elif signum == signal.SIGINT:
             raise KeyboardInterrupt
         elif signum in self.STOPPING:

@@ -189,6 +189,14 @@ def test_parquet_messages_lose_the_null_keys_of_their_schema_and_a_final_assista
     rendered = [tok.tok.decode(e.prompt_ids) for e in source.train]
     assert rendered[1] == "<|user|>Add 3 and 4.<|end|><|user|>Calling.[add]<|end|><|user|>7<|end|><|user|>So?<|end|><|assistant|>"
     assert rendered[2] == "<|user|>What is 2 + 2?<|end|><|user|>It is", "continued, no new turn opened"
+    # the resume fingerprint hashes the messages as read, nulls included (dropping them changed it: a review)
+    import hashlib
+
+    read = pq.read_table(str(path)).to_pylist()
+    want = hashlib.sha256()
+    for row in read:
+        want.update(json.dumps([row["prompt"], {}], sort_keys=True, default=str).encode())
+    assert any("tool_calls" in m for m in read[0]["prompt"]) and source.fingerprint() == want.hexdigest()
 
 
 def test_chat_messages_stored_as_parquet_maps_read_as_messages(tmp_path):
@@ -463,6 +471,11 @@ def test_a_glob_of_shards_and_json_arrays_read_as_one_dataset_each_row_named_by_
         read_rows(shards, ["prompt"])
     with pytest.raises(FileNotFoundError, match="valid-\\*.parquet: no file matches"):
         read_rows(shards / "valid-*.parquet", ["prompt"])
+    # a file whose name has a glob's characters is that file (a review: data[1].jsonl was "no file matches", and
+    # beside a data1.jsonl it silently read that one)
+    (tmp_path / "data[1].jsonl").write_text(json.dumps({"prompt": "own"}) + "\n")
+    (tmp_path / "data1.jsonl").write_text(json.dumps({"prompt": "other"}) + "\n")
+    assert [r["prompt"] for r in read_rows(tmp_path / "data[1].jsonl", ["prompt"]).rows] == ["own"]
     rows = [{"prompt": "ab"}, {"prompt": "cd"}, "not an object"]
     for name, text in (("a.json", json.dumps(rows, indent=2)), ("b.jsonl", json.dumps(rows, indent=2)),
                        ("c.json", "".join(json.dumps(r) + "\n" for r in rows))):

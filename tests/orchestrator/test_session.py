@@ -5,6 +5,7 @@ import logging
 import os
 import re
 import signal
+from types import SimpleNamespace
 
 import pytest
 
@@ -221,6 +222,7 @@ def test_a_first_ctrl_c_asks_the_driver_for_a_checkpoint_and_a_second_stops_at_o
     class Driver:
         record = object()
         stop_after_checkpoint = None
+        state, run = SimpleNamespace(step=3), SimpleNamespace(steps=10)
 
         def on_signal(self, signum):
             self.stop_after_checkpoint = signal.Signals(signum).name
@@ -232,6 +234,10 @@ def test_a_first_ctrl_c_asks_the_driver_for_a_checkpoint_and_a_second_stops_at_o
         capfd.readouterr().err
     with pytest.raises(KeyboardInterrupt):
         os.kill(os.getpid(), signal.SIGINT)
+    relay.driver = Driver()
+    relay.driver.state.step = 10  # the steps done: the final checkpoint and export are what is left
+    os.kill(os.getpid(), signal.SIGINT)
+    assert "Ctrl-C: the steps are done; finishing the run's end (Ctrl-C again abandons it)" in capfd.readouterr().err
 
 
 def test_processes_started_while_ray_starts_ignore_ctrl_c_and_the_driver_keeps_its_handler():
