@@ -8,6 +8,7 @@ the held-out set (orchestrator/run_prompts.py), the engine's context (rollout/co
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
@@ -22,6 +23,7 @@ from moe_grpo.checkpoint.hf_init import InitConfig
 from moe_grpo.data.tokenizer import policy_tokenizer
 from moe_grpo.evaluation.config import EvaluateConfig
 from moe_grpo.evaluation.pass_at_k import pass_at_k
+from moe_grpo.evaluation.run_settings import differences_from_the_run
 from moe_grpo.orchestrator.groups import sampling_settings
 from moe_grpo.orchestrator.logs import quiet_vllm
 from moe_grpo.orchestrator.run_prompts import held_out_source
@@ -56,6 +58,11 @@ def evaluate(cfg: EvaluateConfig, out_dir: str | Path, *, progress: bool = True)
         context = context_length(cfg.rollout, spec.max_position_embeddings, *source.longest_prompt(),
                                  dataset=bool(cfg.data.eval_path))
         check_reward_paths(cfg)
+        differs = differences_from_the_run(dataclasses.asdict(cfg), cfg.policy)
+        if differs:
+            log.warning("the run that exported %s trained with other settings than this evaluation's (%s): its "
+                        "scores are not the run's held-out ones; repeat the run's keys to score as it did",
+                        cfg.policy, "; ".join(differs))
         rewards = Rewards(*cfg.reward.resolved(cfg.task.name), timeout_s=cfg.reward.timeout_s)
     greedy = sampling_settings(cfg, tokenizer, greedy=True)
     r = cfg.rollout
@@ -92,6 +99,7 @@ def evaluate(cfg: EvaluateConfig, out_dir: str | Path, *, progress: bool = True)
         # default=str: a Parquet row's prompt may carry values JSON has no type for (a message's timestamp)
         f.writelines(json.dumps(row, default=str) + "\n" for row in rows)
     summary.update(policy=str(Path(cfg.policy).resolve()), task=cfg.task.name, reward=cfg.reward.describe(cfg.task.name),
+                   differs_from_run=differs,
                    bad_rows=source.bad_rows, max_model_len=context,
                    seconds=round(time.perf_counter() - t0, 1), rows_file=str((out / ROWS).resolve()),
                    dataset=cfg.data.eval_path or f"task {cfg.task.name}: held-out set (task.eval_seed="

@@ -81,3 +81,35 @@ def test_the_command_line_refuses_a_bad_key_or_value_in_one_line_leaving_nothing
     assert out.returncode == 2, out.stderr[-2000:]
     assert out.stderr.startswith(f"[moe_grpo] config error: {message}") and len(out.stderr.splitlines()) == 1
     assert not run_dir.exists()
+
+
+def test_an_evaluation_names_the_settings_in_which_it_differs_from_the_run_that_exported_the_policy(tmp_path):
+    """`evaluate` starts from its own defaults: a `task=gsm8k` run's policy evaluated without `task=gsm8k` was scored
+    by the toy tasks' reward, 0, without a word (a user's trial, 2026-11-28). The run directory's config.yaml says
+    what the run trained with; what decides a score and differs is named."""
+    import dataclasses
+
+    import yaml
+
+    from moe_grpo.evaluation.config import EvaluateConfig
+    from moe_grpo.evaluation.run_settings import differences_from_the_run
+
+    run = tmp_path / "run"
+    (run / "policy").mkdir(parents=True)
+    (run / "policy" / "config.json").write_text("{}")
+    (run / "metrics.jsonl").write_text("")
+    (run / "config.yaml").write_text(yaml.safe_dump({
+        "task": {"name": "gsm8k"}, "reward": {"fn": ["mymod:judge"], "weights": []}, "rollout": {"max_tokens": 1024},
+        "data": {"eval_path": "test.parquet", "prompt_key": "prompt", "answer_key": "reward_model.ground_truth"}}))
+    policy = str(run / "policy")
+    bare = dataclasses.asdict(EvaluateConfig(policy=policy))
+    assert differences_from_the_run(bare, policy) == [
+        "task.name: the run's 'gsm8k', here 'reverse'", "reward.fn: the run's ['mymod:judge'], here []",
+        "rollout.max_tokens: the run's 1024, here 16"]
+    same = {**bare, "task": {**bare["task"], "name": "gsm8k"}, "reward": {**bare["reward"], "fn": ["mymod:judge"]},
+            "rollout": {**bare["rollout"], "max_tokens": 1024},
+            "data": {**bare["data"], "eval_path": "other.parquet", "prompt_key": "prompt"}}
+    assert differences_from_the_run(same, policy) == [
+        "data.answer_key: the run's 'reward_model.ground_truth', here 'answer'"]
+    (run / "metrics.jsonl").unlink()  # a checkpoint directory of one's own, not a run's: nothing to compare
+    assert differences_from_the_run(bare, policy) == []
