@@ -7,7 +7,7 @@ from pathlib import Path
 
 from moe_grpo.validate import optional_at_least
 
-SUFFIXES = (".jsonl", ".ndjson", ".json", ".parquet")
+SUFFIXES = (".jsonl", ".ndjson", ".json", ".csv", ".parquet")
 
 
 @dataclass(frozen=True)
@@ -16,9 +16,9 @@ class DataConfig:
 
     train_path: str | None = None
     """Training prompts: a JSON Lines file (.jsonl, one object per line), a .json file (JSON Lines or one array of
-    objects), a Parquet file (.parquet), or a glob of such files (a split's shards: `DIR/train-*.parquet`, read in
-    name order); None = the built-in task's generator. Rows are drawn in a fresh shuffled order every pass (seeded
-    by `learner.seed`)."""
+    objects), a CSV file with a header line (.csv), a Parquet file (.parquet), or a glob of such files (a split's
+    shards: `DIR/train-*.parquet`, read in name order); None = the built-in task's generator. Rows are drawn in a
+    fresh shuffled order every pass (seeded by `learner.seed`)."""
     eval_path: str | None = None
     """Held-out prompts (same format), scored greedily every `eval_every` steps (a training run needs `train_path`
     with it) and by `python -m moe_grpo.evaluate`; None with `train_path` set = no held-out evaluation."""

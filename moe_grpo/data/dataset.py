@@ -1,5 +1,5 @@
-"""Rows of a local dataset (JSON Lines, a JSON array, or Parquet; one file or a glob of a split's shards): good rows
-kept, bad rows skipped, counted and named.
+"""Rows of a local dataset (JSON Lines, a JSON array, CSV with a header, or Parquet; one file or a glob of a split's
+shards): good rows kept, bad rows skipped, counted and named.
 
 A bad row is a line that is not a JSON object, or a row whose required field
 is missing or empty (None, "", whitespace, an empty list). A field is named by
@@ -91,6 +91,15 @@ def _records(path: Path) -> Any:
         if isinstance(records, list):
             yield from ((i, _object_or_reason(r)) for i, r in enumerate(records, start=1))  # numbered as Parquet's
             return
+    if suffix == ".csv":  # a header line, then a row per line: each row numbered by its line in the file
+        import pyarrow.csv as pcsv
+
+        try:
+            table = pcsv.read_csv(str(path))
+        except Exception as e:  # noqa: BLE001 - the whole file is unreadable: not a row's fault
+            raise ValueError(f"{path}: not a readable CSV file ({type(e).__name__}: {e})") from e
+        yield from enumerate(table.to_pylist(), start=2)
+        return
     if suffix == ".parquet":
         try:
             import pyarrow.parquet as pq

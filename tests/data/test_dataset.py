@@ -337,8 +337,8 @@ def test_a_file_with_no_good_row_or_no_file_fails_by_name(tmp_path):
 
 
 def test_config_errors_name_the_key(tmp_path):
-    with pytest.raises(ValueError, match=r"data.train_path='x.csv': expected a file ending in"):
-        run_config(train_path="x.csv")
+    with pytest.raises(ValueError, match=r"data.train_path='x.xlsx': expected a file ending in"):
+        run_config(train_path="x.xlsx")
     with pytest.raises(ValueError, match="task.name='gsm8k' reads its prompts from a dataset"):
         run_config()
 
@@ -483,3 +483,14 @@ def test_a_glob_of_shards_and_json_arrays_read_as_one_dataset_each_row_named_by_
         read = read_rows(tmp_path / name, ["prompt"])
         assert [r["prompt"] for r in read.rows] == ["ab", "cd"], name
         assert [(b.line, b.reason) for b in read.bad] == [(3, "expected a JSON object, got str")], name
+
+
+def test_a_csv_file_with_a_header_reads_its_rows_named_by_their_lines(tmp_path):
+    """A CSV of prompts and answers was refused by its suffix (a user's trial, 2026-11-28)."""
+    path = tmp_path / "train.csv"
+    path.write_text('prompt,answer,level\n"What is 3 + 4?",7,1\n,5,2\n"Say ""hi"", then stop",hi,3\n')
+    rows = read_rows(path, ["prompt", "answer"])
+    assert [(r["prompt"], r["answer"]) for r in rows.rows] == [("What is 3 + 4?", "7"), ('Say "hi", then stop', "hi")]
+    assert rows.lines == [2, 4] and [(b.line, b.reason) for b in rows.bad] == [(3, "empty field(s) ['prompt']")]
+    source = prompt_source(user_reward_run(path), ByteTokenizer(512), np.random.default_rng(0))
+    assert source.train[0].where == "train.csv:2" and source.train[0].answer == "7"
