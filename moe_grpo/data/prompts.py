@@ -111,9 +111,9 @@ class DatasetPrompts(PromptSource):
         return [(e, row) for _, e, row in examples if len(e.prompt_ids) <= limit]
 
     def _examples(self, rows: Rows) -> list[tuple[tuple[str, int], Example, list]]:
-        """((file, line), example, [the prompt as read, the rest of the row]: what the fingerprint hashes) per row; a conversation the chat template refuses or drops
-        a message of is a bad row. Chat prompts with no chat template to render them stop the run (every such row
-        would be bad: the configuration's fault)."""
+        """((file, line), example, [the prompt as read, the rest of the row]: what the fingerprint hashes) per row;
+        a conversation the chat template refuses or drops a message of is a bad row. Chat prompts with no chat
+        template to render them stop the run (every such row would be bad: the configuration's fault)."""
         if not getattr(self.tokenizer, "has_chat_template", False):
             chat = next((i for i, row in enumerate(rows.rows) if isinstance(field_value(row, self.prompt_key), list)),
                         None)
@@ -136,8 +136,9 @@ class DatasetPrompts(PromptSource):
                     f"the chat template refused it ({type(e).__name__}: {str(e)[:80]})"
                 refused.append(BadRow(*place, f"field {self.prompt_key!r}: {why}"))
                 continue
-            out.append((place, self._example(*place, row, prompt, ids),  # hashed as read (before nulls dropped)
-                        [read if isinstance(read, list) else prompt, {k: v for k, v in row.items() if k != self.prompt_key}]))
+            rest = {k: v for k, v in row.items() if k != self.prompt_key}
+            hashed = [read if isinstance(read, list) else prompt, rest]  # as read, before nulls were dropped
+            out.append((place, self._example(*place, row, prompt, ids), hashed))
         log_skipped(refused, "rows the chat template refused", rows.path)
         self.bad += refused
         return out

@@ -1,8 +1,8 @@
 """Tokenizers: the project's own byte-level one, and a checkpoint's own (`HFTokenizer`, local files only).
 
 Both answer the same four questions the driver asks: `encode_prompt(text)`
-(the ids an engine is given; text, or chat messages where a chat template renders them), `encode_answer(text)` (a warm start's target,
-stop token included), `completion_text(ids)` (what a reward reads) and
+(the ids an engine is given; text, or chat messages where a chat template renders them), `encode_answer(text)`
+(a warm start's target, stop token included), `completion_text(ids)` (what a reward reads) and
 `stop_ids` (what ends a completion).
 
 The project's own tokenizer is built locally and deterministically (no hub download).

@@ -98,8 +98,8 @@ def evaluate(cfg: EvaluateConfig, out_dir: str | Path, *, progress: bool = True)
     with open(out / ROWS, "w") as f:
         # default=str: a Parquet row's prompt may carry values JSON has no type for (a message's timestamp)
         f.writelines(json.dumps(row, default=str) + "\n" for row in rows)
-    summary.update(policy=str(Path(cfg.policy).resolve()), task=cfg.task.name, reward=cfg.reward.describe(cfg.task.name),
-                   differs_from_run=differs,
+    summary.update(policy=str(Path(cfg.policy).resolve()), task=cfg.task.name,
+                   reward=cfg.reward.describe(cfg.task.name), differs_from_run=differs,
                    bad_rows=source.bad_rows, max_model_len=context,
                    seconds=round(time.perf_counter() - t0, 1), rows_file=str((out / ROWS).resolve()),
                    dataset=cfg.data.eval_path or f"task {cfg.task.name}: held-out set (task.eval_seed="

@@ -108,7 +108,8 @@ def _train(run: RunConfig, run_dir: str, learner_cls: type | None, config_yaml: 
         if driver is not None and driver.stop_after_checkpoint and died:  # of the same signal, as a rule
             session.outcome = "KILLED"
             hint = "" if driver._checkpoint_hint() in str(e) else f"; {driver._checkpoint_hint()}"
-            advice = {"SIGHUP": "Start the run under nohup, tmux or screen, so that a closed terminal does not reach it",
+            advice = {"SIGHUP": "Start the run under nohup, tmux or screen, so that a closed terminal does not reach "
+                                "it",
                       "SIGINT": "A Ctrl-C reaches every process of the terminal's group: a Ray cluster started from "
                                 f"that terminal shares it; kill -INT {os.getpid()} reaches the driver alone"}.get(
                 driver.stop_after_checkpoint, "Send it to the driver alone for a checkpoint first (#SBATCH "

@@ -103,7 +103,8 @@ def test_chat_message_prompts_go_through_the_chat_template_and_reach_the_reward_
     source = prompt_source(user_reward_run(path), tok, np.random.default_rng(0))
     assert [e.prompt for e in source.train] == [CHAT, "What is 1 + 1?"]
     chat = source.train[0]
-    assert tok.tok.decode(chat.prompt_ids) == "<|user|>Answer with a number.<|end|><|user|>What is 3 + 4?<|end|><|assistant|>"
+    assert tok.tok.decode(chat.prompt_ids) == ("<|user|>Answer with a number.<|end|><|user|>What is 3 + 4?<|end|>"
+                                               "<|assistant|>")
     assert chat.fields == {"answer": "7"} and chat.where == "train.jsonl:1"
     reasons = {b.line: b.reason for b in source.bad}
     assert reasons == {2: "field 'prompt': message 1 has no 'content'",
@@ -159,9 +160,9 @@ def test_a_message_the_template_leaves_out_or_refuses_is_a_bad_row_and_a_file_of
                       np.random.default_rng(0))
 
 
-TOOLS_AWARE = ("{% for m in messages %}<|user|>{{ m['content'] }}{% if 'tool_calls' in m %}{% for t in m['tool_calls'] %}"
-               "[{{ t['name'] }}]{% endfor %}{% endif %}<|end|>{% endfor %}{% if add_generation_prompt %}<|assistant|>"
-               "{% endif %}")
+TOOLS_AWARE = ("{% for m in messages %}<|user|>{{ m['content'] }}{% if 'tool_calls' in m %}"
+               "{% for t in m['tool_calls'] %}[{{ t['name'] }}]{% endfor %}{% endif %}<|end|>{% endfor %}"
+               "{% if add_generation_prompt %}<|assistant|>{% endif %}")
 """Llama 3's templates' shape: a message's `tool_calls` rendered when the key is there."""
 
 
@@ -187,7 +188,8 @@ def test_parquet_messages_lose_the_null_keys_of_their_schema_and_a_final_assista
     source = prompt_source(user_reward_run(path), tok, np.random.default_rng(0))
     assert not source.bad and source.train[0].prompt == rows[0]["prompt"], source.bad
     rendered = [tok.tok.decode(e.prompt_ids) for e in source.train]
-    assert rendered[1] == "<|user|>Add 3 and 4.<|end|><|user|>Calling.[add]<|end|><|user|>7<|end|><|user|>So?<|end|><|assistant|>"
+    assert rendered[1] == ("<|user|>Add 3 and 4.<|end|><|user|>Calling.[add]<|end|><|user|>7<|end|><|user|>So?<|end|>"
+                           "<|assistant|>")
     assert rendered[2] == "<|user|>What is 2 + 2?<|end|><|user|>It is", "continued, no new turn opened"
     # the resume fingerprint hashes the messages as read, nulls included (dropping them changed it: a review)
     import hashlib
@@ -459,8 +461,9 @@ def test_a_glob_of_shards_and_json_arrays_read_as_one_dataset_each_row_named_by_
 
     shards = tmp_path / "hub" / "data"
     shards.mkdir(parents=True)
-    pq.write_table(pa.Table.from_pylist([{"prompt": "ab"}, {"prompt": "cd"}]), str(shards / "train-00000-of-00002.parquet"))
-    pq.write_table(pa.Table.from_pylist([{"prompt": "ef"}, {"prompt": None}]), str(shards / "train-00001-of-00002.parquet"))
+    for name, rows in (("train-00000-of-00002", [{"prompt": "ab"}, {"prompt": "cd"}]),
+                       ("train-00001-of-00002", [{"prompt": "ef"}, {"prompt": None}])):
+        pq.write_table(pa.Table.from_pylist(rows), str(shards / f"{name}.parquet"))
     pq.write_table(pa.Table.from_pylist([{"prompt": "test"}]), str(shards / "test-00000-of-00001.parquet"))
     source = prompt_source(user_reward_run(shards / "train-*.parquet"), ByteTokenizer(512), np.random.default_rng(0))
     assert [(e.prompt, e.where) for e in source.train] == [
