@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
 
@@ -70,7 +70,8 @@ def prompt_source(run: RunConfig, tokenizer: Any, rng: np.random.Generator, run_
     refuse_unusable("train_path", train, source.train, source.bad)
     if held_out is not None:
         refuse_unusable("eval_path", held_out, source.held_out, source.bad)
-    held_out_bad = sum(b.path == run.data.eval_path for b in source.bad) if held_out is not None else 0
+    held_files = {held_out.path, *held_out.files, *(b.path for b in held_out.bad)} if held_out is not None else set()
+    held_out_bad = sum(b.path in held_files for b in source.bad)  # a glob's bad rows name their own files
     log.info("data: %d training rows from %s%s; %d bad row(s) skipped%s", len(source.train), run.data.train_path,
              f", {len(source.held_out)} held-out rows from {run.data.eval_path}" if held_out is not None else "",
              source.bad_rows, f" ({source.bad_rows - held_out_bad} training, {held_out_bad} held-out)"
@@ -78,7 +79,7 @@ def prompt_source(run: RunConfig, tokenizer: Any, rng: np.random.Generator, run_
     return source
 
 
-def _or_list_bad_rows(read: Callable[[], Rows], run_dir: str | None, earlier: list[Any] = ()) -> Rows:
+def _or_list_bad_rows(read: Callable[[], Rows], run_dir: str | None, earlier: Sequence[Any] = ()) -> Rows:
     """`read()`; a dataset refused for having no usable row still lists its bad rows (after `earlier` ones) in
     run_dir/bad_rows.txt, as a run that goes on does."""
     try:

@@ -450,7 +450,7 @@ def test_a_prompts_only_dataset_with_a_reward_function_runs_without_a_warm_start
     assert (tmp_path / "bad_rows.txt").read_text().count("missing field(s) ['answer']") == 3
 
 
-def test_a_glob_of_shards_and_json_arrays_read_as_one_dataset_each_row_named_by_its_file(tmp_path):
+def test_a_glob_of_shards_and_json_arrays_read_as_one_dataset_each_row_named_by_its_file(tmp_path, caplog):
     """A Hugging Face hub download leaves a split as shards (`data/train-00000-of-00002.parquet`, ...), and many
     datasets come as one JSON array (`.json`, or a `.jsonl` that holds an array): the shards' glob was "does not
     exist", a directory and `.json` were refused by suffix, and the array in a `.jsonl` was 82 bad rows (a user's
@@ -470,6 +470,11 @@ def test_a_glob_of_shards_and_json_arrays_read_as_one_dataset_each_row_named_by_
         ("ab", "train-00000-of-00002.parquet:1"), ("cd", "train-00000-of-00002.parquet:2"),
         ("ef", "train-00001-of-00002.parquet:1")]
     assert [str(b) for b in source.bad] == [f"{shards}/train-00001-of-00002.parquet:2: empty field(s) ['prompt']"]
+    (tmp_path / "train.jsonl").write_text(json.dumps({"prompt": "gh"}) + "\n")
+    with caplog.at_level("INFO", logger="moe_grpo"):  # a glob's bad rows name their files: counted as held-out
+        prompt_source(user_reward_run(tmp_path / "train.jsonl", eval_path=str(shards / "train-*.parquet")),
+                      ByteTokenizer(512), np.random.default_rng(0))
+    assert "3 held-out rows from" in caplog.text and "1 bad row(s) skipped (held-out)" in caplog.text
     with pytest.raises(FileNotFoundError, match=r"is a directory: name its files, e.g. '.*/data/train-\*.parquet'"):
         read_rows(shards, ["prompt"])
     with pytest.raises(FileNotFoundError, match="valid-\\*.parquet: no file matches"):
