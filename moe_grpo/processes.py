@@ -182,7 +182,6 @@ def oom_note(since: int | None) -> str:
             "/proc/vmstat oom_kill: out of memory, most likely; `dmesg` names the process)")
 
 
-
 @contextlib.contextmanager
 def ctrl_c_left_to_this_process() -> Iterator[None]:
     """Processes started inside (a local Ray cluster's servers, and the workers they start later) ignore SIGINT:

@@ -52,9 +52,7 @@ def evaluate(cfg: EvaluateConfig, out_dir: str | Path, *, progress: bool = True)
     with refused_inputs():  # a missing or unusable file, a prompt too long, a reward that does not import
         tokenizer = policy_tokenizer(spec, cfg.policy)
         source = held_out_source(cfg, tokenizer)
-        examples = source.held_out
-        if not examples:
-            raise ValueError(f"data.eval_path={cfg.data.eval_path!r} has no usable rows ({source.bad_rows} bad)")
+        examples = source.held_out  # never empty: held_out_source refuses a file with no usable row
         context = context_length(cfg.rollout, spec.max_position_embeddings, *source.longest_prompt(),
                                  dataset=bool(cfg.data.eval_path))
         check_reward_paths(cfg)

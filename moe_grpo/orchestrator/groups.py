@@ -162,7 +162,10 @@ def shape_group(run: RunConfig, group: Any, state: Any) -> Any:
         shaped = shaped + overlong_penalty(lengths, max_tokens=run.rollout.max_tokens, buffer=buffer,
                                            penalty=run.algo.overlong_penalty)
         group.advantages = group_relative_advantages(shaped[None, :], normalize_std=run.algo.normalize_std)[0]
-    if run.algo.dynamic_sampling and not carries_signal(shaped):
+    if carries_signal(shaped):
+        state.uniform_in_a_row = 0
+        return group
+    if run.algo.dynamic_sampling:
         if state.uniform_in_a_row < DYNAMIC_SAMPLING_PATIENCE * run.algo.prompts_per_step:
             state.uniform_in_a_row += 1
             state.dropped_uniform += 1
@@ -172,14 +175,11 @@ def shape_group(run: RunConfig, group: Any, state: Any) -> Any:
                         "(zero advantage) until one with signal arrives", state.uniform_in_a_row)
             state.uniform_in_a_row += 1
         return group
-    if not carries_signal(shaped):
-        state.uniform_in_a_row += 1
-        if state.uniform_in_a_row == NO_SIGNAL_STEPS * run.algo.prompts_per_step:
-            log.warning("no signal: the last %d groups (%d steps' worth) each gave all their samples the same reward, "
-                        "so every advantage is 0 and nothing trains (loss and grad_norm 0). Check that a completion "
-                        "can earn the reward: rollout.max_tokens=%d long enough for the answer's format, the reward "
-                        "reading the right answer (data.answer_key, task=), a right answer scoring higher by hand",
-                        state.uniform_in_a_row, NO_SIGNAL_STEPS, run.rollout.max_tokens)
-        return group
-    state.uniform_in_a_row = 0
+    state.uniform_in_a_row += 1
+    if state.uniform_in_a_row == NO_SIGNAL_STEPS * run.algo.prompts_per_step:
+        log.warning("no signal: the last %d groups (%d steps' worth) each gave all their samples the same reward, so "
+                    "every advantage is 0 and nothing trains (loss and grad_norm 0). Check that a completion can earn "
+                    "the reward: rollout.max_tokens=%d long enough for the answer's format, the reward reading the "
+                    "right answer (data.answer_key, task=), a right answer scoring higher by hand",
+                    state.uniform_in_a_row, NO_SIGNAL_STEPS, run.rollout.max_tokens)
     return group

@@ -65,8 +65,7 @@ def prompt_source(run: RunConfig, tokenizer: Any, rng: np.random.Generator, run_
     refuse_a_second_answer(run, train, held_out)
     source = DatasetPrompts(train, held_out, tokenizer, rng, needed[0], run.data.answer_key, run.data.eval_size,
                             run.data.max_prompt_tokens)
-    if run_dir is not None and source.bad:
-        Path(run_dir, "bad_rows.txt").write_text("".join(f"{b}\n" for b in source.bad))
+    list_bad_rows(run_dir, source.bad)
     refuse_unusable("train_path", train, source.train, source.bad)
     if held_out is not None:
         refuse_unusable("eval_path", held_out, source.held_out, source.bad)
@@ -85,9 +84,14 @@ def _or_list_bad_rows(read: Callable[[], Rows], run_dir: str | None, earlier: Se
     try:
         return read()
     except NoUsableRows as e:
-        if run_dir is not None:
-            Path(run_dir, "bad_rows.txt").write_text("".join(f"{b}\n" for b in [*earlier, *e.bad]))
+        list_bad_rows(run_dir, [*earlier, *e.bad])
         raise
+
+
+def list_bad_rows(run_dir: str | None, bad: Sequence[Any]) -> None:
+    """run_dir/bad_rows.txt: each skipped row with its file, line and reason (nothing without `run_dir` or rows)."""
+    if run_dir is not None and bad:
+        Path(run_dir, "bad_rows.txt").write_text("".join(f"{b}\n" for b in bad))
 
 
 def refuse_unusable(name: str, rows: Rows, usable: list[Any], bad: list[Any]) -> None:
