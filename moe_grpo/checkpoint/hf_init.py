@@ -6,8 +6,9 @@
                      tokenizer           DIR's own tokenizer files, local only (data/tokenizer.py HFTokenizer)
                      final policy        exported with DIR's tokenizer and config keys (rollout/export.py)
 
-The conversion cache lives next to the run (`<run dir>/../megatron_cache`
-unless `init.cache_dir` says otherwise), one directory per checkpoint
+The conversion cache lives next to the run (`<run dir>/../megatron_cache`, above
+Hydra's date folder: `outputs/megatron_cache` for the default `outputs/<date>/<time>`;
+`init.cache_dir` says otherwise), one directory per checkpoint
 fingerprint (config.json, and each weight file's name, size and mtime), so a
 later run from the same checkpoint reuses it and a changed checkpoint gets a
 new one. Conversion happens once, in a child process, under a file lock, into
@@ -22,6 +23,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import shutil
 import threading
 import time
@@ -59,7 +61,10 @@ class InitConfig:
     """A Megatron checkpoint already converted from `hf` (tools/convert_checkpoint.py --from hf --to megatron);
     None = convert on first use and cache it (see `cache_dir`)."""
     cache_dir: str | None = None
-    """Where converted checkpoints are cached; None = `megatron_cache` next to the run directory."""
+    """Where converted checkpoints are cached; None = `megatron_cache` next to the run directory, or next to its
+    date folder when it is in one (Hydra's default `outputs/<date>/<time>-...`: `outputs/megatron_cache`, so runs
+    on different days share it). A conversion is as large as the checkpoint's weights (their dtype kept): put it
+    on a filesystem the learner hosts read."""
     adapter: str | None = None
     """A LoRA adapter in PEFT's format (adapter_config.json + adapter_model.safetensors, HF module names) to start
     the adapters from; needs `lora.rank` and `lora.alpha` equal to its `r` and `lora_alpha`."""
@@ -171,6 +176,15 @@ def engine_dir(hf_dir: str | Path, spec: MoEModelSpec, out_dir: str | Path) -> P
     return out
 
 
+def default_cache_dir(run_dir: str | Path) -> Path:
+    """`megatron_cache` next to the run directory, or next to its date folder when its parent is named as Hydra's
+    default names one (`%Y-%m-%d`): a run the next day reuses the conversion instead of making it again."""
+    parent = Path(run_dir).resolve().parent
+    if re.fullmatch(r"\d{4}-\d{2}-\d{2}", parent.name):
+        parent = parent.parent
+    return parent / "megatron_cache"
+
+
 class LearnerStartCheckpoint:
     """The Megatron checkpoint the learner ranks load before the first step: `init.megatron`, or `init.hf`
     converted (or found in the cache) on a thread while Ray, the engines' actors and the learner ranks start, none of
@@ -183,7 +197,7 @@ class LearnerStartCheckpoint:
         self._stop = threading.Event()
         self._conversion: futures.Future[Path] | None = None
         if init.hf and not init.megatron:
-            cache = Path(init.cache_dir) if init.cache_dir else Path(run_dir).resolve().parent / "megatron_cache"
+            cache = Path(init.cache_dir) if init.cache_dir else default_cache_dir(run_dir)
             converter = futures.ThreadPoolExecutor(1, thread_name_prefix="moe_grpo-convert")
             self._conversion = converter.submit(cached_megatron, init.hf, cache, stop=self._stop)
             converter.shutdown(wait=False)  # its thread ends with the conversion

@@ -111,3 +111,15 @@ def test_the_learners_checkpoint_converts_while_the_run_starts_and_a_stopped_sta
     assert sorted(os.listdir(tmp_path / "held")) == [".lock"]
     given = LearnerStartCheckpoint(InitConfig(hf=v3, megatron=path), tmp_path / "run")
     assert given.path() == path and LearnerStartCheckpoint(InitConfig(), tmp_path / "run").path() is None
+
+
+def test_runs_on_different_days_share_one_conversion_cache(tmp_path):
+    """Hydra's default run directory is `outputs/<date>/<time>-...`: the cache used to live in the date folder, so a
+    run the next day converted the whole checkpoint again (minutes, and another copy on disk). Outside a date
+    folder it stays next to the run directory."""
+    from moe_grpo.checkpoint.hf_init import default_cache_dir
+
+    monday = default_cache_dir(tmp_path / "outputs" / "2026-11-30" / "09-00-00-1-ab")
+    tuesday = default_cache_dir(tmp_path / "outputs" / "2026-12-01" / "18-30-00-2-cd")
+    assert monday == tuesday == (tmp_path / "outputs" / "megatron_cache").resolve()
+    assert default_cache_dir(tmp_path / "runs" / "r1") == (tmp_path / "runs" / "megatron_cache").resolve()
