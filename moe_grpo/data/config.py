@@ -1,4 +1,4 @@
-"""Where prompts come from (config group `data`): the built-in task's generator, or local JSONL / Parquet files."""
+"""Where prompts come from (config group `data`): the built-in task's generator, or local dataset files (`SUFFIXES`)."""
 
 from __future__ import annotations
 
