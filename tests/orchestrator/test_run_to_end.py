@@ -2,6 +2,7 @@
 driver's schedule, checkpoint and export are stand-ins that keep the real ones' contract (a checkpoint written while
 a SIGTERM is pending raises `Stopped`); `Driver.on_signal` is the real one."""
 
+import dataclasses
 import signal
 from pathlib import Path
 from types import SimpleNamespace
@@ -115,3 +116,35 @@ def test_a_checkpoint_whose_write_fails_leaves_no_partial_directory(tmp_path):
     with pytest.raises(OSError, match="No space left"):
         Failing().checkpoint("every")
     assert list((tmp_path / "checkpoints").iterdir()) == []
+
+
+def test_a_checkpoint_saves_what_the_engines_and_rewards_finished_as_buffered_groups(tmp_path):
+    """Before 2026-11-26 groups whose engine results or rewards the loop had not yet taken were saved as requests in
+    flight, and a resume sampled them again. `Driver.checkpoint` (the real one) takes what is finished before the
+    driver's state is saved: the finished group is in the saved buffer, not among the requests."""
+    from moe_grpo.orchestrator.run_checkpoint import load_driver_state
+
+    class Checkpointing:
+        checkpoint = Driver.checkpoint
+        training, run_dir, state, stop_after_checkpoint = None, tmp_path, RunState(step=2), None
+        run = SimpleNamespace(parallel=None, checkpoint=SimpleNamespace(keep=2))
+        watch = SimpleNamespace(in_a_row=0)
+        buffered, in_flight = [], ["group 7"]  # group 7's completions and reward are in, not yet taken
+
+        def take_finished(self):
+            self.buffered, self.in_flight = self.buffered + self.in_flight, []
+
+        def state_dict(self):
+            return {"buffer": list(self.buffered), "requests": list(self.in_flight)}
+
+    class OneRank:
+        def call(self, method, path, what):
+            (Path(path) / "0_0.distcp").write_bytes(b"weights")
+
+        def __len__(self):
+            return 1
+
+    Checkpointing.learners = OneRank()
+    Checkpointing.run.parallel = dataclasses.make_dataclass("Parallel", [])()
+    path = Checkpointing().checkpoint("every")
+    assert load_driver_state(path) == {"buffer": ["group 7"], "requests": []}
