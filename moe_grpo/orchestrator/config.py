@@ -100,6 +100,11 @@ class ClusterConfig:
     learner_timeout_s: float = 1800.0
     """A learner call (training step, publish, checkpoint) not back within this many seconds stops the run, naming
     the rank (a dead rank is named at once; a hung collective only by this timeout)."""
+    gcs_lost_after_s: float = 5.0
+    """Seconds of the Ray cluster's GCS refusing or not answering connections after which the run checkpoints at the
+    end of the step in flight and stops (exit 1, naming the checkpoint): Ray itself ends the driver 60 s after its GCS
+    went, with nothing saved (orchestrator/cluster_watch.py). 0 = do not watch (a GCS with fault tolerance that
+    restarts within Ray's 60 s: the run goes on through the gap)."""
     launcher: str = "local"
     """'local': this host (or the cluster at `ray_address`), pools placed by Ray as today; 'slurm' (`cluster=slurm`):
     the job's nodes split into an inference pool and a training pool, each engine and learner rank pinned to the
@@ -178,6 +183,7 @@ class ClusterConfig:
                              "what `ray start --head` printed), or leave it unset for a cluster of this run's own")
         positive("cluster.start_timeout_s", self.start_timeout_s)
         positive("cluster.learner_timeout_s", self.learner_timeout_s)
+        non_negative("cluster.gcs_lost_after_s", self.gcs_lost_after_s)
         at_least("cluster.num_engines", self.num_engines, 1)
         optional_at_least("cluster.learner_ranks", self.learner_ranks, 1)
         for name in ("engine_cpus", "learner_cpus", "engine_gpus", "learner_gpus"):

@@ -491,9 +491,9 @@ class Driver:
         return f"last checkpoint: {last} (resume=true continues from it)" if last else "no run checkpoint was written yet"
 
     # ------------------------------------------------------------------ signals
-    def on_signal(self, signum: int) -> None:
-        """SIGUSR1: checkpoint at the next step boundary, go on; SIGTERM, SIGHUP, SIGINT: then stop. Flags only."""
-        self.due = signal.Signals(signum).name
-        if signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
+    def on_signal(self, signum: int | str) -> None:
+        """SIGUSR1: checkpoint at the next step boundary, go on; SIGTERM, SIGHUP, SIGINT, GCS_LOST: then stop. Flags."""
+        self.due = signum if isinstance(signum, str) else signal.Signals(signum).name
+        if self.due != "SIGUSR1":
             self.stop_after_checkpoint = self.due
             self.engines.stopping = True

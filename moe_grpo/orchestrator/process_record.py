@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import time
 from pathlib import Path
 from typing import Any, Iterable
@@ -105,6 +106,20 @@ class ProcessRecord:
         live = [pid for pid, started in self.pids.items() if pid != self.driver and process_alive(pid, started)]
         held = shm_entries_held(live, open_files=True) if live else {}  # a process the cleanup could not stop
         return [name for name, inode in sorted(self.shm.items()) if name not in held and unlink_same(name, inode)]
+
+    def kill_alive(self) -> list[int]:
+        """SIGKILL the run's recorded processes still alive (never the driver); returns their pids. For a cleanup that
+        cannot ask Ray to end them: with the GCS gone, a run's own raylet is stopped but its agents (`ray::
+        DashboardAgent`, `ray::RuntimeEnvAgent`) outlived it by about two minutes (Ray 2.60)."""
+        killed = []
+        for pid, started in sorted(self.pids.items()):
+            if pid != self.driver and process_alive(pid, started):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                    killed.append(pid)
+                except OSError:  # gone since
+                    continue
+        return killed
 
     def update(self, *, full: bool = False) -> None:
         """Sample and write: what the driver calls each step, and (`full`) after each step of its cleanup."""

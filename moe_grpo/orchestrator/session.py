@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from moe_grpo.checkpoint.hf_init import LearnerStartCheckpoint
 from moe_grpo.orchestrator import pools as pool_setup  # the module: tests stand in for its start_ray
+from moe_grpo.orchestrator.cluster_watch import GCS_LOST, GcsWatch
 from moe_grpo.orchestrator.placement_plan import Plan, PlanRefused, build_plan, not_runnable_yet
 from moe_grpo.orchestrator.pools import Pools
 from moe_grpo.orchestrator.process_record import ProcessRecord
@@ -189,6 +190,8 @@ class RunSession:
         self.trackers: list[Any] = []
         self.ray_was_up, self.ray_own = True, False  # until start_ray: nothing of Ray is the run's to end
         self.private_dir: str | None = None
+        self.gcs_watch: GcsWatch | None = None
+        """The Ray cluster's GCS watched from `start_ray` on (cluster_watch.py); a loss stops the driver."""
         self.start_checkpoint: LearnerStartCheckpoint | None = None
         """init.hf's conversion for the learner ranks (`start_conversion`), stopped by `close` if still running."""
         self.pools: Pools | None = None
@@ -222,6 +225,8 @@ class RunSession:
         self.ray_was_up = ray.is_initialized()  # the caller's connection: left to the caller
         self.private_dir = pool_setup.start_ray(self.run.cluster, self.run_dir)
         self.ray_own = self.private_dir is not None  # a cluster of the run's own: its shutdown ends everything
+        self.gcs_watch = GcsWatch(ray.get_runtime_context().gcs_address, self.run.cluster.gcs_lost_after_s)
+        self.gcs_watch.start()
         self.signals.install()  # after Ray, whose own SIGTERM handler would exit without cleaning up
         self.processes.update()
 
@@ -241,10 +246,15 @@ class RunSession:
     def attach(self, driver: Driver) -> None:
         """The schedule's driver: signals reach it from here, and `close` releases its engines."""
         self.driver = self.signals.driver = driver
+        if self.gcs_watch is not None:
+            self.gcs_watch.on_lost = lambda why: driver.on_signal(GCS_LOST)
 
     def close(self) -> None:
         """Each step runs whatever the ones before did, with signals held: a second SIGTERM cannot cut it short."""
         teardown = Teardown(self.signals, after_each=lambda: self.processes.update(full=True))
+        gcs_lost = self.gcs_lost()
+        if self.gcs_watch is not None:
+            teardown.add("the GCS watch", self.gcs_watch.stop)
         if self.start_checkpoint is not None:  # a conversion still running when the start failed or was stopped
             teardown.add("the checkpoint conversion", self.start_checkpoint.close)
         teardown.add("the reward workers", self.rewards.close)
@@ -254,12 +264,27 @@ class RunSession:
         # engines' /dev/shm records on the agents' hosts lie in the buffers the agents remove.
         teardown.add("the pools and the sync hosts", lambda: pool_setup.stop_pools(
             self.pools, list(self.driver.engines.handles().values()) if self.driver is not None else None,
-            release=not self.ray_own, disconnect=not self.ray_was_up, after_engines=self._stop_sync_hosts))
+            release=not self.ray_own and not gcs_lost, disconnect=not self.ray_was_up,
+            after_engines=self._stop_sync_hosts))
+        if gcs_lost:  # Ray cannot end what it started any more: what is left of the run on this host is killed
+            teardown.add("the run's processes Ray left", self._kill_left)
         teardown.add("what killed processes left in /dev/shm", self._release_shm)
         teardown.add("the private directory", lambda: release_private_dir(self.private_dir, self.run_dir))
         teardown.add("the weight slots", lambda: shutil.rmtree(self.sync_root, ignore_errors=True))
         teardown.add("the plot", self._plotted)
         teardown.run()
+
+    def gcs_lost(self) -> bool:
+        """Whether the GCS watch reported the cluster's GCS gone (nothing that needs it is asked of Ray then: removing
+        the run's placement group would wait on it until Ray ends the process)."""
+        return self.gcs_watch is not None and self.gcs_watch.lost_at is not None
+
+    def _kill_left(self) -> None:
+        self.processes.update(full=True)
+        killed = self.processes.kill_alive()
+        if killed:
+            log.warning("cleanup: killed %d process(es) of the run that Ray, its GCS gone, could not end: %s",
+                        len(killed), ", ".join(map(str, killed)))
 
     def _release_shm(self) -> None:
         """The /dev/shm entries the run's processes created and did not remove (engines killed, not shut down)."""

@@ -15,6 +15,7 @@ import numpy as np
 
 from moe_grpo.data.tokenizer import load_tokenizer
 from moe_grpo.orchestrator import run_checkpoint
+from moe_grpo.orchestrator.cluster_watch import GCS_LOST, ClusterLost
 from moe_grpo.orchestrator.driver import Driver, Stopped
 from moe_grpo.orchestrator.engine_pool import EngineFailedError
 from moe_grpo.orchestrator.groups import NothingToTrainError
@@ -39,10 +40,11 @@ if TYPE_CHECKING:  # the run's config composes the orchestrator's: it is a layer
 
 log = logging.getLogger("moe_grpo")
 
-PART_FAILURES = (NothingToTrainError, LearnerFailedError, EngineFailedError, EngineError, RecordWriteError)
+PART_FAILURES = (NothingToTrainError, LearnerFailedError, EngineFailedError, EngineError, RecordWriteError,
+                 ClusterLost)
 """What stops a run because a part failed past what it repairs: a learner rank (dead, raising, hung), an engine that
 cannot start or failed more than `rollout.max_restarts` times, a reward or the engines failing on everything, the run
-record that cannot be written. Each names the part and the cause; `python -m moe_grpo.train` ends on it in one line
+record that cannot be written, the Ray cluster's GCS gone. Each names the part and the cause; `python -m moe_grpo.train` ends on it in one line
 (exit 1)."""
 
 
@@ -92,6 +94,9 @@ def _train(run: RunConfig, run_dir: str, learner_cls: type | None, config_yaml: 
                                                    trackers=session.trackers)
         stopped = run_to_end(driver)
         session.outcome = "KILLED" if stopped else "FINISHED"
+        if stopped == GCS_LOST:
+            raise ClusterLost(f"{session.gcs_watch.why}; checkpoint {driver.last_checkpoint}: resume=true continues "
+                              "from it once the cluster is back")
     except KeyboardInterrupt:  # SIGTERM during start-up, Ctrl-C then, or a second Ctrl-C
         session.outcome = "KILLED"
         if session.signals.stopped_start:  # a scheduler's stop, not a Ctrl-C: exit as any SIGTERM stop does
@@ -105,6 +110,9 @@ def _train(run: RunConfig, run_dir: str, learner_cls: type | None, config_yaml: 
     except Exception as e:
         driver = session.driver
         died = isinstance(e, EngineFailedError) or getattr(e, "died", False)  # a process, not an error in one
+        if driver is not None and driver.stop_after_checkpoint == GCS_LOST and not isinstance(e, ClusterLost):
+            raise ClusterLost(f"{session.gcs_watch.why}, and the run's processes with it before the checkpoint "
+                              f"({type(e).__name__}: {e}); {driver._checkpoint_hint()}, once the cluster is back") from e
         if driver is not None and driver.stop_after_checkpoint and died:  # of the same signal, as a rule
             session.outcome = "KILLED"
             hint = "" if driver._checkpoint_hint() in str(e) else f"; {driver._checkpoint_hint()}"
