@@ -44,8 +44,8 @@ PART_FAILURES = (NothingToTrainError, LearnerFailedError, EngineFailedError, Eng
                  ClusterLost)
 """What stops a run because a part failed past what it repairs: a learner rank (dead, raising, hung), an engine that
 cannot start or failed more than `rollout.max_restarts` times, a reward or the engines failing on everything, the run
-record that cannot be written, the Ray cluster's GCS gone. Each names the part and the cause; `python -m moe_grpo.train` ends on it in one line
-(exit 1)."""
+record that cannot be written, the Ray cluster's GCS gone. Each names the part and the cause; `python -m
+moe_grpo.train` ends on it in one line (exit 1)."""
 
 
 def train(run: RunConfig, run_dir: str | Path, *, learner_cls: type | None = None,
@@ -112,7 +112,7 @@ def _train(run: RunConfig, run_dir: str, learner_cls: type | None, config_yaml: 
         died = isinstance(e, EngineFailedError) or getattr(e, "died", False)  # a process, not an error in one
         if driver is not None and driver.stop_after_checkpoint == GCS_LOST and not isinstance(e, ClusterLost):
             raise ClusterLost(f"{session.gcs_watch.why}, and the run's processes with it before the checkpoint "
-                              f"({type(e).__name__}: {e}); {driver._checkpoint_hint()}, once the cluster is back") from e
+                              f"({type(e).__name__}: {e}); {driver._checkpoint_hint()}") from e
         if driver is not None and driver.stop_after_checkpoint and died:  # of the same signal, as a rule
             session.outcome = "KILLED"
             hint = "" if driver._checkpoint_hint() in str(e) else f"; {driver._checkpoint_hint()}"
