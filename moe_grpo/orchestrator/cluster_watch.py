@@ -1,4 +1,9 @@
-"""The Ray cluster's GCS, watched from the driver: a run whose GCS dies checkpoints and stops before Ray ends it.
+"""The Ray cluster's GCS, checked before a run joins it and watched while the run trains: a run never waits on an
+address where no cluster answers, and a run whose GCS dies checkpoints and stops before Ray ends it.
+
+Joining (`cluster.ray_address`): `ray.init(address=...)` on an address where nothing listens waited without end (a
+run was still waiting after 400 s, printing Ray's retries). `wait_for_gcs` gives it `JOIN_WAIT_S`, then
+`ClusterUnreachable` names the address (one line, exit 1).
 
 Ray 2.60, when the GCS (the cluster's control store, on its head node) stops answering: the run's actors go on
 answering the driver (their calls do not pass through the GCS), nothing new can start (an engine restart cannot),
@@ -50,6 +55,28 @@ def gcs_answers(address: str, timeout_s: float = CONNECT_TIMEOUT_S) -> bool:
             return True
     except (OSError, ValueError):
         return False
+
+
+JOIN_WAIT_S = 30.0
+"""Seconds a run waits for the GCS at `cluster.ray_address` to accept a connection (a cluster still starting)."""
+
+
+class ClusterUnreachable(RuntimeError):
+    """No Ray cluster could be joined at `cluster.ray_address`."""
+
+
+def wait_for_gcs(address: str, wait_s: float | None = None) -> None:
+    """Return once the GCS at `address` accepts a connection; raise `ClusterUnreachable` after `wait_s` (None:
+    `JOIN_WAIT_S`)."""
+    wait_s = JOIN_WAIT_S if wait_s is None else wait_s
+    deadline = time.monotonic() + wait_s
+    while not gcs_answers(address):
+        if time.monotonic() >= deadline:
+            raise ClusterUnreachable(
+                f"no Ray cluster answers at cluster.ray_address={address} (nothing accepted a connection on its GCS "
+                f"port for {wait_s:.0f} s): start it (`ray start --head --port=<port>` prints the address to join) or "
+                "fix the address; without cluster.ray_address the run starts a cluster of its own")
+        time.sleep(PERIOD_S)
 
 
 class ClusterLost(RuntimeError):

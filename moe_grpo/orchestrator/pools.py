@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
 from moe_grpo.learner.spawn import free_port
+from moe_grpo.orchestrator.cluster_watch import ClusterUnreachable, wait_for_gcs
 from moe_grpo.orchestrator.config import ClusterConfig
 from moe_grpo.orchestrator.engine_actor import EngineWorker
 from moe_grpo.orchestrator.learner_actor import LearnerWorker
@@ -121,9 +122,41 @@ def join_ray(address: str) -> None:
     at address <host ip>:<port>" until it gives up), and this driver's node must be the cluster's node, 127.0.0.1."""
     import ray
 
+    wait_for_gcs(address)
+    token = token_auth_for_join()
     host = address.rsplit(":", 1)[0].strip("[]")
-    with loopback_node() if _is_loopback(host) else contextlib.nullcontext():
-        ray.init(address=address, **RAY_INIT)
+    try:
+        with loopback_node() if _is_loopback(host) else contextlib.nullcontext():
+            ray.init(address=address, **RAY_INIT)
+    except (ConnectionError, RuntimeError) as e:  # Ray 2.60 raises either, by where the connection failed
+        if isinstance(e, RuntimeError) and "Failed to connect" not in str(e):
+            raise
+        raise ClusterUnreachable(
+            f"the Ray cluster at cluster.ray_address={address} answers but could not be joined ({e}); Ray's messages "
+            "above say why: 'InvalidAuthToken' means the cluster uses token authentication and "
+            + ("this host's token (~/.ray/auth_token, RAY_AUTH_TOKEN) is not the cluster's" if token else
+               "this host has no token (RAY_AUTH_TOKEN=<the cluster's token>, or `ray get-auth-token` on its head)")
+        ) from e
+
+
+def token_auth_for_join() -> bool:
+    """Turn Ray's token authentication on for a join by address when a token is at hand (~/.ray/auth_token,
+    RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH) and RAY_AUTH_MODE is unset; returns whether it is on. Ray 2.60's `ray start
+    --head` turns authentication on when a token is at hand, and a process joining by address must present it, but
+    `ray.init(address=<host:port>)` turns it on only for address "auto": such a run was refused for 20 s
+    ("InvalidAuthToken" in Ray's log), then failed saying only that it could not connect (a user's trial,
+    2026-11-28). A cluster without authentication accepts a driver that has it on (checked with Ray 2.60)."""
+    from ray._private.authentication import authentication_token_setup as auth
+
+    mode = os.environ.get(auth.AUTH_MODE_ENV_VAR)
+    if mode is not None:
+        return mode.lower() == "token"
+    loader = auth.AuthenticationTokenLoader.instance()
+    loader.reset_cache()
+    if not loader.has_token(ignore_auth_mode=True):
+        return False
+    auth._enable_token_auth()  # Ray's own helper: the variable set, and its config read again
+    return True
 
 
 def _is_loopback(host: str) -> bool:

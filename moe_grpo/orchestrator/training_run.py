@@ -15,7 +15,7 @@ import numpy as np
 
 from moe_grpo.data.tokenizer import load_tokenizer
 from moe_grpo.orchestrator import run_checkpoint
-from moe_grpo.orchestrator.cluster_watch import GCS_LOST, ClusterLost
+from moe_grpo.orchestrator.cluster_watch import GCS_LOST, ClusterLost, ClusterUnreachable
 from moe_grpo.orchestrator.driver import Driver, Stopped
 from moe_grpo.orchestrator.engine_pool import EngineFailedError
 from moe_grpo.orchestrator.groups import NothingToTrainError
@@ -41,10 +41,10 @@ if TYPE_CHECKING:  # the run's config composes the orchestrator's: it is a layer
 log = logging.getLogger("moe_grpo")
 
 PART_FAILURES = (NothingToTrainError, LearnerFailedError, EngineFailedError, EngineError, RecordWriteError,
-                 ClusterLost)
+                 ClusterLost, ClusterUnreachable)
 """What stops a run because a part failed past what it repairs: a learner rank (dead, raising, hung), an engine that
 cannot start or failed more than `rollout.max_restarts` times, a reward or the engines failing on everything, the run
-record that cannot be written, the Ray cluster's GCS gone. Each names the part and the cause; `python -m
+record that cannot be written, the Ray cluster's GCS gone or not there to join. Each names the part and the cause; `python -m
 moe_grpo.train` ends on it in one line (exit 1)."""
 
 
