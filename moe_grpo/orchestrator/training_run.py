@@ -44,8 +44,8 @@ PART_FAILURES = (NothingToTrainError, LearnerFailedError, EngineFailedError, Eng
                  ClusterLost, ClusterUnreachable)
 """What stops a run because a part failed past what it repairs: a learner rank (dead, raising, hung), an engine that
 cannot start or failed more than `rollout.max_restarts` times, a reward or the engines failing on everything, the run
-record that cannot be written, the Ray cluster's GCS gone or not there to join. Each names the part and the cause; `python -m
-moe_grpo.train` ends on it in one line (exit 1)."""
+record that cannot be written, the Ray cluster's GCS gone or not there to join. Each names the part and the cause;
+`python -m moe_grpo.train` ends on it in one line (exit 1)."""
 
 
 def train(run: RunConfig, run_dir: str | Path, *, learner_cls: type | None = None,
