@@ -14,6 +14,8 @@ import os
 import warnings
 from pathlib import Path
 
+from moe_grpo.rollout import vllm_logging_early
+
 
 def vllm_logging_config(run_dir: str | Path) -> Path:
     """Write the vLLM logging config for this run; returns its path."""
@@ -45,6 +47,8 @@ class KnownNoise(logging.Filter):
         "Model Runner V2 requires Triton", "Triton is not installed", "LD_PRELOAD", "Enforce eager set",
         "Inductor compilation was disabled", "Passing raw prompts to InputProcessor",
         "Using None for EOS token id because tokenizer is not initialized",  # we pass stop_token_ids
+        "Triton is installed, but doesn't include CPU backend",  # vLLM's CPU build runs without it
+        "Reset SSM cache type to float32",  # vLLM's CPU platform, for Mamba layers: our models have none
     )
 
     def filter(self, record: logging.LogRecord) -> bool:
@@ -56,7 +60,7 @@ def quiet_vllm(run_dir: str | Path) -> None:
     """Route this process's (and its children's) vLLM logs as described above."""
     os.environ["VLLM_LOGGING_CONFIG_PATH"] = str(vllm_logging_config(run_dir))
     os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "1")
-    os.environ.setdefault("TQDM_DISABLE", "1")  # vLLM's checkpoint-loading bars
+    vllm_logging_early.apply_from_env()  # vLLM applies it only once an engine's config is built
     # vLLM's CPU communicator reads a pipeline stage's message through torch.frombuffer on a read-only buffer and
     # never writes it (vllm/distributed/device_communicators/cpu_communicator.py:312): a warning on the console of
     # every run with engine pipeline stages, nothing to act on.

@@ -197,6 +197,13 @@ def start_local_ray(num_cpus: int | None = None) -> str:
     try:
         os.mkdir(rpc, 0o700)
         os.environ[VLLM_RPC_ENV] = rpc  # inherited by Ray's processes, and by the workers they start
+        if "RAY_AUTH_MODE" not in os.environ:
+            # Token authentication, as Ray turns it on for a cluster it starts, said rather than defaulted (Ray's own
+            # helper: the variable and its config read again): Ray then skips its console warning in every run
+            # ("Token authentication is enabled for this Ray cluster. Set RAY_AUTH_MODE=disabled to opt out ...").
+            from ray._private.authentication.authentication_token_setup import _enable_token_auth
+
+            _enable_token_auth()
         with loopback_node(), ctrl_c_left_to_this_process():
             ray.init(address="local", num_cpus=num_cpus or os.cpu_count() or 2, _temp_dir=os.path.join(private, "ray"),
                      **RAY_INIT)

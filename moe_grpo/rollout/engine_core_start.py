@@ -76,6 +76,8 @@ def _identity() -> tuple[str | None, ...]:
 
 SERVER_TIE_MODULE = "moe_grpo.die_with_parent"
 """Imported by the server before `ENGINE_CORE_MODULES`: it dies with the thread that started it (`_starter`)."""
+SERVER_LOGGING_MODULE = "moe_grpo.rollout.vllm_logging_early"
+"""Imported by the server next: what vLLM logs while the server imports it reaches the run's handlers."""
 
 _starter: queue.SimpleQueue | None = None
 """Requests to this process's server-starting thread, which lives as long as the process: a server's tie
@@ -109,7 +111,7 @@ def _running_server() -> forkserver.ForkServer:
         server = _servers.get(_identity())
         if server is None:
             server = _servers[_identity()] = forkserver.ForkServer()
-            server.set_forkserver_preload([SERVER_TIE_MODULE, *ENGINE_CORE_MODULES])
+            server.set_forkserver_preload([SERVER_TIE_MODULE, SERVER_LOGGING_MODULE, *ENGINE_CORE_MODULES])
         _in_starter_thread(server.ensure_running)
         return server
 

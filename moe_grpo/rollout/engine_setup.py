@@ -3,6 +3,7 @@ AsyncLLM's engine arguments, and the workers' start-up answers checked."""
 
 from __future__ import annotations
 
+import glob
 import logging
 import os
 from typing import TYPE_CHECKING, Any, Collection
@@ -154,7 +155,10 @@ def engine_args(model_dir: str, spec: MoEModelSpec, *, dtype: str, max_model_len
         disable_log_stats=True, tensor_parallel_size=tensor_parallel, pipeline_parallel_size=pipeline_parallel,
         # The log-probs of the distribution sampled from (after temperature), which the learner computes with
         # its logits divided by the same temperature; at temperature 1 (and top_p 1) they equal the raw ones.
-        logprobs_mode="processed_logprobs")
+        logprobs_mode="processed_logprobs",
+        # vLLM's bar per checkpoint file: progress on a real checkpoint's minutes-long load; for one file (the
+        # embedded model, a small checkpoint) three lines of console noise in every run and restart.
+        use_tqdm_on_load=len(glob.glob(os.path.join(model_dir, "*.safetensors"))) > 1)
     overrides = hf_overrides(model_dir)
     if overrides:
         args["hf_overrides"] = overrides
