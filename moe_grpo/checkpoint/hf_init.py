@@ -6,9 +6,10 @@
                      tokenizer           DIR's own tokenizer files, local only (data/tokenizer.py HFTokenizer)
                      final policy        exported with DIR's tokenizer and config keys (rollout/export.py)
 
-The conversion cache lives next to the run (`<run dir>/../megatron_cache`, above
-Hydra's date folder: `outputs/megatron_cache` for the default `outputs/<date>/<time>`;
-`init.cache_dir` says otherwise), one directory per checkpoint
+The conversion cache lives beside the run directories (`<run dir>/../megatron_cache`, or
+above Hydra's date folder for the default `outputs/<date>/<time>`: `outputs/megatron_cache`;
+before 2026-11-28 it was `outputs/<date>/megatron_cache`, one copy a day, which nothing
+removes; `init.cache_dir` says otherwise), one directory per checkpoint
 fingerprint (config.json, and each weight file's name, size and mtime), so a
 later run from the same checkpoint reuses it and a changed checkpoint gets a
 new one. Conversion happens once, in a child process, under a file lock, into

@@ -108,12 +108,6 @@ class GcsWatch:
         if self._thread is not None:
             self._thread.join(timeout=CONNECT_TIMEOUT_S + self.period_s)
 
-    def seconds_left(self) -> float:
-        """Seconds until Ray ends this process, counted from the first failed connect (inf while it answers)."""
-        if self.lost_at is None:
-            return float("inf")
-        return ray_gives_up_after_s() - (time.monotonic() - self.lost_at)
-
     def _watch(self) -> None:
         failing_since: float | None = None
         while not self._stop.wait(self.period_s):
@@ -131,7 +125,9 @@ class GcsWatch:
                 self.why = (f"the Ray cluster's GCS at {self.address} stopped answering (no connection for "
                             f"{now - failing_since:.0f} s; Ray ends this process {ray_gives_up_after_s():.0f} s "
                             "after it went)")
-                log.error("%s: stopping after a checkpoint at the end of this step", self.why)
+                log.error("%s: %s", self.why, "stopping after a checkpoint at the end of this step" if self.on_lost
+                          else "the run is starting: once its pools are up it checkpoints and stops, if Ray has not "
+                          "ended it by then")
                 if self.on_lost is not None:
                     self.on_lost(self.why)
                 return

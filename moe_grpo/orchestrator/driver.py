@@ -493,7 +493,7 @@ class Driver:
     # ------------------------------------------------------------------ signals
     def on_signal(self, signum: int | str) -> None:
         """SIGUSR1: checkpoint at the next step boundary, go on; SIGTERM, SIGHUP, SIGINT, GCS_LOST: then stop. Flags."""
-        self.due = signum if isinstance(signum, str) else signal.Signals(signum).name
-        if self.due != "SIGUSR1":
-            self.stop_after_checkpoint = self.due
-            self.engines.stopping = True
+        name = signum if isinstance(signum, str) else signal.Signals(signum).name
+        if name != "SIGUSR1":  # the stop before the checkpoint it asks for: the GCS watch calls from its own thread
+            self.stop_after_checkpoint, self.engines.stopping = name, True
+        self.due = name

@@ -60,6 +60,7 @@ def quiet_vllm(run_dir: str | Path) -> None:
     """Route this process's (and its children's) vLLM logs as described above."""
     os.environ["VLLM_LOGGING_CONFIG_PATH"] = str(vllm_logging_config(run_dir))
     os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "1")
+    os.environ.setdefault("TQDM_DISABLE", "1")  # bars without an explicit `disable` (on GPU: warm-ups, graph capture)
     vllm_logging_early.apply_from_env()  # vLLM applies it only once an engine's config is built
     # vLLM's CPU communicator reads a pipeline stage's message through torch.frombuffer on a read-only buffer and
     # never writes it (vllm/distributed/device_communicators/cpu_communicator.py:312): a warning on the console of

@@ -248,6 +248,8 @@ class RunSession:
         self.driver = self.signals.driver = driver
         if self.gcs_watch is not None:
             self.gcs_watch.on_lost = lambda why: driver.on_signal(GCS_LOST)
+            if self.gcs_watch.lost_at is not None:  # lost during the start-up: a checkpoint before any step
+                driver.on_signal(GCS_LOST)
 
     def close(self) -> None:
         """Each step runs whatever the ones before did, with signals held: a second SIGTERM cannot cut it short."""
@@ -266,7 +268,7 @@ class RunSession:
             self.pools, list(self.driver.engines.handles().values()) if self.driver is not None else None,
             release=not self.ray_own and not gcs_lost, disconnect=not self.ray_was_up,
             after_engines=self._stop_sync_hosts))
-        if gcs_lost:  # Ray cannot end what it started any more: what is left of the run on this host is killed
+        if gcs_lost and self.ray_own:  # Ray cannot end what it started any more (all of it on this host): killed
             teardown.add("the run's processes Ray left", self._kill_left)
         teardown.add("what killed processes left in /dev/shm", self._release_shm)
         teardown.add("the private directory", lambda: release_private_dir(self.private_dir, self.run_dir))

@@ -110,9 +110,11 @@ def _train(run: RunConfig, run_dir: str, learner_cls: type | None, config_yaml: 
     except Exception as e:
         driver = session.driver
         died = isinstance(e, EngineFailedError) or getattr(e, "died", False)  # a process, not an error in one
-        if driver is not None and driver.stop_after_checkpoint == GCS_LOST and not isinstance(e, ClusterLost):
-            raise ClusterLost(f"{session.gcs_watch.why}, and the run's processes with it before the checkpoint "
-                              f"({type(e).__name__}: {e}); {driver._checkpoint_hint()}") from e
+        if session.gcs_lost() and not isinstance(e, ClusterLost) and (driver is None or died):
+            session.outcome = "KILLED"
+            hint = driver._checkpoint_hint() if driver is not None else "no run checkpoint was written yet"
+            raise ClusterLost(f"{session.gcs_watch.why}, and the run's processes with it before a checkpoint "
+                              f"({type(e).__name__}: {e}); {hint}") from e
         if driver is not None and driver.stop_after_checkpoint and died:  # of the same signal, as a rule
             session.outcome = "KILLED"
             hint = "" if driver._checkpoint_hint() in str(e) else f"; {driver._checkpoint_hint()}"

@@ -11,11 +11,13 @@ every engine start and restart began with a fresh interpreter importing vllm.v1.
 address it exports, the device variables it syncs) and, on the CPU platform, returns `EngineCoreContext`: its
 Process is forked from a multiprocessing `forkserver` of this module's own (`_server`: one per client process,
 started on the first engine start or by `start_server()` ahead of it; it exits with the client), whose server process imported
-`ENGINE_CORE_MODULES` and nothing else. `revert()` restores vLLM's function. Why that is as safe as a spawn:
+`ENGINE_CORE_MODULES`, and before them only `SERVER_TIE_MODULE` and `SERVER_LOGGING_MODULE`. `revert()` restores
+vLLM's function. Why that is as safe as a spawn:
 
-- The server is a fresh interpreter that only imported third-party modules: one thread, no OpenMP region run (a
-  forked OpenMP runtime with a thread pool hangs), no moe_grpo patch applied (vllm_patches applies in the workers,
-  imported there by the worker extension). The engine core imports the rest as a spawned one does.
+- The server is a fresh interpreter: one thread, no OpenMP region run (a forked OpenMP runtime with a thread pool
+  hangs), no moe_grpo patch applied (vllm_patches applies in the workers, imported there by the worker extension);
+  of moe_grpo it ran only its tie to the client and vLLM's logging config. The engine core imports the rest as a
+  spawned one does.
 - The caller's environment and CPU affinity as they are at `Process.start()` are applied in the child before vLLM
   runs (`carried_env`): vLLM sets variables just before it starts the engine core (numa_utils, the start threads),
   an engine actor pins its cores. OpenMP reads OMP_* once, when its library loads (in the server), but vLLM's CPU
