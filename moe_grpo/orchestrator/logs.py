@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import json
 import logging
+import logging.config
 import os
 import warnings
 from pathlib import Path
-
-from moe_grpo.rollout import vllm_logging_early
 
 
 def vllm_logging_config(run_dir: str | Path) -> Path:
@@ -58,10 +57,14 @@ class KnownNoise(logging.Filter):
 
 def quiet_vllm(run_dir: str | Path) -> None:
     """Route this process's (and its children's) vLLM logs as described above."""
-    os.environ["VLLM_LOGGING_CONFIG_PATH"] = str(vllm_logging_config(run_dir))
+    path = vllm_logging_config(run_dir)
+    os.environ["VLLM_LOGGING_CONFIG_PATH"] = str(path)
     os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "1")
     os.environ.setdefault("TQDM_DISABLE", "1")  # bars without an explicit `disable` (on GPU: warm-ups, graph capture)
-    vllm_logging_early.apply_from_env()  # vLLM applies it only once an engine's config is built
+    # Applied here too, before vLLM is imported: vLLM 0.32 applies the file only once an engine's config is built,
+    # and what it logs while it is imported went to Python's last-resort handler, past the console's filter
+    # (rollout/vllm_logging_early.py does the same in the engine core's process server).
+    logging.config.dictConfig(json.loads(path.read_text()))
     # vLLM's CPU communicator reads a pipeline stage's message through torch.frombuffer on a read-only buffer and
     # never writes it (vllm/distributed/device_communicators/cpu_communicator.py:312): a warning on the console of
     # every run with engine pipeline stages, nothing to act on.

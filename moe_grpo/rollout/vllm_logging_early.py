@@ -6,8 +6,9 @@ directory) only once an engine's config is built (`vllm.logger.configure_logging
 imported ("Triton is installed, but doesn't include CPU backend", twice: the engine actor's import and its engine-core
 server's) found no handler and went to Python's last-resort one: a bare line on every run's console, past the
 console's filter and missing from `engine.log`. vLLM later applies the same file again, which changes nothing.
-Imported by the engine actor (`orchestrator.logs.quiet_vllm`) and by the engine core's process server before vLLM
-(rollout/engine_core_start.py); only the standard library.
+The engine actor applies its config itself (`orchestrator.logs.quiet_vllm`); this module is what the engine core's
+process server imports before vLLM (rollout/engine_core_start.py: a server can only import), and applies it there.
+Only the standard library; it never raises (a file it cannot apply is vLLM's to report when it applies it).
 """
 
 from __future__ import annotations
@@ -24,10 +25,9 @@ def apply_from_env() -> bool:
         return False
     try:
         with open(path) as f:
-            config = json.load(f)
-    except (OSError, ValueError):
-        return False  # vLLM reports a bad file itself when it applies it
-    logging.config.dictConfig(config)
+            logging.config.dictConfig(json.load(f))
+    except Exception:  # noqa: BLE001 - a stale or bad file: vLLM reports it itself when it applies it
+        return False
     return True
 
 
