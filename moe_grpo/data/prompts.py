@@ -15,7 +15,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from moe_grpo.data.chat import MessageDropped, without_nulls
+from moe_grpo.data.chat import MessageDropped, as_text, without_nulls
 from moe_grpo.data.dataset import MISSING, BadRow, Rows, field_value, log_skipped
 from moe_grpo.data.tasks import MARKERS, Example, eval_examples, make_examples
 
@@ -126,7 +126,7 @@ class DatasetPrompts(PromptSource):
         for i, row in enumerate(rows.rows):
             place = rows.place(i)
             read = field_value(row, self.prompt_key)
-            prompt = without_nulls(read) if isinstance(read, list) else str(read)
+            prompt = as_text(without_nulls(read)) if isinstance(read, list) else str(read)
             try:
                 ids = self.tokenizer.encode_prompt(prompt)
             except Exception as e:  # noqa: BLE001 - a template's own check (roles must alternate): this row only

@@ -108,8 +108,8 @@ def test_chat_message_prompts_go_through_the_chat_template_and_reach_the_reward_
     assert chat.fields == {"answer": "7"} and chat.where == "train.jsonl:1"
     reasons = {b.line: b.reason for b in source.bad}
     assert reasons == {2: "field 'prompt': message 1 has no 'content'",
-                       3: "field 'prompt': message 1's 'content' is a list, expected text (a list of parts: join "
-                          "their text into one string)",
+                       3: "field 'prompt': message 1's 'content' part 1 is of type 'image': a text model takes text "
+                          "parts only",
                        4: "field 'prompt': message 1 has no 'role'"}, reasons
     # the same rows give the same place in the pass on a resume (messages hashed as they are, not rendered)
     again = prompt_source(user_reward_run(path), tok, np.random.default_rng(0))
@@ -502,3 +502,29 @@ def test_a_csv_file_with_a_header_reads_its_rows_named_by_their_lines(tmp_path):
     assert rows.lines == [2, 4] and [(b.line, b.reason) for b in rows.bad] == [(3, "empty field(s) ['prompt']")]
     source = prompt_source(user_reward_run(path), ByteTokenizer(512), np.random.default_rng(0))
     assert source.train[0].where == "train.csv:2" and source.train[0].answer == "7"
+
+
+def test_content_given_as_text_parts_is_rendered_as_the_text_they_join_into(tmp_path):
+    """OpenAI's and TRL's multimodal layout gives a message's content as parts (`[{"type": "text", "text": ...}]`);
+    text-only parts were a bad row ("expected text"). Now they are joined with newlines, as vLLM joins them for a text
+    model, and rendered as that text; a part that is not text, or text that is not a string, is a bad row naming it."""
+    from hf_fixtures import make_tokenizer
+    from moe_grpo.data.tokenizer import HFTokenizer
+
+    parts = [{"role": "system", "content": [{"type": "text", "text": "Answer with a number."}]},
+             {"role": "user", "content": [{"type": "text", "text": "What is"}, {"type": "text", "text": "3 + 4?"}]}]
+    rows = [{"prompt": parts, "answer": "7"}, {"prompt": CHAT, "answer": "7"},
+            {"prompt": [{"role": "user", "content": [{"type": "text", "text": 3}]}], "answer": "3"},
+            {"prompt": [{"role": "user", "content": ["What is 3 + 4?"]}], "answer": "7"}]
+    path = tmp_path / "train.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    tok = HFTokenizer(make_tokenizer(tmp_path / "chat"))
+    source = prompt_source(user_reward_run(path), tok, np.random.default_rng(0))
+    assert [e.where for e in source.train] == ["train.jsonl:1", "train.jsonl:2"]
+    assert tok.tok.decode(source.train[0].prompt_ids) == ("<|user|>Answer with a number.<|end|><|user|>What is\n3 + 4?"
+                                                          "<|end|><|assistant|>")
+    assert source.train[0].prompt[1]["content"] == "What is\n3 + 4?", "the reward gets the text the model read"
+    reasons = {b.line: b.reason for b in source.bad}
+    assert reasons == {3: "field 'prompt': message 1's 'content' part 1's 'text' is a number, expected text",
+                       4: "field 'prompt': message 1's 'content' part 1 is text, expected an object with 'type' and "
+                          "'text'"}, reasons
