@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import time
 from pathlib import Path
 from typing import Any, Iterable
@@ -21,6 +20,7 @@ from typing import Any, Iterable
 import psutil
 
 from moe_grpo.processes import process_alive, process_tree, same_entry, shm_entries_held, start_ticks, unlink_same
+from moe_grpo.rollout.engine_processes import kill_all
 
 FULL_SCAN_S = 30.0
 """How often every process's /dev/shm entries are looked at again (new processes' are at once)."""
@@ -111,15 +111,7 @@ class ProcessRecord:
         """SIGKILL the run's recorded processes still alive (never the driver); returns their pids. For a cleanup that
         cannot ask Ray to end them: with the GCS gone, a run's own raylet is stopped but its agents (`ray::
         DashboardAgent`, `ray::RuntimeEnvAgent`) outlived it by about two minutes (Ray 2.60)."""
-        killed = []
-        for pid, started in sorted(self.pids.items()):
-            if pid != self.driver and process_alive(pid, started):
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                    killed.append(pid)
-                except OSError:  # gone since
-                    continue
-        return killed
+        return kill_all({pid: started for pid, started in self.pids.items() if pid != self.driver})
 
     def update(self, *, full: bool = False) -> None:
         """Sample and write: what the driver calls each step, and (`full`) after each step of its cleanup."""
