@@ -121,6 +121,9 @@ class EnginePool:
         self.sync_failures = 0
         self.changed = True
         """Set when an engine's process changed (the driver rewrites `processes.json`)."""
+        self.abandoned: list[Any] = []
+        """Calls whose answer no longer matters (a load or restart of an engine that failed meanwhile): kept until
+        they end and read then, or Ray prints each one's error as an "Unhandled error" traceback on the console."""
         self.stopping = False
         """Set when a SIGTERM asked the run to stop (Driver.on_signal): a failed engine is then left stopped, not
         restarted (the checkpoint the run stops at needs none). A SIGTERM to every process of the run (scancel)
@@ -259,7 +262,7 @@ class EnginePool:
         for slot in self.slots.values():
             if slot.pending is not None and now - slot.pending[2] > self.start_timeout_s:
                 what = slot.pending[0]
-                slot.pending = None
+                self._abandon(slot)
                 self._fail(slot, f"its {what} did not finish within {self.start_timeout_s:.0f} s", actor_dead=True)
 
     def _fail(self, slot: EngineSlot, reason: str, *, actor_dead: bool) -> None:
@@ -270,7 +273,8 @@ class EnginePool:
             slot.failures.popleft()
         slot.last_failure = reason
         if self.stopping:  # the checkpoint the run stops at needs no engine
-            slot.status, slot.applying, slot.pending = "stopped", None, None
+            self._abandon(slot)
+            slot.status = "stopped"
             log.warning("%s: %s; not restarted: the run is stopping", slot.name, reason)
             if all(s.status == "stopped" for s in self.slots.values()):  # nothing left to wait on (an evaluation)
                 raise EngineFailedError(f"every engine died while the run was stopping (last: {slot.name}: {reason})")
@@ -280,7 +284,8 @@ class EnginePool:
                 f"{slot.name} failed {len(slot.failures)} times within {self.rollout.restart_window_s:.0f} s "
                 f"(rollout.max_restarts={self.rollout.max_restarts}); last failure: {reason}")
         slot.generation += 1
-        slot.status, slot.applying = "restarting", None
+        self._abandon(slot)
+        slot.status = "restarting"
         self.restarts += 1
         log.warning("%s: %s; restarting it (%s, failure %d of at most %d within %.0f s); its %d request(s) in "
                     "flight are sent again", slot.name, reason, "new actor" if actor_dead else "new vLLM process",
@@ -289,6 +294,24 @@ class EnginePool:
             self._replace(slot)
         else:
             slot.pending = ("restart", slot.handle.restart.remote(), time.monotonic())
+
+    def _abandon(self, slot: EngineSlot) -> None:
+        """Forget the slot's load and restart in progress (their engine failed), keeping their refs to read."""
+        self.abandoned += [pair[1] for pair in (slot.applying, slot.pending) if pair is not None]
+        slot.applying = slot.pending = None
+
+    def read_abandoned(self) -> None:
+        """Read the abandoned calls that ended (their errors were dealt with when their engine failed)."""
+        import ray
+
+        if self.abandoned:
+            ended = ray.wait(self.abandoned, num_returns=len(self.abandoned), timeout=0)[0]
+            for ref in ended:
+                self.abandoned.remove(ref)
+                try:
+                    ray.get(ref)
+                except Exception:  # noqa: BLE001 - the failure it reports was handled as its engine's
+                    pass
 
     def _replace(self, slot: EngineSlot) -> None:
         """A new engine actor in the dead one's placement bundle (it starts from the run's model directory).
@@ -371,6 +394,7 @@ class EnginePool:
 
         deadline = time.monotonic() + self.rollout.request_timeout_s + self.start_timeout_s
         while True:
+            self.read_abandoned()
             for slot in self.slots.values():
                 for pair in (slot.applying, slot.pending):
                     if pair is not None and ray.wait([pair[1]], timeout=0)[0]:

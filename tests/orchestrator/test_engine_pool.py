@@ -35,6 +35,8 @@ class FakeEngine:
 
     def apply_version(self, version, timeout_s):
         time.sleep(self.load_s)
+        if self.fail:
+            raise RuntimeError(f"EngineError: engine fake: load of version {version} stopped: {self.fail}")
         self.version = version
         self.loaded_at.append(time.time())
         return self.load_s
@@ -131,6 +133,30 @@ def test_a_failed_request_is_sent_again_and_its_engine_restarted_onto_the_newest
     pump(p, lambda out: p.slots["engine0"].status == "up")
     assert p.slots["engine0"].served == 3 and p.slots["engine0"].pid == 101
     assert ray.get(a.state.remote()) == {"version": 3, "restarts": 1}
+
+
+def test_a_load_cut_short_by_its_engines_failure_is_read_and_prints_no_unhandled_error(monkeypatch):
+    """A load in flight when its engine fails (named hung, restarted) ends in an error nobody waits for any more.
+    Its ref was dropped and Ray printed its traceback on the run's console as an "Unhandled error" (a whole-job
+    freeze, 2026-11-28); the pool keeps such refs and reads them once they end."""
+    import gc
+
+    from ray._private import worker
+
+    printed = []  # what Ray would print: it calls this for each error it frees unread
+    monkeypatch.setattr(worker, "_unhandled_error_handler", printed.append)
+    a = FakeEngine.remote(load_s=1.0)
+    p = pool(a)
+    ray.get(a.set.remote(fail="restarting"))  # the load about to start fails (the actor runs one call at a time)
+    p.offer(1)
+    p._fail(p.slots["engine0"], "named hung by the test", actor_dead=False)  # as check_hung does
+    pump(p, lambda out: p.slots["engine0"].status == "up")
+    time.sleep(1.5)  # the abandoned load ends (1 s) in its error
+    p.settle(block=False)
+    gc.collect()
+    time.sleep(1.0)  # Ray reports an unread error when it frees the object
+    assert printed == []
+    assert p.abandoned == []
 
 
 def test_an_engine_whose_actor_died_is_replaced_in_its_own_bundle():
