@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from moe_grpo.awake_clock import awake_now
 from moe_grpo.orchestrator import run_checkpoint
 from moe_grpo.orchestrator.buffer import RolloutBuffer
 from moe_grpo.orchestrator.collapse_guard import rollback_due
@@ -172,9 +173,8 @@ class Driver:
         finished rounds to the ranks at once; bounded by `rollout.request_timeout_s` + 30 s (then left out)."""
         def pending() -> list[int]:
             return [r.version for r in self.probe.rounds + self.probe.scoring * scored if r.version <= through]
-        limit = self.run.rollout.request_timeout_s + 30.0
-        deadline = time.monotonic() + limit
-        while pending() and time.monotonic() < deadline:
+        deadline = awake_now() + (limit := self.run.rollout.request_timeout_s + 30.0)  # a frozen job: no hang
+        while pending() and awake_now() < deadline:
             self.probe.submit(self.engines)
             self.wait_on(self.engines.request_refs("probe") + self.engines.refs_of_loads() + self.probe.refs())
             self.advance_probe(learners_busy=False)

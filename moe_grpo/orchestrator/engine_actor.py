@@ -12,6 +12,7 @@ import os
 import time
 from typing import TYPE_CHECKING, Any, Sequence
 
+from moe_grpo.awake_clock import awake_now
 from moe_grpo.orchestrator.logs import quiet_libraries, quiet_vllm
 from moe_grpo.process_ties import forget_shm, owner_key, record_shm, remove_previous_shm, tag_processes, wait_until_gone
 from moe_grpo.rollout import engine_core_start
@@ -152,7 +153,7 @@ class EngineWorker:
         self._enter()
         try:
             future = asyncio.wrap_future(self.engine.submit(prompt, sampling))
-            deadline = time.monotonic() + self.rollout.request_timeout_s
+            deadline = awake_now() + self.rollout.request_timeout_s  # a whole-job freeze is no hang
             while True:
                 done, _ = await asyncio.wait({future}, timeout=0.5)
                 if done:
@@ -162,7 +163,7 @@ class EngineWorker:
                     why = self.engine.closing
                     raise EngineError(f"engine {self.name}: a rollout was lost: {why}" if why else
                                       f"engine {self.name}: vLLM process {self.engine.worker_pid} died mid-rollout")
-                if time.monotonic() > deadline:
+                if awake_now() > deadline:
                     future.cancel()
                     raise EngineError(f"engine {self.name}: a rollout did not finish within "
                                       f"{self.rollout.request_timeout_s:.0f} s (rollout.request_timeout_s); hung "

@@ -27,6 +27,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
+from moe_grpo.awake_clock import awake_now
+
 if TYPE_CHECKING:
     from moe_grpo.orchestrator.config import RolloutConfig
 
@@ -157,7 +159,7 @@ class EnginePool:
             return False
         slot = min(ready, key=lambda s: s.load)
         ref = slot.handle.generate.remote(list(request.example.prompt_ids), sampling)
-        self.in_flight[ref] = _InFlight(request, slot.name, slot.generation, time.monotonic())
+        self.in_flight[ref] = _InFlight(request, slot.name, slot.generation, awake_now())
         slot.load += 1
         return True
 
@@ -248,7 +250,7 @@ class EnginePool:
         collected yet (it was busy elsewhere) is the driver's delay, not the engine's."""
         import ray
 
-        now = time.monotonic()
+        now = awake_now()  # a whole-job freeze is nobody's hang
         limit = self.rollout.request_timeout_s + 30.0
         overdue = [ref for ref, flight in self.in_flight.items() if now - flight.submitted > limit]
         answered = set(ray.wait(overdue, num_returns=len(overdue), timeout=0)[0]) if overdue else set()
@@ -293,7 +295,7 @@ class EnginePool:
         if actor_dead:
             self._replace(slot)
         else:
-            slot.pending = ("restart", slot.handle.restart.remote(), time.monotonic())
+            slot.pending = ("restart", slot.handle.restart.remote(), awake_now())
 
     def _abandon(self, slot: EngineSlot) -> None:
         """Forget the slot's load and restart in progress (their engine failed), keeping their refs to read."""
@@ -327,7 +329,7 @@ class EnginePool:
             pass
         slot.handle = self.make_engine(slot.bundle)
         slot.served = 0
-        slot.pending = ("replacement", slot.handle.pid.remote(), time.monotonic())
+        slot.pending = ("replacement", slot.handle.pid.remote(), awake_now())
 
     def _advance(self, ref: Any) -> None:
         """A restart, replacement or weight load finished: move its engine on."""
@@ -368,7 +370,7 @@ class EnginePool:
                     slot.status = "catching_up"
                     slot.catching_up_to = self.published
                     slot.pending = ("catch-up", slot.handle.apply_version.remote(
-                        self.published, self.rollout.request_timeout_s), time.monotonic())
+                        self.published, self.rollout.request_timeout_s), awake_now())
                 else:
                     slot.status = "up"
                     self.changed = True
@@ -392,7 +394,7 @@ class EnginePool:
         up and serves the newest version."""
         import ray
 
-        deadline = time.monotonic() + self.rollout.request_timeout_s + self.start_timeout_s
+        deadline = awake_now() + self.rollout.request_timeout_s + self.start_timeout_s
         while True:
             self.read_abandoned()
             for slot in self.slots.values():
@@ -402,7 +404,7 @@ class EnginePool:
             self.offer(self.published)
             if not block or self.all_current():
                 return
-            if time.monotonic() > deadline:
+            if awake_now() > deadline:
                 late = [s.name for s in self.slots.values() if s.status != "up" or s.served < self.published]
                 raise RuntimeError(f"{', '.join(late)}: not serving version {self.published} within "
                                    f"{self.rollout.request_timeout_s + self.start_timeout_s:.0f} s")

@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence, TypeVar
 
+from moe_grpo.awake_clock import awake_now
 from moe_grpo.processes import oom_kills, oom_note, process_alive
 
 T = TypeVar("T")
@@ -96,7 +97,7 @@ class LearnerCall:
         if len(done) == len(self.refs):
             return True
         self.group._check_alive(self.what)
-        if time.monotonic() > self.deadline:
+        if awake_now() > self.deadline:
             late = [r for r, ref in enumerate(self.refs) if ref not in done]
             raise LearnerFailedError(f"learner rank(s) {late} did not finish {self.what} within {self.timeout} s "
                                      f"(a hung collective?); {self.group.hint()}")
@@ -168,7 +169,7 @@ class LearnerGroup:
         refs = [getattr(a, method).remote(*((shares[r],) if shares is not None else ()), *args)
                 for r, a in enumerate(actors)]
         limit = self.timeout_s if timeout_s is None else timeout_s
-        return LearnerCall(self, what, refs, time.monotonic() + limit, f"{timeout_name}={limit:.0f}")
+        return LearnerCall(self, what, refs, awake_now() + limit, f"{timeout_name}={limit:.0f}")
 
     def call(self, method: str, *args: Any, what: str, **options: Any) -> list[Any]:
         """`submit`, then wait for every rank's answer (rank order)."""

@@ -41,6 +41,8 @@ from multiprocessing.connection import Connection
 from queue import LifoQueue
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
+from moe_grpo.awake_clock import awake_now  # the standard library only, as the workers need
+
 import numpy as np
 
 if TYPE_CHECKING:
@@ -172,7 +174,7 @@ class Rewards:
                     if self._closed:
                         raise RuntimeError("the reward functions were closed")
                     w.send((prompts, completions, kwargs, n))
-                    deadlines[i] = time.monotonic() + self.timeout_s
+                    deadlines[i] = awake_now() + self.timeout_s
                 except Exception as e:  # noqa: BLE001 - a reward failure costs its samples, not the run
                     errors[i] = _describe(rf, e)
             for i, deadline in deadlines.items():
@@ -288,7 +290,7 @@ class _Worker:
     def receive(self, deadline: float, timeout_s: float) -> list[float]:
         conn, poller, proc = self._live()
         try:
-            if not _readable(poller, deadline - time.monotonic()):
+            if not _readable_by(poller, deadline):
                 self.kill()
                 raise _CallFailed(f"TimeoutError: did not return within reward.timeout_s={timeout_s:g} s "
                                   f"(its worker process was killed; the next call starts a fresh one)")
@@ -336,6 +338,18 @@ class _Worker:
 def _readable(poller: Any, timeout_s: float) -> bool:
     """Whether the worker has answered (or closed its end) within timeout_s."""
     return bool(poller.poll(max(0, math.ceil(timeout_s * 1000))))
+
+
+def _readable_by(poller: Any, deadline: float) -> bool:
+    """Whether the worker answers before `deadline` on the awake clock: polled in slices, so a freeze of the whole
+    job across the wait (the worker stopped with everything else) does not count as the call's time. An answer
+    already there counts even past the deadline (its call's deadline ran out while another call was waited on)."""
+    while True:
+        left = deadline - awake_now()
+        if _readable(poller, min(max(left, 0.0), 0.5)):
+            return True
+        if left <= 0:
+            return False
 
 
 def _close(workers: list[_Worker], pool: ThreadPoolExecutor) -> None:

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 
+from moe_grpo import awake_clock
 from moe_grpo.processes import oom_note
 from moe_grpo.rollout import engine_adapters
 from moe_grpo.rollout.engine_error import EngineError
@@ -109,11 +110,11 @@ async def pop_routing(engine: VllmEngine, prefixes: list[str]) -> dict[str, Any]
     if engine._closing or engine.llm is None or engine._dead_pid() is not None:
         return {"error": f"engine {engine.engine_id} is not serving; routing not fetched"}  # its buffers went with it
     try:
-        answers = await asyncio.wait_for(engine._collective_rpc("moe_grpo_pop_routing", (prefixes,)),
-                                         engine.request_timeout_s)
+        answers = await awake_clock.wait_for(engine._collective_rpc("moe_grpo_pop_routing", (prefixes,)),
+                                             engine.request_timeout_s)
         stages = [answers[i] for i in engine._capture_indices]  # one capturing worker per pipeline stage
     except Exception as e:  # noqa: BLE001 - a dead engine is reported by the caller's watchdog
-        return {"error": f"could not fetch routing: {e}"}
+        return {"error": f"could not fetch routing: {type(e).__name__}: {e}"}
     return join_stage_routing([unpack_routing(packed) for packed in stages])
 
 

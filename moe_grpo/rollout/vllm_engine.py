@@ -53,6 +53,7 @@ from typing import TYPE_CHECKING, Any, Awaitable, Collection, Sequence
 import numpy as np
 import torch
 
+from moe_grpo.awake_clock import awake_now
 from moe_grpo.models.spec import MoEModelSpec
 from moe_grpo.process_ties import started_processes_die_with_this_thread
 from moe_grpo.processes import oom_kills, process_alive
@@ -198,7 +199,7 @@ class VllmEngine:
         """Run `coro` on the engine's loop and wait for it, watching the clock and the engine process."""
         timeout_s = self.request_timeout_s if timeout_s is None else timeout_s
         future = asyncio.run_coroutine_threadsafe(coro, self._loop)
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        deadline = None if timeout_s is None else awake_now() + timeout_s
         while True:
             try:
                 return future.result(0.1)
@@ -218,7 +219,7 @@ class VllmEngine:
             if pid is not None:
                 future.cancel()
                 raise EngineError(engine_requests.died(self, pid, f"during {what}"))
-            if deadline is not None and time.monotonic() > deadline:
+            if deadline is not None and awake_now() > deadline:
                 future.cancel()
                 raise EngineError(f"engine {self.engine_id}: {what} did not finish within {timeout_s:.0f} s "
                                   f"(engine process {getattr(self, 'worker_pid', None)})")

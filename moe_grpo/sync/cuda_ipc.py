@@ -40,6 +40,7 @@ from typing import Any, Iterator
 import torch
 from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
+from moe_grpo.awake_clock import awake_now
 from moe_grpo.sync.plan import Bucket, BucketPlan
 from moe_grpo.sync.transport import SharedMemoryTransport, SyncError, _write_json, default_root
 
@@ -130,9 +131,9 @@ class CudaIpcTransport(SharedMemoryTransport):
             _write_json(Path(slot) / IPC_FILE, {"version": version, "pid": os.getpid(), "sizes": list(sizes),
                                                  "buckets": owned.handles})
             return slot
-        deadline = time.monotonic() + timeout_s
+        deadline = awake_now() + timeout_s
         while (info := self._ipc_info(slot)) is None or info["version"] != version:
-            if time.monotonic() > deadline:
+            if awake_now() > deadline:
                 raise SyncError(f"sync of version {version}: learner rank 0 published no CUDA IPC handles in {slot} "
                                 f"within {timeout_s:.0f} s")
             time.sleep(0.002)

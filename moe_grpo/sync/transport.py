@@ -45,6 +45,7 @@ from typing import Collection, Iterator, Protocol
 
 import torch
 
+from moe_grpo.awake_clock import awake_now
 from moe_grpo.processes import process_alive
 from moe_grpo.sync.errors import SyncError, SyncRootFull, UnsafeRootError  # noqa: F401 - SyncError: its importers
 from moe_grpo.sync.plan import Bucket, BucketPlan
@@ -292,8 +293,8 @@ class SharedMemoryTransport:
         """The slot this version goes into. One writer picks it (never one an engine pins): `claims`, by default
         rank 0; the others wait for that."""
         if not (rank == 0 if claims is None else claims):
-            deadline = time.monotonic() + timeout_s
-            while time.monotonic() < deadline:
+            deadline = awake_now() + timeout_s
+            while awake_now() < deadline:
                 slot = self.find(version)
                 if slot is not None:
                     return slot
@@ -480,7 +481,7 @@ class SharedMemoryTransport:
 
     def wait_complete(self, version: int, timeout_s: float = 60.0) -> tuple[str, BucketPlan]:
         """Wait until every learner rank finished `version`; check that each element was written exactly once."""
-        deadline = time.monotonic() + timeout_s
+        deadline = awake_now() + timeout_s
         missing: list[int] | None = None
         while True:
             slot = self.find(version)
@@ -489,7 +490,7 @@ class SharedMemoryTransport:
                 missing = self._missing(Path(slot), info)
                 if not missing:
                     break
-            if time.monotonic() > deadline:
+            if awake_now() > deadline:
                 who = f"learner rank(s) {missing} did not finish" if missing else "no learner rank started it"
                 raise SyncError(f"sync of version {version} incomplete after {timeout_s:.0f} s: {who}")
             time.sleep(0.005)
