@@ -7,6 +7,9 @@ training the slower phase so the buffer holds groups sampled ahead):
    in it, the run exits 143, nothing is left;
 3. the newest checkpoint is damaged on disk; `resume=true` names the damaged file, falls back to the one before,
    and finishes the run: every step logged once, the buffered groups trained on, none staler than allowed.
+
+Beside that chain, runs of their own: SIGTERM to every process at once, SIGTERM during the start-up, and one run
+suspended (every process stopped longer than its timeouts, then continued) and later stopped by Ctrl-C.
 """
 
 import os
@@ -208,19 +211,75 @@ def test_a_sigterm_during_start_up_exits_143_in_one_line(tmp_path):
     assert "cleanup done" in run.output and not run.leftovers(), run.leftovers()
 
 
-def test_a_ctrl_c_checkpoints_at_the_steps_end_and_exits_130_in_one_line(tmp_path):
+@pytest.fixture(scope="module")
+def suspended_then_interrupted(tmp_path_factory):
+    """One run on its own Ray cluster (its Ray processes are then part of the job, as on a node), longer completions
+    (generation the slower phase: requests and loads are in flight whenever it is stopped):
+
+    1. after step 3 every process of the run is SIGSTOPped for `FREEZE_S`, twice `rollout.request_timeout_s`, then
+       SIGCONTed: SLURM's `scontrol suspend` and gang scheduling's time slices (PreemptMode=SUSPEND), a cgroup
+       freezer, a paused VM;
+    2. two steps after the thaw, Ctrl-C as a terminal sends it: SIGINT to every process of the run's group.
+
+    Returns the run, its exit code and the rows and console output as they stood just before the Ctrl-C."""
+    import psutil
+
+    run = Run(tmp_path_factory.mktemp("suspend") / "run", "steps=40", f"rollout.request_timeout_s={FROZEN_TIMEOUT_S}",
+              "rollout.max_tokens=48", own_ray=True)
+    try:
+        run.wait_step(3)
+        frozen = [psutil.Process(run.proc.pid)] + psutil.Process(run.proc.pid).children(recursive=True)
+        _signal_each(frozen, signal.SIGSTOP)
+        time.sleep(FREEZE_S)
+        _signal_each(frozen, signal.SIGCONT)
+        thawed_at = max(r["step"] for r in run.rows())
+        run.wait_step(thawed_at + 2)
+        before_ctrl_c = (run.rows(), run.output)
+        os.killpg(run.proc.pid, signal.SIGINT)
+        code = run.finish(300)
+    except BaseException:
+        for p in psutil.Process(os.getpid()).children(recursive=True):  # nothing of the run left stopped
+            try:
+                p.send_signal(signal.SIGCONT)
+            except psutil.Error:
+                pass
+        run.kill()
+        raise
+    return run, code, before_ctrl_c
+
+
+FROZEN_TIMEOUT_S = 6  # rollout.request_timeout_s of that run; its healthy steps take ~1 s on the suite's machine
+FREEZE_S = 2 * FROZEN_TIMEOUT_S
+
+
+def _signal_each(processes, signum: int) -> None:
+    import psutil
+
+    for p in processes:
+        try:
+            p.send_signal(signum)
+        except psutil.NoSuchProcess:
+            pass
+
+
+def test_a_run_suspended_longer_than_its_timeouts_goes_on_when_resumed_without_a_restart(suspended_then_interrupted):
+    """Until 2026-11-28 the frozen time counted toward every deadline: on thaw the engine was named hung and restarted
+    (one of `rollout.max_restarts`), the version it was loading failed, requests were sent again and Ray printed an
+    "Unhandled error" traceback on the console (a 20 s freeze with an 8 s timeout; with the default 120 s timeout,
+    any longer freeze). Now the deadlines count only the time their process ran (moe_grpo/awake_clock.py)."""
+    _, _, (rows, output) = suspended_then_interrupted
+    faults = {k: v for k, v in rows[-1].items() if k.startswith("faults/") and v}
+    assert faults == {}, f"the freeze counted as faults: {faults}\n{output[-4000:]}"
+    for noise in ("hung", "restarting", "did not take version", "Unhandled error", "Traceback"):
+        assert noise not in output, f"{noise!r} after a freeze:\n{output[-4000:]}"
+
+
+def test_a_ctrl_c_checkpoints_at_the_steps_end_and_exits_130_in_one_line(suspended_then_interrupted):
     """Ctrl-C as a terminal sends it: SIGINT to every process of the run's group, its own Ray cluster's included.
     Before 2026-11-28 the run stopped without a checkpoint (every step since the last periodic one lost: 11 of them
     in a user's trial) after a 50-line KeyboardInterrupt traceback, and Ray's workers, hit inside a task, crashed
     with a stack dump; `resume=true` then blamed `checkpoint.every=0`."""
-    run = Run(tmp_path / "run", "steps=40", own_ray=True)
-    try:
-        run.wait_step(3)
-        os.killpg(run.proc.pid, signal.SIGINT)
-        code = run.finish(300)
-    except BaseException:
-        run.kill()
-        raise
+    run, code, _ = suspended_then_interrupted
     assert code == 130, run.output[-4000:]
     last = run.output.strip().splitlines()[-1]
     step = int(max(r["step"] for r in run.rows()))
