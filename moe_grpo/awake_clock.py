@@ -39,36 +39,48 @@ class AwakeClock:
         self._lock = threading.Lock()
         self._pid = 0
         self._last_tick = 0.0
+        self._ticker: threading.Thread | None = None
         self.frozen_s = 0.0
         """Seconds this process was seen stopped since the clock started in it."""
 
     def now(self) -> float:
-        mono = time.monotonic()
         if self._pid != os.getpid():
-            self._start(mono)
+            self._start()
+        with self._lock:  # read under the lock: a tick recorded meanwhile cannot make the clock step back
+            mono = time.monotonic()
+            ticking = self._ticker is not None and self._ticker.is_alive()
+            # A tick overdue counts as frozen only while the thread lives: without it the clock must still move.
+            return mono - self.frozen_s - (self._late(mono) if ticking else 0.0)
+
+    def stop(self) -> None:
+        """End the ticking thread at its next tick (a clock of a test's own; a later `now()` starts it afresh)."""
         with self._lock:
-            return mono - self.frozen_s - self._late(mono)
+            self._pid = -1
 
     def _late(self, mono: float) -> float:
         return max(0.0, mono - self._last_tick - TICK_S - FROZEN_AFTER_S)
 
-    def _start(self, mono: float) -> None:
+    def _start(self) -> None:
         with self._lock:
             if self._pid == os.getpid():
                 return
-            self._pid, self._last_tick, self.frozen_s = os.getpid(), mono, 0.0
-        threading.Thread(target=self._tick, args=(os.getpid(),), name="awake-clock", daemon=True).start()
+            self._pid, self._last_tick, self.frozen_s = os.getpid(), time.monotonic(), 0.0
+            self._ticker = threading.Thread(target=self._tick, args=(os.getpid(),), name="awake-clock", daemon=True)
+            try:
+                self._ticker.start()
+            except RuntimeError:  # no thread to be had (a pids limit): the clock is time.monotonic(), never stuck
+                self._ticker = None
 
     def after_fork_in_child(self) -> None:
         """The child has no ticking thread and may hold a copy of a lock taken by the parent's: start afresh."""
         self._lock = threading.Lock()
-        self._pid = 0
+        self._pid, self._ticker = 0, None
 
     def _tick(self, pid: int) -> None:
         while self._pid == pid:
             time.sleep(TICK_S)
-            mono = time.monotonic()
             with self._lock:
+                mono = time.monotonic()
                 self.frozen_s += self._late(mono)
                 self._last_tick = mono
 
@@ -85,7 +97,8 @@ def awake_now() -> float:
 
 async def wait_for(awaitable: Awaitable[Any], timeout_s: float) -> Any:
     """`asyncio.wait_for` on the awake clock (whose loop's own clock counts a freeze): the result, or TimeoutError
-    naming the timeout once `timeout_s` of this process's running time passed (the awaitable then cancelled)."""
+    naming the timeout once `timeout_s` of this process's running time passed. The awaitable is then cancelled but,
+    unlike asyncio's, not awaited: the caller goes on while it ends."""
     task = asyncio.ensure_future(awaitable)
     deadline = awake_now() + timeout_s
     try:

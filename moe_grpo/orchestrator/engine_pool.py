@@ -71,6 +71,7 @@ class _InFlight:
     engine: str
     generation: int
     submitted: float
+    """When it was sent, on the awake clock (`awake_now()`, as every time `check_hung` compares it with)."""
 
 
 @dataclass
@@ -90,7 +91,7 @@ class EngineSlot:
     """'up' (takes work), 'restarting' (vLLM or the actor starting again), 'catching_up' (loading the newest
     version before it takes work)."""
     pending: tuple[str, Any, float] | None = None
-    """(what, ref, since) of a restart, replacement or catch-up load in progress."""
+    """(what, ref, since) of a restart, replacement or catch-up load in progress; `since` on the awake clock."""
     applying: tuple[int, Any] | None = None
     """(version, ref) of a weight load offered while up (requests keep running)."""
     pid: int = 0

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import socket
-import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence, TypeVar
 

@@ -41,9 +41,9 @@ from multiprocessing.connection import Connection
 from queue import LifoQueue
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
-from moe_grpo.awake_clock import awake_now  # the standard library only, as the workers need
-
 import numpy as np
+
+from moe_grpo.awake_clock import awake_now  # it imports only the standard library
 
 if TYPE_CHECKING:
     import numpy as np

@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+from moe_grpo.awake_clock import awake_now
 from moe_grpo.reward.functions import Rewards
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -236,7 +237,7 @@ def test_other_batches_are_scored_while_a_call_hangs(workers):
         for lane in r._lanes:  # every worker started and ready (a fresh interpreter takes a while on a slow machine)
             for w in lane:
                 w.send((["p"], ["warm"], {"hang": [False]}, 1))
-                w.receive(time.monotonic() + 120, 120)
+                w.receive(awake_now() + 120, 120)
         t0 = time.perf_counter()
         hung = r.submit(["p"], ["x"], {"hang": [True]})
         assert time.perf_counter() - t0 < 0.5, "submit returns at once"
