@@ -39,7 +39,8 @@ def test_a_stopped_process_does_not_count_its_frozen_time_and_the_rest_it_counts
         child.wait()
     # Of the stopped time, only the allowance counts (FROZEN_AFTER_S plus up to a tick); the time it ran, all of it.
     counted_of_the_stop = awake - (wall - stopped)
-    assert FROZEN_AFTER_S - 0.1 <= counted_of_the_stop <= FROZEN_AFTER_S + TICK_S + 0.2, (awake, wall, stopped)
+    # (Less by as long as the thread took to run after the SIGCONT: up to 0.4 s allowed on a loaded machine.)
+    assert FROZEN_AFTER_S - 0.4 <= counted_of_the_stop <= FROZEN_AFTER_S + TICK_S + 0.2, (awake, wall, stopped)
 
 
 def test_a_deadline_checked_on_thaw_before_the_clocks_thread_wakes_already_excludes_the_freeze():
@@ -71,10 +72,11 @@ def test_a_process_busy_on_its_own_thread_counts_all_its_time():
 
 def test_a_clock_whose_thread_is_gone_still_moves():
     clock = AwakeClock()
-    start = clock.now()
+    clock.now()
     clock.stop()
     clock._ticker.join(timeout=5)
     clock._pid = os.getpid()  # stopped without a restart: no thread ticks any more
+    start = clock.now()
     time.sleep(1.5)  # longer than the allowance: with an overdue tick held against it, the clock would stand still
     assert clock.now() - start == pytest.approx(1.5, abs=0.2)
 
