@@ -173,6 +173,14 @@ class Teardown:
             self.signals.restore()
 
 
+def _tell_gcs_lost(driver: Driver) -> None:
+    """The GCS stopped answering: stop after a checkpoint, unless a signal already stops the run. A SIGTERM to every
+    process of a run on its own cluster ends its GCS too: that stop is the signal's (exit 143), and its GCS going
+    5 s later is not news (it stopped such a run as a lost cluster, exit 1, when the learner's death took longer)."""
+    if not driver.stop_after_checkpoint:
+        driver.on_signal(GCS_LOST)
+
+
 class RunSession:
     """What a run creates around its schedule, started in order and released by `close` however the run ends.
 
@@ -247,9 +255,9 @@ class RunSession:
         """The schedule's driver: signals reach it from here, and `close` releases its engines."""
         self.driver = self.signals.driver = driver
         if self.gcs_watch is not None:
-            self.gcs_watch.on_lost = lambda why: driver.on_signal(GCS_LOST)
+            self.gcs_watch.on_lost = lambda why: _tell_gcs_lost(driver)
             if self.gcs_watch.lost_at is not None:  # lost during the start-up: a checkpoint before any step
-                driver.on_signal(GCS_LOST)
+                _tell_gcs_lost(driver)
 
     def close(self) -> None:
         """Each step runs whatever the ones before did, with signals held: a second SIGTERM cannot cut it short."""

@@ -110,7 +110,8 @@ def _train(run: RunConfig, run_dir: str, learner_cls: type | None, config_yaml: 
     except Exception as e:
         driver = session.driver
         died = isinstance(e, EngineFailedError) or getattr(e, "died", False)  # a process, not an error in one
-        if session.gcs_lost() and not isinstance(e, ClusterLost) and (driver is None or died):
+        signalled = driver is not None and driver.stop_after_checkpoint not in (None, GCS_LOST)
+        if session.gcs_lost() and not isinstance(e, ClusterLost) and (driver is None or died) and not signalled:
             session.outcome = "KILLED"
             hint = driver._checkpoint_hint() if driver is not None else "no run checkpoint was written yet"
             raise ClusterLost(f"{session.gcs_watch.why}, and the run's processes with it before a checkpoint "

@@ -265,3 +265,19 @@ def test_processes_started_while_ray_starts_ignore_ctrl_c_and_the_driver_keeps_i
         outside.kill()
         inside.wait()
         outside.wait()
+
+
+def test_a_gcs_lost_after_a_signal_leaves_the_signal_as_the_runs_stop():
+    """A SIGTERM to every process of a run on its own cluster ends its GCS too. When the learner's death took longer
+    than the GCS watch's 5 s, the run stopped as a lost cluster (exit 1) instead of by the SIGTERM (exit 143): a
+    suite run, 2026-11-29. The GCS's loss now stops a run only when nothing else already does."""
+    from moe_grpo.orchestrator.cluster_watch import GCS_LOST
+    from moe_grpo.orchestrator.session import _tell_gcs_lost
+
+    told = []
+    signalled = SimpleNamespace(stop_after_checkpoint="SIGTERM", on_signal=told.append)
+    _tell_gcs_lost(signalled)
+    assert told == []
+    running = SimpleNamespace(stop_after_checkpoint=None, on_signal=told.append)
+    _tell_gcs_lost(running)
+    assert told == [GCS_LOST]
